@@ -1,0 +1,498 @@
+"""Workloads: when each benchmark request arrives and how long its prompt and its output are.
+
+Arrivals are open loop: the client sends each request at its `arrival_s` whatever the server is
+doing, so a server that falls behind shows it as queueing delay instead of quietly lowering the
+offered load (what a closed loop of N workers would do).
+
+Synthetic generators share the length keywords of `LengthOptions`: `input_len` / `output_len` are
+a fixed int or an inclusive `(lo, hi)` uniform range; `max_input_len` / `max_output_len` clamp
+(the trace replay takes the two clamps too). Every length is at least 1.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypedDict, Unpack
+
+import numpy as np
+
+LenSpec = int | tuple[int, int]
+DEFAULT_NUM_REQUESTS = 200
+SEED_RATE = 1 / 0.300  # the seed scenario: one request every 300 ms on average, peaks of 20/s
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built (bad trace or parameters); the message is one line."""
+
+
+@dataclass
+class RequestSpec:
+    """One request to send: when (seconds after the run starts) and how many tokens in and out."""
+
+    index: int
+    arrival_s: float
+    input_len: int
+    output_len: int
+    prompt: str = ""
+
+
+class LengthOptions(TypedDict, total=False):
+    input_len: LenSpec
+    output_len: LenSpec
+    max_input_len: int | None
+    max_output_len: int | None
+
+
+# ---------------------------------------------------------------- synthetic arrival processes
+
+def poisson(num_requests: int, rate: float, *, seed: int = 0,
+            **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+    """Poisson arrivals: exponential gaps with mean 1/rate (memoryless, the textbook load)."""
+    return gamma(num_requests, rate, burstiness=1.0, seed=seed, **lengths)
+
+
+def gamma(num_requests: int, rate: float, burstiness: float = 1.0, *, seed: int = 0,
+          **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+    """Gamma gaps with shape=burstiness and mean 1/rate, as `vllm bench serve` does.
+
+    burstiness 1 is Poisson; below 1 the gaps' coefficient of variation 1/sqrt(burstiness) grows,
+    so requests come in clumps; above 1 they are more regular.
+    """
+    rng = _rng(seed)
+    shape = _positive(burstiness, "burstiness")
+    gaps = rng.gamma(shape, 1.0 / (_positive(rate, "rate") * shape), _count(num_requests))
+    return _synthetic(np.cumsum(gaps), rng, lengths)
+
+
+def bursty(num_requests: int, base_rate: float = SEED_RATE, peak_rate: float = 20.0,
+           burst_every_s: float = 10.0, burst_len_s: float = 2.0, *, seed: int = 0,
+           **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+    """Poisson at `base_rate` with bursts at `peak_rate` during [k*burst_every_s, +burst_len_s).
+
+    The defaults are the seed scenario (300 ms mean gap, peaks of 20 req/s). Built by thinning:
+    draw candidates at the peak rate and keep each with probability rate(t)/peak, which gives an
+    exact non-homogeneous Poisson process.
+    """
+    rng = _rng(seed)
+    n = _count(num_requests)
+    if base_rate < 0 or peak_rate <= 0:
+        raise WorkloadError(f"bursty needs base_rate >= 0 and peak_rate > 0 (got {base_rate}, {peak_rate})")
+    if not 0 < burst_len_s <= burst_every_s:
+        raise WorkloadError(f"bursty needs 0 < burst_len_s <= burst_every_s (got {burst_len_s}, {burst_every_s})")
+    lam_max = max(base_rate, peak_rate)
+    kept: list[np.ndarray] = []
+    t, total = 0.0, 0
+    while total < n:
+        candidates = t + np.cumsum(rng.exponential(1.0 / lam_max, max(256, 2 * (n - total))))
+        t = float(candidates[-1])
+        rate = np.where(in_burst(candidates, burst_every_s, burst_len_s), peak_rate, base_rate)
+        accepted = candidates[rng.random(candidates.size) * lam_max < rate]
+        kept.append(accepted)
+        total += accepted.size
+    return _synthetic(np.concatenate(kept)[:n], rng, lengths)
+
+
+def in_burst(t: np.ndarray | float, burst_every_s: float, burst_len_s: float) -> np.ndarray:
+    """Whether time(s) t fall inside a burst window of `bursty` (also what tests measure by)."""
+    return np.mod(t, burst_every_s) < burst_len_s
+
+
+def constant(num_requests: int, rate: float, *, seed: int = 0,
+             **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+    """Evenly spaced arrivals from t=0: the load without randomness, for clean comparisons."""
+    n = _count(num_requests)
+    return _synthetic(np.arange(n) / _positive(rate, "rate"), _rng(seed), lengths)
+
+
+def all_at_once(num_requests: int, *, seed: int = 0,
+                **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+    """Every request at t=0: measures peak throughput (the offline / max-batch case)."""
+    return _synthetic(np.zeros(_count(num_requests)), _rng(seed), lengths)
+
+
+def _synthetic(arrivals: np.ndarray, rng: np.random.Generator,
+               lengths: LengthOptions) -> list[RequestSpec]:
+    unknown = set(lengths) - set(LengthOptions.__annotations__)
+    if unknown:
+        raise TypeError(f"unknown workload keyword(s): {', '.join(sorted(unknown))}")
+    n = arrivals.size
+    return _specs(arrivals,
+                  _sample_lengths(lengths.get("input_len", 128), n, rng, "input_len"),
+                  _sample_lengths(lengths.get("output_len", 128), n, rng, "output_len"),
+                  lengths.get("max_input_len"), lengths.get("max_output_len"))
+
+
+def _sample_lengths(spec: LenSpec, n: int, rng: np.random.Generator, name: str) -> np.ndarray:
+    if isinstance(spec, (int, np.integer)):
+        return np.full(n, int(spec))
+    try:
+        lo, hi = (int(v) for v in spec)
+    except (TypeError, ValueError):
+        raise WorkloadError(f"{name} must be an int or a (lo, hi) pair, got {spec!r}") from None
+    if lo > hi:
+        raise WorkloadError(f"{name} range {lo}:{hi} has lo > hi")
+    return rng.integers(lo, hi + 1, n)
+
+
+def _specs(arrivals: np.ndarray, input_lens: np.ndarray, output_lens: np.ndarray,
+           max_input_len: int | None, max_output_len: int | None) -> list[RequestSpec]:
+    ins = np.clip(input_lens, 1, max_input_len or None)
+    outs = np.clip(output_lens, 1, max_output_len or None)
+    return [RequestSpec(i, float(a), int(x), int(y))
+            for i, (a, x, y) in enumerate(zip(arrivals, ins, outs))]
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _positive(value: float, name: str) -> float:
+    if not value > 0:
+        raise WorkloadError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+def _count(num_requests: int) -> int:
+    if num_requests is None or int(num_requests) < 1:
+        raise WorkloadError(f"num_requests must be >= 1, got {num_requests}")
+    return int(num_requests)
+
+
+# ---------------------------------------------------------------- trace replay
+
+_TIME_COLUMNS = ("timestamp", "arrival_s", "arrival_time", "time")
+_INPUT_COLUMNS = ("contexttokens", "input_len", "input_tokens", "prompt_tokens", "prompt_len")
+_OUTPUT_COLUMNS = ("generatedtokens", "output_len", "output_tokens", "completion_tokens")
+_FRACTION = re.compile(r"^(.*\d:\d\d)\.(\d+)(.*)$")
+
+
+def trace(path: str | Path, time_scale: float = 1.0, *, start: int = 0,
+          num_requests: int | None = None, max_input_len: int | None = None,
+          max_output_len: int | None = None) -> list[RequestSpec]:
+    """Replay a CSV or JSONL trace of (timestamp, input tokens, output tokens), in file order.
+
+    arrival_s = (t - t0) * time_scale, t0 the earliest selected timestamp (the first row of a
+    sorted trace): time_scale 0.5 replays twice as fast, 2 half as fast. `start` skips rows,
+    `num_requests` caps them. Reads Azure's 2023 `TIMESTAMP,ContextTokens,GeneratedTokens` and
+    generic columns (timestamp|arrival_s|time, input_len|input_tokens|prompt_tokens,
+    output_len|output_tokens); timestamps are seconds or ISO dates with any fraction digits.
+    """
+    if time_scale < 0:
+        raise WorkloadError(f"time_scale must be >= 0, got {time_scale}")
+    if start < 0:
+        raise WorkloadError(f"trace start must be >= 0, got {start}")
+    rows, columns = _read_rows(Path(path))
+    time_col = _column(columns, _TIME_COLUMNS, "timestamp", path)
+    in_col = _column(columns, _INPUT_COLUMNS, "input token", path)
+    out_col = _column(columns, _OUTPUT_COLUMNS, "output token", path)
+    stop = None if num_requests is None else start + _count(num_requests)
+    window = rows[start:stop]
+    if not window:
+        raise WorkloadError(f"trace {path}: no rows from row {start} on (it has {len(rows)})")
+    rownum = range(start + 1, start + len(window) + 1)
+    times = np.array([_cell(r, time_col, n, path, _parse_time) for n, r in zip(rownum, window)])
+    ins = np.array([_cell(r, in_col, n, path, _parse_count) for n, r in zip(rownum, window)])
+    outs = np.array([_cell(r, out_col, n, path, _parse_count) for n, r in zip(rownum, window)])
+    return _specs((times - times.min()) * time_scale, ins, outs, max_input_len, max_output_len)
+
+
+def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """All rows as dicts plus the column names; JSON lines / a JSON array if it starts with { or [."""
+    if not path.exists():
+        raise WorkloadError(f"trace file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"cannot read trace {path}: {one_line(e)}") from None
+    head = text.lstrip()[:1]
+    if not head:
+        raise WorkloadError(f"trace {path} is empty")
+    try:
+        if head == "[":
+            rows = json.loads(text)
+        elif head == "{":
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            reader = csv.DictReader(io.StringIO(text))
+            rows = list(reader)
+            return rows, [c.strip() for c in reader.fieldnames or []]
+    except (json.JSONDecodeError, csv.Error) as e:
+        raise WorkloadError(f"cannot parse trace {path}: {one_line(e)}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise WorkloadError(f"trace {path}: JSON rows must be objects")
+    return rows, list(rows[0]) if rows else []
+
+
+def _column(columns: Sequence[str], wanted: Sequence[str], what: str, path: str | Path) -> str:
+    by_lower = {c.strip().lower(): c for c in columns}
+    for name in wanted:
+        if name in by_lower:
+            return by_lower[name]
+    raise WorkloadError(f"trace {path}: no {what} column (one of {', '.join(wanted)}); "
+                        f"columns found: {', '.join(columns) or 'none'}")
+
+
+def _cell(row: dict[str, Any], column: str, rownum: int, path: str | Path,
+          parse: Callable[[Any], float]) -> float:
+    value = row.get(column)
+    try:
+        return parse(value)
+    except (TypeError, ValueError):
+        raise WorkloadError(f"trace {path} row {rownum}: bad {column} value {value!r}") from None
+
+
+def _parse_count(value: Any) -> int:
+    return int(float(value))
+
+
+def _parse_time(value: Any) -> float:
+    """Seconds as a number, or an ISO date; the fraction is parsed apart so 7+ digits are fine."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    fraction = 0.0
+    match = _FRACTION.match(text)
+    if match:
+        text, fraction = match[1] + match[3], float("0." + match[2])
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    moment = datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp() + fraction
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one short line, for error messages that never show a traceback."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+# ---------------------------------------------------------------- dispatch
+
+_GENERATORS: dict[str, Callable[..., list[RequestSpec]]] = {
+    "poisson": poisson, "gamma": gamma, "bursty": bursty, "constant": constant,
+    "all-at-once": all_at_once, "all_at_once": all_at_once, "trace": trace,
+}
+WORKLOADS = ("poisson", "gamma", "bursty", "constant", "all-at-once", "trace")
+
+
+def make_workload(kind: str, **kwargs: Any) -> list[RequestSpec]:
+    """Build a workload by name; kwargs are the generator's own (see each function)."""
+    try:
+        generator = _GENERATORS[kind]
+    except KeyError:
+        raise WorkloadError(f"unknown workload {kind!r} (one of {', '.join(WORKLOADS)})") from None
+    return generator(**kwargs)
+
+
+# ---------------------------------------------------------------- prompts
+
+# Public domain: the openings of Jane Austen's "Pride and Prejudice" (1813) and Herman Melville's
+# "Moby-Dick" (1851). Real prose tokenizes like real prompts do, unlike random token ids.
+_PROSE = """\
+It is a truth universally acknowledged, that a single man in possession of a good fortune, must be \
+in want of a wife. However little known the feelings or views of such a man may be on his first \
+entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, \
+that he is considered as the rightful property of some one or other of their daughters.
+
+"My dear Mr. Bennet," said his lady to him one day, "have you heard that Netherfield Park is let \
+at last?" Mr. Bennet replied that he had not. "But it is," returned she; "for Mrs. Long has just \
+been here, and she told me all about it." Mr. Bennet made no answer. "Do not you want to know who \
+has taken it?" cried his wife impatiently. "You want to tell me, and I have no objection to \
+hearing it." This was invitation enough.
+
+"Why, my dear, you must know, Mrs. Long says that Netherfield is taken by a young man of large \
+fortune from the north of England; that he came down on Monday in a chaise and four to see the \
+place, and was so much delighted with it that he agreed with Mr. Morris immediately; that he is to \
+take possession before Michaelmas, and some of his servants are to be in the house by the end of \
+next week." "What is his name?" "Bingley." "Is he married or single?" "Oh! single, my dear, to be \
+sure! A single man of large fortune; four or five thousand a year. What a fine thing for our \
+girls!" "How so? how can it affect them?" "My dear Mr. Bennet," replied his wife, "how can you be \
+so tiresome! You must know that I am thinking of his marrying one of them."
+
+Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice, that the \
+experience of three and twenty years had been insufficient to make his wife understand his \
+character. Her mind was less difficult to develop. She was a woman of mean understanding, little \
+information, and uncertain temper. When she was discontented she fancied herself nervous. The \
+business of her life was to get her daughters married; its solace was visiting and news.
+
+Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my \
+purse, and nothing particular to interest me on shore, I thought I would sail about a little and \
+see the watery part of the world. It is a way I have of driving off the spleen and regulating the \
+circulation. Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly \
+November in my soul; whenever I find myself involuntarily pausing before coffin warehouses, and \
+bringing up the rear of every funeral I meet; and especially whenever my hypos get such an upper \
+hand of me, that it requires a strong moral principle to prevent me from deliberately stepping \
+into the street, and methodically knocking people's hats off, then, I account it high time to get \
+to sea as soon as I can. This is my substitute for pistol and ball.
+
+There now is your insular city of the Manhattoes, belted round by wharves as Indian isles by coral \
+reefs; commerce surrounds it with her surf. Right and left, the streets take you waterward. Its \
+extreme downtown is the battery, where that noble mole is washed by waves, and cooled by breezes, \
+which a few hours previous were out of sight of land. Look at the crowds of water-gazers there. \
+Circumambulate the city of a dreamy Sabbath afternoon. Go from Corlears Hook to Coenties Slip, and \
+from thence, by Whitehall, northward. What do you see? Posted like silent sentinels all around \
+the town, stand thousands upon thousands of mortal men fixed in ocean reveries.
+
+But look! here come more crowds, pacing straight for the water, and seemingly bound for a dive. \
+Strange! Nothing will content them but the extremest limit of the land; loitering under the shady \
+lee of yonder warehouses will not suffice. No. They must get just as nigh the water as they \
+possibly can without falling in. And there they stand, miles of them, leagues. Inlanders all, they \
+come from lanes and alleys, streets and avenues, north, east, south, and west. Yet here they all \
+unite. Tell me, does the magnetic virtue of the needles of the compasses of all those ships \
+attract them thither?
+"""
+_WORDS_PER_TOKEN = 0.75
+_GOLDEN = 0.6180339887498949  # offsets index * golden ratio spread prompts evenly over the text
+
+
+def build_prompts(specs: Sequence[RequestSpec], tokenizer: Any = None) -> Sequence[RequestSpec]:
+    """Fill each spec's `prompt` with prose of exactly `input_len` tokens of `tokenizer`.
+
+    Each request starts at a different place in the text, so prompts differ (no accidental
+    prefix-cache hits). Without a tokenizer, ~0.75 words per token approximates the length.
+    `tokenizer` is a `transformers` tokenizer; special tokens (BOS, chat template) are not counted.
+    """
+    source = _TokenText(tokenizer) if tokenizer is not None else _WordText()
+    for spec in specs:
+        spec.prompt = source.text(spec.input_len, int(spec.index * _GOLDEN * source.size))
+    return specs
+
+
+def _cyclic(items: Sequence[Any], start: int, n: int) -> list[Any]:
+    """n items from `start`, wrapping around, so any length can be cut from a short text."""
+    size = len(items)
+    return [items[(start + i) % size] for i in range(n)]
+
+
+class _WordText:
+    def __init__(self) -> None:
+        self.words = _PROSE.split()
+        self.size = len(self.words)
+
+    def text(self, n_tokens: int, offset: int) -> str:
+        return " ".join(_cyclic(self.words, offset, max(1, round(n_tokens * _WORDS_PER_TOKEN))))
+
+
+class _TokenText:
+    """Cuts token windows and re-encodes until the text round-trips to exactly n tokens.
+
+    Decoding then encoding can merge or split tokens at the cut, so a plain decode(ids[:n]) is
+    often off by one; a few rounds of trim / top-up fix that (the trick vLLM's random dataset uses).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids = self._encode(_PROSE + "\n")
+        self.size = len(self.ids)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def text(self, n_tokens: int, offset: int) -> str:
+        best = ""
+        for shift in range(4):  # a different cut point when one will not converge
+            text, ok = self._fit(n_tokens, offset + shift)
+            if ok:
+                return text
+            best = best or text
+        return best
+
+    def _fit(self, n: int, offset: int) -> tuple[str, bool]:
+        ids = _cyclic(self.ids, offset, n)
+        used = n
+        for _ in range(8):
+            text = self.tokenizer.decode(ids)
+            ids = self._encode(text)
+            if len(ids) == n:
+                return text, True
+            if len(ids) > n:
+                ids = ids[:n]
+            else:
+                missing = n - len(ids)
+                ids = ids + _cyclic(self.ids, offset + used, missing)
+                used += missing
+        return self.tokenizer.decode(ids[:n]), False
+
+
+# ---------------------------------------------------------------- command line
+
+def _len_arg(text: str) -> LenSpec:
+    """`128` or `64:512` (inclusive uniform range)."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI, got {text!r}") from None
+    if len(parts) == 1 and parts[0] >= 1:
+        return parts[0]
+    if len(parts) == 2 and 1 <= parts[0] <= parts[1]:
+        return parts[0], parts[1]
+    raise argparse.ArgumentTypeError(f"expected N or LO:HI with 1 <= LO <= HI, got {text!r}")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags, shared by every bench command that sends traffic."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default=None,
+                   help="arrival process (default: trace when --trace is given, else poisson)")
+    g.add_argument("--rate", type=float, default=SEED_RATE,
+                   help="requests/s; the base rate for bursty (default 3.33: a 300 ms mean gap)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: 1 = Poisson, < 1 burstier (default 1)")
+    g.add_argument("--peak-rate", type=float, default=20.0, help="bursty: rate inside bursts")
+    g.add_argument("--burst-every", type=float, default=10.0, metavar="S",
+                   help="bursty: a burst starts every S seconds")
+    g.add_argument("--burst-len", type=float, default=2.0, metavar="S",
+                   help="bursty: each burst lasts S seconds")
+    g.add_argument("--trace", metavar="PATH", help="CSV/JSONL trace to replay")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace: arrival = (t - t0) * SCALE; 0.5 replays twice as fast")
+    g.add_argument("--trace-start", type=int, default=0, metavar="ROW", help="trace: rows to skip")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help=f"default {DEFAULT_NUM_REQUESTS}, or the whole trace")
+    g.add_argument("--input-len", type=_len_arg, default=128, metavar="N|LO:HI",
+                   help="prompt tokens (synthetic workloads)")
+    g.add_argument("--output-len", type=_len_arg, default=128, metavar="N|LO:HI",
+                   help="output tokens (synthetic workloads)")
+    g.add_argument("--max-input-len", type=int, default=None, help="clamp prompt lengths")
+    g.add_argument("--max-output-len", type=int, default=None, help="clamp output lengths")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def describe_workload(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload settings that matter for `args.workload`, for result files and their readers."""
+    kind = args.workload or ("trace" if args.trace else "poisson")
+    clamps = {"max_input_len": args.max_input_len, "max_output_len": args.max_output_len}
+    if kind == "trace":
+        if not args.trace:
+            raise WorkloadError("--workload trace needs --trace PATH")
+        return {"kind": kind, "path": args.trace, "time_scale": args.time_scale,
+                "start": args.trace_start, "num_requests": args.num_requests, **clamps}
+    per_kind = {
+        "poisson": {"rate": args.rate},
+        "gamma": {"rate": args.rate, "burstiness": args.burstiness},
+        "bursty": {"base_rate": args.rate, "peak_rate": args.peak_rate,
+                   "burst_every_s": args.burst_every, "burst_len_s": args.burst_len},
+        "constant": {"rate": args.rate},
+        "all-at-once": {},
+    }[kind]
+    return {"kind": kind, "num_requests": args.num_requests or DEFAULT_NUM_REQUESTS,
+            "seed": args.seed, "input_len": args.input_len, "output_len": args.output_len,
+            **per_kind, **clamps}
+
+
+def workload_from_args(args: argparse.Namespace) -> list[RequestSpec]:
+    """The workload that `add_workload_args` flags describe."""
+    params = describe_workload(args)
+    return make_workload(params.pop("kind"), **params)

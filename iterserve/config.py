@@ -1,0 +1,121 @@
+"""Configuration dataclasses: what the model is, and how the engine schedules it.
+
+Flag names follow vLLM's where the concept is the same (max_num_seqs, block_size, ...), so that a
+user's existing knobs mean the same thing here.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder, filled from config.json or GGUF metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            attention_bias=cfg.get("attention_bias", False),
+        )
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' -> 2147483648; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = (m.group(2) or "").upper() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the weights. Defaults follow the seed's case."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    # scheduling
+    batching: Literal["continuous", "static"] = "continuous"
+    max_num_seqs: int = 16  # seed's case: --max-num-seqs=16
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits longer prompts)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_batch_size: int = 8  # static batching only (seed's case: max_batch_size=8)
+    batch_timeout_ms: float = 100.0  # static batching: start a partial batch after this wait
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests of preemption)
+    kv_cache_memory: str = "1GiB"  # CPU budget for KV blocks
+    gpu_memory_utilization: float = 0.9
+    # limits (seed's case: input <= 1024, output <= 256)
+    max_model_len: int | None = None  # default: min(model's max positions, 4096)
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    max_waiting: int | None = None  # queue bound; None = unbounded
+    # misc
+    log_scheduler: bool = False
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    quantization: str | None = None  # reserved for weight-only int8/int4 CPU kernels (issue 7)
+
+    def __post_init__(self) -> None:
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.block_size not in (1, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        parse_size(self.kv_cache_memory)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

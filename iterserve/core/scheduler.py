@@ -1,0 +1,199 @@
+"""Iteration-level (continuous batching) scheduler, in the style of vLLM v1.
+
+Each call to `schedule()` spends a token budget over the running requests first (decodes before
+prefill chunks, so one long prompt never stalls every decode), then admits waiting requests while
+sequences, budget and KV blocks allow. When blocks run out it preempts by recompute: the victim
+(lowest priority, then newest) gives back all its blocks, keeps its generated tokens, and goes back
+to the waiting queue to be recomputed later with identical output.
+
+The static batcher (core/static.py) implements the same interface; the engine never knows which
+one it drives.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from iterserve.config import EngineConfig
+from iterserve.core.block_pool import BlockPool
+from iterserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed for it this step
+    padding: bool = False  # static batching: a finished member that still occupies its slot
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.num_tokens > 1)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.num_tokens == 1)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Requests ordered by the policy: fcfs by arrival; priority by (priority, arrival)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._items: list[tuple[tuple, Request]] = []
+        self._seq = itertools.count()
+
+    def key(self, req: Request) -> tuple:
+        base = (req.times.arrival, req.request_id)
+        return ((req.priority,) + base) if self.policy == "priority" else base
+
+    def push(self, req: Request) -> None:
+        bisect.insort(self._items, (self.key(req), req), key=lambda it: it[0])
+
+    def peek(self) -> Request:
+        return self._items[0][1]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)[1]
+
+    def remove(self, request_id: str) -> Request | None:
+        for i, (_, r) in enumerate(self._items):
+            if r.request_id == request_id:
+                return self._items.pop(i)[1]
+        return None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return (r for _, r in self._items)
+
+
+class SchedulerBase:
+    """What both batching modes share: the waiting queue, the running set, the block pool."""
+
+    def __init__(self, config: EngineConfig, pool: BlockPool, max_model_len: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.push(req)
+
+    def abort_request(self, request_id: str) -> list[tuple[Request, int]] | None:
+        """Aborts a waiting or running request. Returns the requests released now with the blocks
+        each freed (as `finish`), or None when the id is unknown."""
+        req = self.waiting.remove(request_id)
+        if req is not None:
+            return [(req, 0)]
+        for r in self.running:
+            if r.request_id == request_id:
+                return self.finish(r)
+        return None
+
+    def _drop_running(self, req: Request) -> int:
+        self.running.remove(req)
+        return self.pool.free(req.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish(self, req: Request) -> list[tuple[Request, int]]:
+        """The engine saw req stop. Returns the requests released now with the blocks each freed."""
+        raise NotImplementedError
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def max_blocks_per_request(self, req: Request) -> int:
+        """Blocks the request could ever need (for rejecting what can never fit)."""
+        return self.pool.blocks_for(min(req.max_total_tokens, self.max_model_len))
+
+
+class Scheduler(SchedulerBase):
+    """Continuous batching: membership of the batch is decided anew at every step."""
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.times.arrival))
+        return max(candidates, key=lambda r: r.times.arrival)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.pool.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.push(req)
+        out.preempted.append(req)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        # decodes first, then prefill chunks; stable, so arrival order holds within each group
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        scheduled_ids: set[str] = set()
+        for req in order:
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.pool.allocate(req.request_id, req.num_computed_tokens + n):
+                candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+                victim = self._victim(candidates)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.PREEMPTED:
+                continue
+            out.scheduled.append(ScheduledRequest(req, n))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+
+        # admit waiting requests (not in a step that had to preempt: memory is tight)
+        while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
+               and not out.preempted):
+            req = self.waiting.peek()
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.pool.allocate(req.request_id, req.num_computed_tokens + n):
+                break  # head of line waits for blocks: keeps the policy's order fair
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return out
+
+    def finish(self, req: Request) -> list[tuple[Request, int]]:
+        return [(req, self._drop_running(req))] if req in self.running else [(req, 0)]

@@ -1,0 +1,204 @@
+"""A request's life: its tokens, how many are computed, its status and its timestamps.
+
+There is no prefill phase and decode phase: a request has tokens it wants computed
+(prompt + generated) and tokens already computed; each step catches some of them up. Chunked
+prefill, decode and resume after preemption are the same code (vLLM v1's idea).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from iterserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long, bad parameters, queue full)."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), priority: int = 0,
+                 arrival_time: float | None = None, prompt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: str | int | None = None
+        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
+        self.logprobs: list = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        # incremental detokenisation state
+        self.output_text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._sent_text_len = 0
+
+    # ---- token bookkeeping ------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.times.last_token = now
+        self.times.token_times.append(now)
+
+    def check_stop_token(self, max_model_len: int) -> RequestStatus | None:
+        """Stop conditions that need no text: stop ids / EOS, max_tokens, max_model_len."""
+        last = self.output_token_ids[-1]
+        if last in self._stop_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- incremental detokenisation ------------------------------------------------------------
+    def detokenize_step(self, tokenizer) -> str:
+        """Extends output_text with what the new tokens spell; holds back an incomplete UTF-8 tail.
+
+        Decoding a sliding window (prefix_offset..) and emitting only what extends past read_offset
+        is how HF's TextStreamer and vLLM keep SentencePiece/BPE spacing right token by token.
+        """
+        ids = self.output_token_ids
+        if self.stop_reason is not None and isinstance(self.stop_reason, int) and ids and ids[-1] == self.stop_reason:
+            ids = ids[:-1]  # the stop token itself is not part of the text
+        prefix = tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        full = tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.output_text += full[len(prefix):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(ids)
+        return self.output_text
+
+    def check_stop_strings(self) -> bool:
+        """Truncates output_text at the first stop string; True when one was found."""
+        if not self.params.stop:
+            return False
+        # only the new tail can contain a stop string that was not there before
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, self._sent_text_len - longest + 1)
+        hit = None
+        for s in self.params.stop:
+            j = self.output_text.find(s, start)
+            if j != -1 and (hit is None or j < hit[0]):
+                hit = (j, s)
+        if hit is None:
+            return False
+        self.output_text = self.output_text[: hit[0]]
+        self.stop_reason = hit[1]
+        return True
+
+    def take_text_delta(self) -> str:
+        """Text not yet handed to the client; holds back a possible partial stop string."""
+        hold = 0
+        if self.params.stop and not self.is_finished:
+            hold = max(len(s) for s in self.params.stop) - 1
+        end = max(self._sent_text_len, len(self.output_text) - hold)
+        delta = self.output_text[self._sent_text_len:end]
+        self._sent_text_len = end
+        return delta
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens, the text delta, and at the end
+    the finish reason and timings."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    times: RequestTimes
+    new_logprobs: list = field(default_factory=list)
+    output_text: str = ""
+    error: str | None = None

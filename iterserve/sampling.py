@@ -1,0 +1,173 @@
+"""Sampling parameters and the batched sampler.
+
+One tensor pipeline per step for the whole batch: penalties, temperature, top-k, top-p, min-p, then
+an exponential race (argmax of p / Exp(1) noise), which is exact sampling from p and lets requests
+with a seed draw their noise from their own generator while the rest share one draw.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if self.n != 1:
+            bad(f"n must be 1 (iterserve returns one completion per request), got {self.n}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > 16:
+            bad("at most 16 stop strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: (chosen token logprob, [(token id, logprob), ...top k]) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    """Samples one token per row of a [batch, vocab] logits tensor."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 token_histories: list[list[int]], prompt_lens: list[int],
+                 generators: list[torch.Generator | None]) -> SampleResult:
+        logits = logits.float()
+        raw = logits
+        n, dev = logits.shape[0], logits.device
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits.clone(), params, token_histories, prompt_lens)
+
+        temps = torch.tensor([p.temperature for p in params], device=dev)
+        greedy_rows = temps == 0.0
+        chosen = logits.argmax(dim=-1)
+        if not bool(greedy_rows.all()):
+            scaled = logits / torch.where(greedy_rows, 1.0, temps).unsqueeze(1)
+            scaled = self._apply_top_k_top_p_min_p(scaled, params)
+            probs = scaled.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            for i, g in enumerate(generators):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+            sampled = (probs / noise).argmax(dim=-1)
+            chosen = torch.where(greedy_rows, chosen, sampled)
+
+        token_ids = chosen.tolist()
+        logprobs: list = [None] * n
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = raw[want].log_softmax(dim=-1)
+            k = max(params[i].logprobs for i in want)
+            top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+            for row, i in enumerate(want):
+                kk = params[i].logprobs
+                top = [] if kk == 0 else list(zip(top_i[row, :kk].tolist(), top_v[row, :kk].tolist()))
+                logprobs[i] = (float(lp[row, token_ids[i]]), top)
+        return SampleResult(token_ids, logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, params: list[SamplingParams],
+                         histories: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
+        n, dev = logits.shape[0], logits.device
+        maxlen = max(1, max(len(h) for h in histories))
+        ids = torch.full((n, maxlen), self.vocab_size, dtype=torch.long)
+        is_out = torch.zeros((n, maxlen), dtype=torch.float32)
+        for i, h in enumerate(histories):
+            ids[i, : len(h)] = torch.tensor(h, dtype=torch.long)
+            is_out[i, prompt_lens[i]: len(h)] = 1.0
+        ids, is_out = ids.to(dev), is_out.to(dev)
+        # counts over vocab + 1 (the extra column absorbs padding)
+        seen = torch.zeros((n, self.vocab_size + 1), device=dev)
+        seen.scatter_(1, ids, 1.0)
+        out_counts = torch.zeros((n, self.vocab_size + 1), device=dev)
+        out_counts.scatter_add_(1, ids, is_out)
+        seen, out_counts = seen[:, :-1], out_counts[:, :-1]
+
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen > 0, penalised, logits)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+        return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+    @staticmethod
+    def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        dev = logits.device
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+            drop = ranks >= top_k.unsqueeze(1)
+            probs = sorted_logits.softmax(dim=-1)
+            # drop a token when the mass strictly before it already reaches top_p
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        if bool((min_p > 0).any()):
+            probs = logits.softmax(dim=-1)
+            thresh = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < thresh, float("-inf"))
+        return logits
