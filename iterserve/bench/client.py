@@ -61,7 +61,7 @@ class RequestRecord:
 # ---------------------------------------------------------------- SLOs
 
 _SLO_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue_time": "queue_time_s"}
-_SLO_RE = re.compile(r"^([a-z_]+?)(?:_p(\d+(?:\.\d+)?))?[=:]([0-9]*\.?[0-9]+)(us|ms|s)?$")
+_SLO_RE = re.compile(r"^([a-z][a-z0-9_]*?)(?:_p(\d+(?:\.\d+)?))?[=:]([0-9]*\.?[0-9]+)(us|ms|s)?$")
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1e-3}  # a bare number is ms, as in vLLM
 
 
@@ -245,12 +245,17 @@ def _api_root(base_url: str) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    text = one_line(exc)
+    """The root cause in a few words: httpx says "All connection attempts failed" for a refusal."""
     if isinstance(exc, httpx.TimeoutException):
         return "timed out"
-    if isinstance(exc, httpx.ConnectError) and "refused" in text.lower():
-        return "connection refused"
-    return text
+    cause: BaseException | None = exc
+    for _ in range(8):  # a bounded walk down the chain
+        if cause is None:
+            break
+        if isinstance(cause, ConnectionRefusedError) or "refused" in str(cause).lower():
+            return "connection refused"
+        cause = cause.__cause__ or cause.__context__
+    return one_line(exc)
 
 
 async def _resolve_model(http: httpx.AsyncClient, model: str | None) -> str:

@@ -6,6 +6,7 @@ from the same source through transformers; nothing is ever fetched from a hub.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -187,6 +188,10 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
         yield name, w
 
 
+def cache_dir() -> Path:
+    return Path(os.environ.get("ITERSERVE_CACHE", Path.home() / ".cache" / "iterserve"))
+
+
 # ---- tokenizer -------------------------------------------------------------------------------------
 def load_tokenizer(src: ModelSource):
     """A transformers fast tokenizer with the model's chat template (offline)."""
@@ -194,12 +199,22 @@ def load_tokenizer(src: ModelSource):
     from transformers import AutoTokenizer
 
     if src.kind == "gguf":
+        # converting a GGUF vocabulary takes seconds; keep the converted tokenizer in a cache
+        st = src.path.stat()
+        key = hashlib.sha1(f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        cached = cache_dir() / "tokenizers" / key
+        if (cached / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached))
         tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
         if not getattr(tok, "chat_template", None):
             from gguf import GGUFReader
             tmpl = _gguf_field(GGUFReader(str(src.path)), "tokenizer.chat_template")
             if tmpl:
                 tok.chat_template = tmpl
+        try:
+            tok.save_pretrained(str(cached))
+        except OSError:
+            pass  # a read-only cache only costs time
     else:
         tok = AutoTokenizer.from_pretrained(str(src.path))
     return tok

@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny random-weight Llama saved as a Hugging Face folder, and the embedded model.
+
+Models are loaded once per session and shared between engines (each engine owns its own KV cache).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from iterserve.config import EngineConfig  # noqa: E402
+
+TINY_CONFIG = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    bos_token_id=1, eos_token_id=2,
+)
+
+
+def _save_tiny_model(folder) -> None:
+    """Random weights, scaled up so that logits are peaked and greedy choices are not near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from iterserve.model.loader import load_tokenizer, resolve_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                continue
+            p.normal_(0.0, 1.0 if "embed" in name else 0.25)
+    model.save_pretrained(folder, safe_serialization=True)
+    load_tokenizer(resolve_model("smollm2-135m")).save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    _save_tiny_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    from iterserve.model.loader import load_model
+
+    model, cfg, tok, _ = load_model(str(tiny_model_dir))
+    return model, cfg, tok
+
+
+@pytest.fixture(scope="session")
+def smol_loaded():
+    from iterserve.model.loader import load_model
+
+    model, cfg, tok, _ = load_model("smollm2-135m")
+    return model, cfg, tok
+
+
+@pytest.fixture
+def make_engine(tiny_loaded):
+    """make_engine(**EngineConfig fields, loaded=...) -> LLMEngine over a shared model."""
+    from iterserve.engine import LLMEngine
+
+    def make(loaded=None, **kw):
+        kw.setdefault("kv_cache_memory", "64MiB")
+        return LLMEngine(EngineConfig(**kw), loaded=loaded or tiny_loaded)
+
+    return make
