@@ -88,13 +88,15 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="send prompts as they are, without the chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (default 0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the top token's probability (default 0 = off)")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 

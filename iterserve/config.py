@@ -28,7 +28,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v
+    o_proj_bias: bool = False  # Llama's attention_bias also puts one on o_proj; Qwen2 does not
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":

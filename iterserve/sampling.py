@@ -108,7 +108,8 @@ class Sampler:
             noise = torch.empty_like(probs).exponential_()
             for i, g in enumerate(generators):
                 if g is not None:
-                    noise[i].exponential_(generator=g)
+                    # drawn where the generator lives (CPU), so seeded rows also work on CUDA
+                    noise[i] = torch.empty(noise.shape[1], device=g.device).exponential_(generator=g)
             sampled = (probs / noise).argmax(dim=-1)
             chosen = torch.where(greedy_rows, chosen, sampled)
 

@@ -76,6 +76,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if result.completed else 1
 
 
+def add_parser(subparsers: Any) -> None:
+    """`iterserve bench ...`: benchmark sub-commands (today: `serve`)."""
+    bench = subparsers.add_parser("bench", help="benchmarks: load-test a server with a workload or trace")
+    add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry for trying the command without the main CLI."""
     parser = argparse.ArgumentParser(prog="iterserve bench")

@@ -132,6 +132,7 @@ class RunResult:
     records: list[RequestRecord]
     slos: list[Slo] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    started_at: float | None = None  # time.perf_counter() at the run's t0, to align other timelines
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -416,4 +417,4 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
         if rec.sent_at_s is None:
             rec.error = "not sent: run timeout"
     return RunResult(root, model, endpoint, duration, sorted(records, key=lambda r: r.index),
-                     slo_list)
+                     slo_list, started_at=t0)

@@ -57,7 +57,9 @@ class StaticScheduler(SchedulerBase):
             if req.request_id in self.done:
                 out.scheduled.append(ScheduledRequest(req, 1, padding=True))
             else:
-                out.scheduled.append(ScheduledRequest(req, req.num_tokens - req.num_computed_tokens))
+                n = req.num_tokens - req.num_computed_tokens
+                self.pool.note_tokens(req.request_id, req.num_computed_tokens + n)  # KV usage figures
+                out.scheduled.append(ScheduledRequest(req, n))
         return out
 
     def finish(self, req: Request) -> list[tuple[Request, int]]:

@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the config's theta and scaling (none, linear, llama3)."""
+    """Inverse frequencies with the config's theta and scaling (none, linear, llama3, and
+    llama.cpp's per-frequency divisors `freq_factors`, its form of llama3 scaling in GGUF)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     sc = cfg.rope_scaling or {}
@@ -41,6 +42,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return inv_freq
     if kind == "linear":
         return inv_freq / sc["factor"]
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(sc["factors"], dtype=torch.float64)
     if kind == "llama3":
         factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
         old_len = sc["original_max_position_embeddings"]
@@ -51,7 +54,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -85,7 +88,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -134,7 +137,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an explicit (uninitialised) weight skips the random init: weights are always loaded, and a
+        # normal_() on the meta device costs seconds of first-use setup inside torch
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

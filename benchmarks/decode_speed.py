@@ -1,0 +1,60 @@
+"""Offline decode speed of the engine at fixed batch sizes (no HTTP): tokens/s and ms per step.
+
+    python benchmarks/decode_speed.py --batch 1 16 --dtype float32 bfloat16 --tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from iterserve.engine import LLM  # noqa: E402
+from iterserve.sampling import SamplingParams  # noqa: E402
+
+
+def run(llm: LLM, batch: int, tokens: int, prompt_len: int) -> dict:
+    prompts = [[100 + (i * 7 + j) % 4000 for j in range(prompt_len)] for i in range(batch)]
+    sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    eng = llm.engine
+    for p in prompts:
+        eng.add_request(params=sp, prompt_token_ids=p)
+    eng.step()  # prefill all (fits the token budget)
+    t0 = time.perf_counter()
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    dt = time.perf_counter() - t0
+    return {"batch": batch, "decode_tok_s": batch * steps / dt, "ms_per_step": 1e3 * dt / steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--dtype", nargs="+", default=["float32"])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--extra", default="{}", help="JSON of extra EngineConfig fields")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for dtype in args.dtype:
+        llm = LLM(args.model, dtype=dtype, **json.loads(args.extra))
+        run(llm, 1, 8, args.prompt_len)  # warm-up
+        for b in args.batch:
+            r = run(llm, b, args.tokens, args.prompt_len) | {"dtype": dtype}
+            rows.append(r)
+            print(f"{dtype:9s} batch {b:3d}: {r['decode_tok_s']:7.1f} tok/s  {r['ms_per_step']:6.1f} ms/step", flush=True)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""`iterserve compare`: static vs continuous batching, same model, same traffic, side by side.
+
+Starts `iterserve serve` twice on the model (static batching with --max-batch-size 8, then
+continuous batching with --max-num-seqs 16; every other engine flag the same), replays the
+identical workload against each with the load client while polling the engine's step records,
+then prints the seed's table (utilisation, mean / p95 latency, queue time, throughput and the
+change) and writes under --out: static.json and continuous.json (every request and every engine
+step), compare.json (the table's numbers) and PNG plots: utilisation and batch size over time,
+latency CDFs, queue time by arrival, KV usage.
+
+The default workload is bursty Poisson traffic shaped like the seed's (a base rate with bursts to
+a peak), scaled to what the embedded 135M model serves on a 2-core CPU: static batching is
+saturated during bursts and continuous batching is kept busy, and both runs take a few minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+from iterserve.bench.client import ClientError, RunResult, run_load
+from iterserve.bench.launcher import ServerProcess
+from iterserve.bench.report import MODES, ModeRun, comparison, markdown_table, write_plots
+from iterserve.bench.timeline import SchedulerPoller, Timeline
+from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts,
+                                      describe_workload, one_line, workload_from_args)
+from iterserve.config import EngineConfig
+
+# The default traffic: the seed's shape (a base Poisson rate with bursts to 6x it, see seed_shape)
+# at an average rate that loads the continuous server to --load of the capacity measured by a
+# calibration batch, so that static batching is saturated and continuous batching well used on any
+# machine. Lengths are within the seed's limits (input <= 1024, output <= 256) but short, because a
+# CPU prefills slowly and a few minutes must hold several bursts; outputs vary widely, as chat
+# answers do, which is what a static batch pays for in padding.
+WORKLOAD_DEFAULTS: dict[str, Any] = dict(
+    rate=None, peak_rate=None, burst_every=None, burst_len=None, time_scale=None, num_requests=36,
+    input_len=(16, 64), output_len=(8, 96), max_input_len=1024, max_output_len=256,
+)
+DEFAULT_LOAD = 0.85
+SEED_PEAK_OVER_BASE = 6.0  # the seed: 300 ms mean gap (3.3 req/s), peaks of 20 req/s
+BURST_DUTY = 0.2  # share of the time in bursts
+BURST_CYCLES = 3  # bursts in a default run
+CALIBRATION_OUTPUT = 16
+RATED_WORKLOADS = ("poisson", "gamma", "bursty", "constant")
+WARMUP_REQUESTS = 2
+
+
+def server_flags(mode: str, args: argparse.Namespace) -> list[str]:
+    """Engine flags for one mode: only the batching differs; limits and --server-args are shared."""
+    common = ["--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
+              *shlex.split(args.server_args)]
+    if mode == "static":
+        return ["--batching", "static", "--max-batch-size", str(args.max_batch_size),
+                "--batch-timeout", f"{args.batch_timeout:g}", *common]
+    return ["--batching", "continuous", "--max-num-seqs", str(args.max_num_seqs), *common]
+
+
+async def _current_step(base_url: str) -> int:
+    async with httpx.AsyncClient() as http:
+        try:
+            resp = await http.get(base_url.rstrip("/") + "/v1/scheduler", timeout=30.0)
+            resp.raise_for_status()
+            return int(resp.json()["step"])
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            raise ClientError(f"{base_url} has no iterserve /v1/scheduler ({one_line(e)}): "
+                              "compare needs iterserve servers") from None
+
+
+async def replay(base_url: str, specs: Sequence[RequestSpec], timeout_s: float | None = None,
+                 progress: bool = True, warmup: bool = True) -> tuple[RunResult, Timeline]:
+    """Warm up, then replay `specs` while polling the engine's step records."""
+    if warmup:
+        warm = [RequestSpec(i, 0.0, 8, 4, specs[i % len(specs)].prompt) for i in range(WARMUP_REQUESTS)]
+        await run_load(base_url, warm, progress=False)
+    start_step = await _current_step(base_url)
+    poller = SchedulerPoller(base_url, t0=time.perf_counter(), start_step=start_step)
+    stop = asyncio.Event()
+    polling = asyncio.create_task(poller.run(stop))
+    try:
+        result = await run_load(base_url, specs, timeout_s=timeout_s, progress=progress)
+    finally:
+        stop.set()
+        await polling
+    return result, poller.result(t0=result.started_at)  # on the load client's clock
+
+
+# ---------------------------------------------------------------- sizing the default load
+
+@dataclass
+class Calibration:
+    """The continuous server's cost model from one full batch, and the capacity it implies."""
+
+    batch: int  # sequences of the decode steps measured (max-num-seqs unless they came apart)
+    prefill_s_per_token: float
+    decode_step_s: float  # one decode step at `batch` sequences
+    mean_input_len: float
+    mean_output_len: float
+
+    @property
+    def capacity(self) -> float:
+        """Requests/s when always `batch` sequences decode and every prompt is prefilled once."""
+        per_request = (self.mean_input_len * self.prefill_s_per_token
+                       + self.mean_output_len * self.decode_step_s / self.batch)
+        return 1.0 / per_request
+
+
+def estimate_costs(steps: Sequence[dict[str, Any]]) -> tuple[float, float, int]:
+    """(seconds per prefill token, seconds per decode step, its batch size) from step records; the
+    decode steps are those of the largest batch seen (a full one when the requests came together)."""
+    prefill = [s for s in steps if s["prefill_tokens"] > 0]
+    tokens = sum(s["prefill_tokens"] + s["decode_tokens"] for s in prefill)
+    decodes = [s for s in steps if s["prefill_tokens"] == 0 and s["batch_size"] > 0]
+    if not tokens or not decodes:
+        raise ClientError("calibration saw no prefill or no decode step: give --rate instead")
+    batch = max(s["batch_size"] for s in decodes)
+    step_s = statistics.median(s["duration"] for s in decodes if s["batch_size"] == batch)
+    return sum(s["duration"] for s in prefill) / tokens, step_s, batch
+
+
+def calibrate(base_url: str, batch: int, mean_in: float, mean_out: float, tokenizer: Any) -> Calibration:
+    """Runs one full batch (`batch` prompts of the workload's mean input length, 16 output tokens
+    each) on the continuous server and reads the costs off its step records."""
+    probe = [RequestSpec(i, 0.0, max(1, round(mean_in)), CALIBRATION_OUTPUT) for i in range(batch)]
+    build_prompts(probe, tokenizer)
+    print(f"compare: calibrating: {len(probe)} requests at once on the continuous server", file=sys.stderr)
+    _, timeline = asyncio.run(replay(base_url, probe, progress=False))
+    per_token, step_s, seen = estimate_costs(timeline.steps)
+    return Calibration(seen, per_token, step_s, mean_in, mean_out)
+
+
+def seed_shape(base_rate: float, num_requests: int) -> dict[str, float]:
+    """The seed's burst pattern around `base_rate`: bursts at 6x it for a fifth of the time, the
+    period set so that the run spans BURST_CYCLES bursts."""
+    mean = base_rate * mean_over_base()
+    every = num_requests / (BURST_CYCLES * mean)
+    return {"peak_rate": SEED_PEAK_OVER_BASE * base_rate, "burst_every": every, "burst_len": BURST_DUTY * every}
+
+
+def mean_over_base() -> float:
+    return 1 - BURST_DUTY + BURST_DUTY * SEED_PEAK_OVER_BASE
+
+
+def needs_calibration(args: argparse.Namespace) -> bool:
+    """No --rate for a synthetic workload, or no --time-scale for a trace: size it by --load."""
+    return ((args.workload in RATED_WORKLOADS and args.rate is None)
+            or (args.workload == "trace" and args.time_scale is None))
+
+
+def fill_burst_shape(args: argparse.Namespace) -> None:
+    if args.workload == "bursty" and args.rate is not None:
+        for key, value in seed_shape(args.rate, args.num_requests).items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+
+
+def provisional_workload(args: argparse.Namespace) -> list[RequestSpec]:
+    """The workload at rate 1 / time scale 1 where those are still to be sized: checks every flag
+    and the trace before a server starts, and gives the lengths the calibration needs."""
+    ns = copy.copy(args)
+    ns.rate = 1.0 if ns.rate is None else ns.rate
+    ns.time_scale = 1.0 if ns.time_scale is None else ns.time_scale
+    fill_burst_shape(ns)
+    return workload_from_args(ns)
+
+
+def size_load(args: argparse.Namespace, mean_rate: float, provisional: Sequence[RequestSpec]) -> None:
+    """Sets --rate (or --time-scale for a trace) so that requests arrive at `mean_rate` on average."""
+    if args.workload == "trace":
+        span = max(s.arrival_s for s in provisional)
+        rate_at_scale_1 = (len(provisional) - 1) / span if span > 0 else mean_rate
+        args.time_scale = rate_at_scale_1 / mean_rate
+    else:
+        args.rate = mean_rate / mean_over_base() if args.workload == "bursty" else mean_rate
+    fill_burst_shape(args)
+
+
+# ---------------------------------------------------------------- running the two servers
+
+@contextlib.contextmanager
+def serving(mode: str, args: argparse.Namespace, out: Path) -> Iterator[str]:
+    """The base URL of an iterserve for `mode`: the one given, or one started here."""
+    url = getattr(args, f"{mode}_url")
+    if url:
+        yield url
+        return
+    flags = server_flags(mode, args)
+    srv = ServerProcess([args.model, *flags], log_path=out / "logs" / f"server-{mode}.log")
+    print(f"compare: {mode}: starting iterserve serve {shlex.join([args.model, *flags])}", file=sys.stderr)
+    try:
+        srv.start()
+    except RuntimeError as e:
+        raise ClientError(f"{mode} server: {one_line(e)}") from None
+    try:
+        yield srv.base_url
+    finally:
+        srv.stop()
+
+
+def run_mode(mode: str, base_url: str, args: argparse.Namespace, specs: Sequence[RequestSpec]) -> ModeRun:
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    print(f"compare: {mode}: replaying {len(specs)} requests (last arrival "
+          f"{max(s.arrival_s for s in specs):.0f} s) against {base_url}", file=sys.stderr)
+    result, timeline = asyncio.run(replay(base_url, specs, args.timeout, not args.no_progress))
+    if timeline.batching and timeline.batching != mode:
+        raise ClientError(f"the {mode} server at {base_url} reports batching={timeline.batching!r}")
+    flags = server_flags(mode, args)
+    result.meta.update(mode=mode, server_flags=flags, wall_s=time.perf_counter() - t0,
+                       loadavg_before=load_before, loadavg_after=os.getloadavg())
+    return ModeRun(mode, result.to_dict(), timeline, flags)
+
+
+def _tokenizer(model: str) -> Any:
+    """The model's tokenizer, for exact prompt lengths; None (~0.75 words/token) if it won't load here."""
+    from iterserve.model.loader import load_tokenizer, resolve_model  # torch: import only when needed
+
+    try:
+        return load_tokenizer(resolve_model(model))
+    except Exception:  # noqa: BLE001 - approximate lengths are still the same for both modes
+        return None
+
+
+def run_both(args: argparse.Namespace, out: Path, meta: dict[str, Any]) -> dict[str, ModeRun]:
+    """Continuous first (it sizes the default load), then static, on the identical workload."""
+    provisional = provisional_workload(args)
+    tokenizer = _tokenizer(args.model)
+    runs: dict[str, ModeRun] = {}
+    with serving("continuous", args, out) as url:
+        if needs_calibration(args):
+            cal = calibrate(url, args.max_num_seqs, statistics.mean(s.input_len for s in provisional),
+                            statistics.mean(s.output_len for s in provisional), tokenizer)
+            mean_rate = args.load * cal.capacity
+            size_load(args, mean_rate, provisional)
+            meta["calibration"] = {**asdict(cal), "capacity_req_s": cal.capacity, "load": args.load,
+                                   "mean_rate": mean_rate}
+            print(f"compare: estimated capacity {cal.capacity:.3f} req/s; offering {mean_rate:.3f} req/s "
+                  f"on average (--load {args.load:g})", file=sys.stderr)
+        fill_burst_shape(args)
+        specs = workload_from_args(args)
+        build_prompts(specs, tokenizer)
+        meta.update(workload=describe_workload(args), num_requests=len(specs))
+        runs["continuous"] = run_mode("continuous", url, args, specs)
+    with serving("static", args, out) as url:
+        runs["static"] = run_mode("static", url, args, specs)
+    return {mode: runs[mode] for mode in MODES}
+
+
+def write_report(runs: dict[str, ModeRun], out: Path, window_s: float, meta: dict[str, Any]) -> str:
+    """Writes the JSON files and plots; returns the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    for mode, run in runs.items():
+        (out / f"{mode}.json").write_text(json.dumps(run.to_dict(), separators=(",", ":")))
+    table = markdown_table(runs["static"], runs["continuous"])
+    summary = {**meta, **comparison(runs["static"], runs["continuous"]), "table": table}
+    (out / "compare.json").write_text(json.dumps(summary, indent=2))
+    write_plots(runs, out, window_s)
+    return table
+
+
+def load_runs(out: Path) -> dict[str, ModeRun]:
+    runs = {}
+    for mode in MODES:
+        path = out / f"{mode}.json"
+        try:
+            runs[mode] = ModeRun.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"cannot read {path}: {one_line(e)}") from None
+    return runs
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if args.window <= 0:
+        raise ValueError("--window must be > 0")
+    if args.replot:
+        runs = load_runs(out)
+        meta = json.loads((out / "compare.json").read_text()) if (out / "compare.json").exists() else {}
+        meta = {k: meta[k] for k in ("command", "date", "model", "workload") if k in meta}
+    else:
+        args.workload = args.workload or ("trace" if args.trace else "bursty")
+        if args.load <= 0:
+            raise ValueError("--load must be > 0")
+        provisional_workload(args)  # bad flags or trace files fail now, before any server starts
+        if not (args.static_url and args.continuous_url):
+            from iterserve.model.loader import resolve_model
+
+            resolve_model(args.model)
+        meta = {"command": shlex.join(["iterserve", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else None,
+                "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "model": args.model, "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
+        try:
+            runs = run_both(args, out, meta)
+        except ClientError as e:
+            raise ValueError(one_line(e)) from None
+    table = write_report(runs, out, args.window, meta)
+    print(table)
+    print(f"compare: wrote {out}/{{static,continuous,compare}}.json and plots", file=sys.stderr)
+    return 0 if all(r.summary["completed"] for r in runs.values()) else 1
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("compare", help="static vs continuous batching side by side on the same traffic",
+                              description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a .gguf file, a Hugging Face folder, or smollm2-135m (default)")
+    p.add_argument("--out", default="compare-results", metavar="DIR",
+                   help="writes static.json, continuous.json, compare.json, the plots, and server logs in logs/")
+    p.add_argument("--max-batch-size", type=int, default=8, help="static batching: batch size (default 8)")
+    p.add_argument("--batch-timeout", type=float, default=EngineConfig().batch_timeout_ms, metavar="MS",
+                   help="static batching: the oldest request's wait before a partial batch starts")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="continuous batching: sequences per step (default 16)")
+    p.add_argument("--server-args", default="", metavar="'FLAGS'",
+                   help="other engine flags for both servers, e.g. '--threads 2 --block-size 32'")
+    p.add_argument("--static-url", metavar="URL", help="use this running static iterserve instead of starting one")
+    p.add_argument("--continuous-url", metavar="URL", help="use this running continuous iterserve instead")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="bound on each replay (default: last arrival + 600 s)")
+    p.add_argument("--window", type=float, default=2.0, metavar="S", help="utilisation window of the plots")
+    p.add_argument("--replot", action="store_true", help="redraw the table and plots from --out's JSON files")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--load", type=float, default=DEFAULT_LOAD,
+                   help="without --rate (--time-scale for a trace): offer this share of the continuous server's capacity, measured by a "
+                        f"calibration batch first (default {DEFAULT_LOAD:g})")
+    add_workload_args(p)
+    compare_help = {
+        "workload": "arrival process (default: trace when --trace is given, else bursty)",
+        "rate": "requests/s; the base rate for bursty (default: sized by --load)",
+        "peak_rate": "bursty: rate inside bursts (default: 6x the base rate, as in the seed)",
+        "burst_every": f"bursty: a burst starts every S seconds (default: {BURST_CYCLES} bursts per run)",
+        "burst_len": f"bursty: each burst lasts S seconds (default: {BURST_DUTY:g} of the period)",
+        "time_scale": "trace: arrival = (t - t0) * SCALE (default: sized by --load)",
+        "num_requests": f"requests per mode (default {WORKLOAD_DEFAULTS['num_requests']}), or trace rows",
+        "input_len": "prompt tokens (default 16:64)", "output_len": "output tokens (default 8:96)",
+        "max_input_len": "clamp prompt lengths, and both servers' --max-input-len (default 1024)",
+        "max_output_len": "clamp output lengths, and both servers' --max-output-len (default 256)",
+    }
+    for action in p._actions:
+        action.help = compare_help.get(action.dest, action.help)
+    p.set_defaults(func=cmd_compare, **WORKLOAD_DEFAULTS)
+    return p

@@ -1,0 +1,457 @@
+"""`iterserve tune`: replay one workload against iterserve for every config in a grid, pick the best.
+
+The seed's closing advice: max-num-seqs and block size are best chosen by replaying one's own
+traffic. For each (max-num-seqs, block-size[, max-num-batched-tokens]) this starts a fresh server,
+sends a short warm-up, replays the same requests at the same arrival times, and reads the
+server's per-step records (/v1/scheduler) for KV usage and internal fragmentation. It reports
+throughput, goodput under the SLOs, latency, queue time and KV figures per config, names the best
+config that meets the SLOs, and says why (the trade-offs in `explain`). A time budget bounds the
+whole sweep: configs left when it runs out are skipped, and said so.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from iterserve.bench.client import ClientError, RunResult, Slo, parse_slo, run_load
+from iterserve.bench.launcher import ServerProcess
+from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts, describe_workload,
+                                      workload_from_args)
+
+DEFAULT_SLO = "e2e_p95=2s"  # the seed's case
+WARMUP_TOKENS = 8
+REQUEST_KEYS = ("index", "scheduled_s", "input_len", "max_tokens", "success", "ttft_s", "tpot_s", "e2e_s",
+                "queue_time_s", "output_tokens")
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    max_num_seqs: int
+    block_size: int
+    max_num_batched_tokens: int | None = None
+
+    def server_flags(self) -> list[str]:
+        flags = ["--max-num-seqs", str(self.max_num_seqs), "--block-size", str(self.block_size)]
+        if self.max_num_batched_tokens is not None:
+            flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return flags
+
+    def label(self) -> str:
+        text = f"seqs={self.max_num_seqs} block={self.block_size}"
+        return text + (f" tokens={self.max_num_batched_tokens}" if self.max_num_batched_tokens else "")
+
+
+@dataclass
+class KvStats:
+    """From the server's per-step records: how full the KV cache was and how much of it was padding."""
+
+    steps: int = 0
+    mean_batch: float | None = None
+    mean_step_ms: float | None = None
+    kv_usage_mean: float | None = None  # share of blocks in use, weighted by step time
+    kv_usage_peak: float | None = None
+    internal_fragmentation: float | None = None  # allocated slots holding no token, weighted by step time
+    preemptions: int = 0
+
+
+def kv_stats(steps: Sequence[dict[str, Any]], block_size: int) -> KvStats:
+    """Summarises /v1/scheduler step records; steps with nothing in the cache count only for batch."""
+    busy = [s for s in steps if s.get("batch_size", 0) > 0]
+    if not busy:
+        return KvStats()
+    dur = np.array([max(float(s.get("duration", 0.0)), 1e-6) for s in busy])
+    used = np.array([float(s.get("kv_used_blocks", 0)) for s in busy])
+    total = np.array([max(float(s.get("kv_total_blocks", 1)), 1.0) for s in busy])
+    tokens = np.array([float(s.get("kv_tokens", 0)) for s in busy])
+    usage = used / total
+    held = used > 0
+    frag = None
+    if held.any():
+        f = 1.0 - tokens[held] / (used[held] * block_size)
+        frag = float(np.average(np.clip(f, 0.0, 1.0), weights=dur[held]))
+    return KvStats(steps=len(busy),
+                   mean_batch=float(np.mean([s["batch_size"] for s in busy])),
+                   mean_step_ms=float(dur.mean() * 1e3),
+                   kv_usage_mean=float(np.average(usage, weights=dur)), kv_usage_peak=float(usage.max()),
+                   internal_fragmentation=frag,
+                   preemptions=int(sum(s.get("num_preempted", 0) for s in busy)))
+
+
+@dataclass
+class ConfigResult:
+    point: GridPoint
+    status: str  # "ok", "skipped" (budget), "failed" (server did not start / run broke)
+    detail: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+    kv: KvStats = field(default_factory=KvStats)
+    slo_met: bool = False
+    wall_s: float = 0.0
+    load_avg: float | None = None  # the machine's 1-minute load average after the replay: other jobs skew results
+    requests: list[dict[str, Any]] = field(default_factory=list)  # per request, to re-judge other SLOs later
+
+    def metric(self, name: str) -> float | None:
+        """goodput (req/s), throughput (output tok/s), or any summary key."""
+        key = {"goodput": "goodput", "throughput": "output_throughput"}.get(name, name)
+        value = self.summary.get(key)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": dataclasses.asdict(self.point), "status": self.status, "detail": self.detail,
+                "slo_met": self.slo_met, "wall_s": self.wall_s, "load_avg": self.load_avg,
+                "kv": dataclasses.asdict(self.kv), "summary": self.summary, "requests": self.requests}
+
+
+def slo_met(result: RunResult) -> bool:
+    """All requests completed, each percentile SLO met by the run, each plain SLO by every request."""
+    if result.failed or not result.completed:
+        return False
+    report = result.slo_report()
+    for row in report["slos"]:
+        if "run_met" in row:
+            if not row["run_met"]:
+                return False
+        elif row["requests_met"] < result.completed:
+            return False
+    return True
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+# ---------------------------------------------------------------- one config
+
+async def _collect_steps(base_url: str, out: list[dict[str, Any]], interval: float = 0.5) -> None:
+    """Appends every new /v1/scheduler step record until cancelled (the server keeps a bounded ring)."""
+    last: int | None = None
+    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as http:
+        while True:
+            try:
+                query = f"?since_step={last}" if last is not None else ""
+                resp = await http.get("/v1/scheduler" + query)
+                steps = resp.json().get("steps") or [] if resp.status_code == 200 else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                steps = []
+            fresh = [s for s in steps if isinstance(s, dict) and "step" in s and (last is None or s["step"] > last)]
+            if last is None:
+                fresh = []  # the first call only marks where the replay starts (warm-up steps are before)
+                last = max([-1] + [int(s["step"]) for s in steps if isinstance(s, dict) and "step" in s])
+            out.extend(fresh)
+            if fresh:
+                last = max(int(s["step"]) for s in fresh)
+            await asyncio.sleep(interval)
+
+
+async def _replay(base_url: str, specs: Sequence[RequestSpec], slos: Sequence[Slo], timeout_s: float,
+                  endpoint: str, ignore_eos: bool) -> tuple[RunResult, list[dict[str, Any]]]:
+    warm = [RequestSpec(i, 0.0, 16, WARMUP_TOKENS, specs[i % len(specs)].prompt) for i in range(2)]
+    await run_load(base_url, warm, endpoint=endpoint, ignore_eos=ignore_eos, progress=False)
+    steps: list[dict[str, Any]] = []
+    collector = asyncio.ensure_future(_collect_steps(base_url, steps))
+    await asyncio.sleep(0.05)  # let the collector mark the starting step
+    try:
+        result = await run_load(base_url, specs, endpoint=endpoint, ignore_eos=ignore_eos, progress=False,
+                                slos=slos, timeout_s=timeout_s)
+        await asyncio.sleep(0.6)  # one more collection after the last request
+    finally:
+        collector.cancel()
+        await asyncio.gather(collector, return_exceptions=True)
+    return result, steps
+
+
+def run_config(point: GridPoint, model: str, server_args: Sequence[str], specs: Sequence[RequestSpec],
+               slos: Sequence[Slo], timeout_s: float, endpoint: str = "completions",
+               ignore_eos: bool = True, log_dir: Path | None = None) -> ConfigResult:
+    """Start a server with this config, replay, stop it; failures become a 'failed' result."""
+    start = time.perf_counter()
+    log_path = None
+    if log_dir is not None:
+        name = f"server_seqs{point.max_num_seqs}_block{point.block_size}"
+        log_path = log_dir / (name + (f"_tok{point.max_num_batched_tokens}" if point.max_num_batched_tokens else "") + ".log")
+    srv = ServerProcess([model, *point.server_flags(), *server_args], log_path=log_path)
+    try:
+        with srv:
+            result, steps = asyncio.run(_replay(srv.base_url, specs, slos, timeout_s, endpoint, ignore_eos))
+    except Exception as e:  # noqa: BLE001 - one config failing must not end the sweep
+        return ConfigResult(point, "failed", " ".join(str(e).split())[:300], wall_s=time.perf_counter() - start)
+    return ConfigResult(point, "ok", summary=result.summary(), kv=kv_stats(steps, point.block_size),
+                        slo_met=slo_met(result), wall_s=time.perf_counter() - start, load_avg=_load_avg(),
+                        requests=[{k: getattr(r, k) for k in REQUEST_KEYS} for r in result.records])
+
+
+def _load_avg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------- the sweep and its conclusion
+
+def best_config(results: Sequence[ConfigResult]) -> tuple[ConfigResult | None, bool]:
+    """(best, met): the highest goodput among configs meeting the SLOs (throughput breaks ties);
+    if none meets them, the highest goodput overall with met=False."""
+    ok = [r for r in results if r.status == "ok"]
+    key = lambda r: (r.metric("goodput") or 0.0, r.metric("throughput") or 0.0)  # noqa: E731
+    meeting = [r for r in ok if r.slo_met]
+    if meeting:
+        return max(meeting, key=key), True
+    return (max(ok, key=key), False) if ok else (None, False)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def explain(results: Sequence[ConfigResult], best: ConfigResult | None, met: bool,
+            slos: Sequence[Slo]) -> list[str]:
+    """The conclusion in words, with this sweep's own numbers for each trade-off."""
+    slo_text = ", ".join(s.text for s in slos) or "no SLO"
+    ok = [r for r in results if r.status == "ok"]
+    if best is None:
+        return ["no configuration completed a run"]
+    lines = [f"best: {best.point.label()} "
+             + (f"meets {slo_text}" if met else f"(no configuration met {slo_text}; this one had the highest goodput)")
+             + f" with goodput {best.metric('goodput') or 0:.2f} req/s, {best.metric('throughput') or 0:.1f} output tok/s, "
+               f"e2e p95 {best.summary['e2e_ms']['p95'] or 0:.0f} ms"]
+    same_seqs = sorted((r for r in ok if r.point.max_num_seqs == best.point.max_num_seqs
+                        and r.point.max_num_batched_tokens == best.point.max_num_batched_tokens),
+                       key=lambda r: r.point.block_size)
+    if len(same_seqs) >= 2:
+        lo, hi = same_seqs[0], same_seqs[-1]
+        lines.append(
+            f"block size (at max-num-seqs {best.point.max_num_seqs}): {lo.point.block_size} -> {hi.point.block_size} "
+            f"changed internal fragmentation {_pct(lo.kv.internal_fragmentation)} -> {_pct(hi.kv.internal_fragmentation)} "
+            f"and mean step time {lo.kv.mean_step_ms or 0:.1f} -> {hi.kv.mean_step_ms or 0:.1f} ms. Small blocks "
+            "waste fewer slots but mean longer block tables (more block-table and slot-mapping work per step); "
+            "large blocks leave slots allocated but unfilled at the end of every sequence, which only matters "
+            "once the KV cache is what limits the batch")
+    same_block = sorted((r for r in ok if r.point.block_size == best.point.block_size
+                         and r.point.max_num_batched_tokens == best.point.max_num_batched_tokens),
+                        key=lambda r: r.point.max_num_seqs)
+    if len(same_block) >= 2:
+        parts = [f"{r.point.max_num_seqs}: {r.metric('throughput') or 0:.0f} tok/s, p95 "
+                 f"{r.summary['e2e_ms']['p95'] or 0:.0f} ms, queue {r.summary['queue_time_ms']['mean'] or 0:.0f} ms, "
+                 f"mean batch {r.kv.mean_batch or 0:.1f}" for r in same_block]
+        lines.append(f"max-num-seqs (at block size {best.point.block_size}): " + "; ".join(parts) + ". Too few "
+                     "sequences and requests queue; more sequences raise throughput until each step's compute "
+                     "(or the KV cache) is the limit, after which every request's tokens just come slower")
+    return lines
+
+
+def markdown_table(results: Sequence[ConfigResult]) -> str:
+    with_tokens = any(r.point.max_num_batched_tokens for r in results)
+    head = ["max-num-seqs", "block", *(["batched tok"] if with_tokens else []), "status", "out tok/s", "req/s",
+            "goodput", "e2e mean ms", "e2e p95 ms", "TTFT p95 ms", "queue mean ms", "KV mean", "KV peak",
+            "frag", "preempt", "batch", "step ms", "load", "SLO"]
+    rows = [head, ["---"] * len(head)]
+    f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for r in results:
+        s = r.summary
+        cells = [str(r.point.max_num_seqs), str(r.point.block_size),
+                 *([str(r.point.max_num_batched_tokens or "-")] if with_tokens else []), r.status]
+        if r.status == "ok":
+            cells += [f(s["output_throughput"]), f(s["request_throughput"], 2), f(s["goodput"], 2),
+                      f(s["e2e_ms"]["mean"], 0), f(s["e2e_ms"]["p95"], 0), f(s["ttft_ms"]["p95"], 0),
+                      f(s["queue_time_ms"]["mean"], 0), _pct(r.kv.kv_usage_mean), _pct(r.kv.kv_usage_peak),
+                      _pct(r.kv.internal_fragmentation), str(r.kv.preemptions), f(r.kv.mean_batch), f(r.kv.mean_step_ms), f(r.load_avg),
+                      "met" if r.slo_met else "missed"]
+        else:
+            cells += ["-"] * (len(head) - len(cells) - 1) + [r.detail[:60] or r.status]
+        rows.append(cells)
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def plot_heatmap(results: Sequence[ConfigResult], path: Path, metric: str = "goodput",
+                 title: str = "") -> None:
+    """max-num-seqs (rows) x block size (columns), one panel per max-num-batched-tokens value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = sorted({r.point.max_num_seqs for r in results})
+    blocks = sorted({r.point.block_size for r in results})
+    tokens = sorted({r.point.max_num_batched_tokens for r in results}, key=lambda t: t or 0)
+    best, _ = best_config(results)
+    fig, axes = plt.subplots(1, len(tokens), figsize=(1.6 * len(blocks) * len(tokens) + 2.5, 0.8 * len(seqs) + 2),
+                             squeeze=False)
+    values = [v for r in results if (v := r.metric(metric)) is not None]
+    vmax = max(values) if values else 1.0
+    for ax, tok in zip(axes[0], tokens):
+        grid = np.full((len(seqs), len(blocks)), np.nan)
+        for r in results:
+            if r.point.max_num_batched_tokens == tok and (v := r.metric(metric)) is not None:
+                grid[seqs.index(r.point.max_num_seqs), blocks.index(r.point.block_size)] = v
+        im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=vmax or 1.0, origin="lower", aspect="auto")
+        for r in results:
+            if r.point.max_num_batched_tokens != tok:
+                continue
+            y, x = seqs.index(r.point.max_num_seqs), blocks.index(r.point.block_size)
+            v = r.metric(metric)
+            text = r.status if v is None else f"{v:.2f}" + ("" if r.slo_met else "\nSLO missed")
+            ax.text(x, y, text, ha="center", va="center", fontsize=8,
+                    color="white" if v is None or v < 0.6 * vmax else "black")
+            if r is best:
+                ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", lw=2.5))
+        ax.set_xticks(range(len(blocks)), [str(b) for b in blocks])
+        ax.set_yticks(range(len(seqs)), [str(s) for s in seqs])
+        ax.set_xlabel("block size (tokens)")
+        ax.set_ylabel("max-num-seqs")
+        if tok:
+            ax.set_title(f"max-num-batched-tokens {tok}", fontsize=9)
+    unit = {"goodput": "goodput (req/s meeting the SLO)", "throughput": "output tokens/s"}.get(metric, metric)
+    fig.colorbar(im, ax=list(axes[0]), label=unit)
+    fig.suptitle(title or f"iterserve tune: {unit}; red = best", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+@dataclass
+class Sweep:
+    """A whole tune run: what was replayed, each config's result, and the conclusion."""
+
+    model: str
+    workload: dict[str, Any]
+    slos: list[Slo]
+    results: list[ConfigResult]
+    budget_minutes: float | None
+    skipped_for_budget: int = 0
+    conclusion: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        best, met = best_config(self.results)
+        return {"model": self.model, "workload": self.workload, "slos": [s.text for s in self.slos],
+                "budget_minutes": self.budget_minutes, "skipped_for_budget": self.skipped_for_budget,
+                "best": dataclasses.asdict(best.point) if best else None, "best_meets_slo": met,
+                "conclusion": self.conclusion, "results": [r.to_dict() for r in self.results]}
+
+
+def sweep(points: Sequence[GridPoint], model: str, server_args: Sequence[str], specs: Sequence[RequestSpec],
+          slos: Sequence[Slo], budget_minutes: float | None = None, run_grace_s: float = 120.0,
+          endpoint: str = "completions", ignore_eos: bool = True, log_dir: Path | None = None,
+          progress: bool = True, workload: dict[str, Any] | None = None) -> Sweep:
+    """Runs every config in order until the budget is spent; the rest are recorded as skipped."""
+    deadline = time.monotonic() + budget_minutes * 60 if budget_minutes else None
+    last_arrival = max(s.arrival_s for s in specs)
+    results: list[ConfigResult] = []
+    bar = tqdm(points, disable=not progress, unit="config", desc="tune")
+    for point in bar:
+        bar.set_postfix_str(point.label())
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            results.append(ConfigResult(point, "skipped", "time budget spent"))
+            continue
+        timeout = last_arrival + run_grace_s
+        if left is not None:
+            timeout = max(min(timeout, left), 10.0)
+        results.append(run_config(point, model, server_args, specs, slos, timeout, endpoint, ignore_eos, log_dir))
+    bar.close()
+    skipped = sum(r.status == "skipped" for r in results)
+    out = Sweep(model, workload or {}, list(slos), results, budget_minutes, skipped)
+    best, met = best_config(results)
+    out.conclusion = explain(results, best, met, slos)
+    if skipped:
+        out.conclusion.append(f"{skipped} of {len(results)} configs were skipped: the "
+                              f"{budget_minutes:g}-minute budget ran out")
+    return out
+
+
+# ---------------------------------------------------------------- command line
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tune", help="replay a workload against iterserve over a config grid",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="model for `iterserve serve` (default smollm2-135m)")
+    p.add_argument("--max-num-seqs", dest="grid_seqs", type=parse_int_list, default=[4, 8, 16, 32],
+                   metavar="N,N,...", help="values to try (default 4,8,16,32)")
+    p.add_argument("--block-size", dest="grid_blocks", type=parse_int_list, default=[8, 16, 32],
+                   metavar="N,N,...", help="values to try (default 8,16,32)")
+    p.add_argument("--max-num-batched-tokens", dest="grid_tokens", type=parse_int_list, default=None,
+                   metavar="N,N,...", help="values to try (default: the server's default only)")
+    p.add_argument("--server-args", default="", metavar="'FLAGS'",
+                   help="other engine flags for every server, e.g. '--threads 2 --kv-cache-memory 256MiB'")
+    p.add_argument("--slo", action="extend", nargs="+", default=None, metavar="SPEC",
+                   help=f"e.g. ttft=500ms e2e_p95=2s (default {DEFAULT_SLO}); goodput counts requests meeting all")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help="stop starting new configs after this long; the rest are reported as skipped")
+    p.add_argument("--run-grace", type=float, default=120.0, metavar="S",
+                   help="per config: the replay may run this long past the last arrival (default 120 s)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="force each request's output length (default on)")
+    p.add_argument("--metric", choices=("goodput", "throughput"), default="goodput", help="heat-map value")
+    p.add_argument("--out", default="tune-results", metavar="DIR",
+                   help="writes tune.json, tune.md (table + conclusion), heatmap.png and server logs here")
+    p.add_argument("--no-progress", action="store_true")
+    add_workload_args(p)
+    p.set_defaults(func=cmd_tune)
+    return p
+
+
+def _prompts_for(model: str, specs: list[RequestSpec]) -> None:
+    """Exact-length prompts with the model's own tokenizer when it loads; else ~0.75 words/token."""
+    try:
+        from iterserve.model.loader import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(model))
+    except Exception:  # noqa: BLE001 - an approximate prompt length is an acceptable fallback
+        tokenizer = None
+    build_prompts(specs, tokenizer)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    try:
+        slos = [parse_slo(text) for text in (args.slo or [DEFAULT_SLO])]
+    except ClientError as e:
+        raise ValueError(str(e)) from None
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        raise ValueError("--budget-minutes must be > 0")
+    specs = workload_from_args(args)
+    _prompts_for(args.model, specs)
+    points = [GridPoint(s, b, t) for s, b, t in
+              itertools.product(args.grid_seqs, args.grid_blocks, args.grid_tokens or [None])]
+    out = Path(args.out)
+    workload = describe_workload(args)
+    print(f"tune: {len(points)} configs x {len(specs)} requests "
+          f"(last arrival {max(s.arrival_s for s in specs):.1f} s), SLO {', '.join(s.text for s in slos)}",
+          file=sys.stderr)
+    result = sweep(points, args.model, shlex.split(args.server_args), specs, slos, args.budget_minutes,
+                   args.run_grace, args.endpoint, args.ignore_eos, out / "logs", not args.no_progress, workload)
+    table = markdown_table(result.results)
+    print(table)
+    print()
+    for line in result.conclusion:
+        print(f"- {line}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(json.dumps(result.to_dict(), indent=2))
+    (out / "tune.md").write_text(table + "\n\n" + "\n".join(f"- {line}" for line in result.conclusion) + "\n")
+    what = workload.get("kind", "")
+    if what == "trace":
+        what = f"{Path(workload['path']).name} x{workload['time_scale']:g}"
+    title = (f"iterserve tune: {args.metric} over the grid, SLO {', '.join(s.text for s in slos)}; red = best\n"
+             f"{Path(args.model).name}, {len(specs)} requests ({what})")
+    plot_heatmap(result.results, out / "heatmap.png", args.metric, title)
+    print(f"wrote {out / 'tune.json'}, {out / 'tune.md'}, {out / 'heatmap.png'}", file=sys.stderr)
+    return 0 if any(r.status == "ok" for r in result.results) else 1

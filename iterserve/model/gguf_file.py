@@ -1,0 +1,150 @@
+"""Reading a GGUF file: its metadata, its tensor table, and dequantised tensors.
+
+`gguf.GGUFReader` parses every metadata field eagerly, including the ~100k token and merge strings,
+which takes seconds on every load although the model needs none of them (the tokenizer is cached
+separately). So the first load of a file keeps what the reader found (scalar fields, the tensor
+table with byte offsets) as a small JSON index in the cache, keyed by the file's path, size and
+mtime; later loads memory-map the file and slice tensors straight from that index. Dequantisation
+always goes through the gguf package's own dequantisers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("iterserve.loader")
+
+INDEX_VERSION = 1
+MAX_STORED_ARRAY = 256  # metadata arrays longer than this (vocabularies) keep only their length
+GGUF_DEQUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ITERSERVE_CACHE", Path.home() / ".cache" / "iterserve"))
+
+
+def file_key(path: Path) -> str:
+    """Changes whenever the file is replaced or rewritten."""
+    st = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    qtype: str  # GGMLQuantizationType name
+    shape: tuple[int, ...]  # torch order: (rows, cols)
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor's raw data: bytes (or typed values) as stored, shaped row by row."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass
+class GGUFIndex:
+    fields: dict  # scalar and short array metadata values
+    array_lengths: dict[str, int]  # long metadata arrays (token lists): length only
+    tensors: list[TensorEntry]
+
+    def get(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": INDEX_VERSION, "fields": self.fields,
+                           "array_lengths": self.array_lengths,
+                           "tensors": [vars(t) for t in self.tensors]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "GGUFIndex":
+        d = json.loads(text)
+        if d.get("version") != INDEX_VERSION:
+            raise ValueError("stale index")
+        tensors = [TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"]]
+        return cls(d["fields"], d["array_lengths"], tensors)
+
+    @classmethod
+    def from_reader(cls, reader) -> "GGUFIndex":
+        from gguf import GGUFValueType
+
+        fields, lengths = {}, {}
+        for key, f in reader.fields.items():
+            if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > MAX_STORED_ARRAY:
+                lengths[key] = len(f.data)
+            else:
+                fields[key] = f.contents()
+        tensors = [TensorEntry(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                               int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+        return cls(fields, lengths, tensors)
+
+
+def read_index(path: Path, use_cache: bool = True) -> GGUFIndex:
+    """The file's metadata and tensor table: from the cache, or parsed once by GGUFReader."""
+    cached = cache_dir() / "gguf" / f"{file_key(path)}.json"
+    if use_cache and cached.is_file():
+        try:
+            return GGUFIndex.from_json(cached.read_text())
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring unreadable GGUF index %s", cached)
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, IndexError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    index = GGUFIndex.from_reader(reader)
+    del reader  # drops its memory map of the file
+    if use_cache:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(index.to_json())
+            tmp.replace(cached)
+        except OSError:
+            pass  # a read-only cache only costs time
+    return index
+
+
+def iter_tensors(path: Path, index: GGUFIndex) -> Iterator[GGUFTensor]:
+    """Yields each tensor's raw data as a read-only view of one memory map of the file. The map
+    is released once the iteration ends and the caller has dropped the views."""
+    # a plain ndarray view: slices of an np.memmap are memmaps too, and the dequantisers' many
+    # small slices would each pay for the subclass (about a third of the dequantisation time)
+    mm = np.asarray(np.memmap(path, mode="r"))
+    try:
+        for t in index.tensors:
+            rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+            raw = mm[t.offset:t.offset + t.nbytes]
+            yield GGUFTensor(t.name, t.qtype, t.shape, raw.reshape(*t.shape[:-1], t.nbytes // rows))
+    finally:
+        del mm
+
+
+def dequantize_tensor(t: GGUFTensor) -> torch.Tensor:
+    """One GGUF tensor to a float32 torch tensor of shape t.shape, via gguf's dequantisers."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if t.qtype not in GGUF_DEQUANT_TYPES:
+        raise ValueError(f"GGUF tensor {t.name}: quantisation {t.qtype} is not supported "
+                         f"(supported: {', '.join(GGUF_DEQUANT_TYPES)})")
+    arr = dequantize(t.data, GGMLQuantizationType[t.qtype]).reshape(t.shape)
+    if arr.dtype != np.float32 or not arr.flags.writeable or np.may_share_memory(arr, t.data):
+        arr = arr.astype(np.float32)  # F32 comes back as a view of the read-only map: copy it
+    return torch.from_numpy(arr)

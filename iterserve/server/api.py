@@ -1,0 +1,204 @@
+"""The FastAPI app: routes, OpenAI-style errors, API key check, lifespan of the engine thread.
+
+`build_app(async_engine, settings)` wires an AsyncEngine (not yet started) into an app; the
+lifespan starts its thread and stops it after the server has drained. Every error, including
+FastAPI's own validation errors (422 by default) and unknown routes, is answered in OpenAI's
+JSON error format with the status OpenAI would use.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from iterserve.engine import StepRecord
+from iterserve.request import RequestOutput, RequestRejected
+from iterserve.server.async_engine import AsyncEngine
+from iterserve.server.metrics import ServerMetrics
+from iterserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, error_body, validation_message)
+from iterserve.server.serving import OpenAIServing, ServerSettings
+
+access_log = logging.getLogger("iterserve.access")
+log = logging.getLogger("iterserve.server")
+
+ERROR_RESPONSES = {code: {"description": desc, "content": {"application/json": {"example": error_body(desc, code)}}}
+                   for code, desc in ((400, "invalid request"), (401, "missing or wrong API key"),
+                                      (404, "unknown model"), (503, "waiting queue full: retry later"))}
+
+
+def error_response(message: str, status_code: int, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code, headers=headers)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would buffer streams and hide disconnects). Guards /v1/*,
+    as vLLM does, except the monitoring snapshot /v1/scheduler, which stays open like /health and
+    /metrics so that probes and scrapers need no secret."""
+
+    OPEN = ("/v1/scheduler",)
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith("/v1/") and path not in self.OPEN:
+            auth = dict(scope["headers"]).get(b"authorization")
+            if auth != self.expected:
+                msg = "missing API key" if auth is None else "wrong API key"
+                await error_response(f"{msg}: send 'Authorization: Bearer <key>'", 401,
+                                     code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def log_finished(out: RequestOutput) -> None:
+    t = out.times
+
+    def s(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    access_log.info("request_id=%s prompt_tokens=%d output_tokens=%d queue_time=%s ttft=%s e2e=%s finish_reason=%s",
+                    out.request_id, out.num_prompt_tokens, out.num_output_tokens, s(t.queue_time), s(t.ttft),
+                    s(t.e2e), out.finish_reason)
+
+
+def step_dict(rec: StepRecord, start_time: float) -> dict:
+    return {"step": rec.step, "t": rec.start - start_time, "duration": rec.duration, "batch_size": rec.batch_size,
+            "num_padding": rec.num_padding, "num_running": rec.num_running, "num_waiting": rec.num_waiting,
+            "prefill_tokens": rec.prefill_tokens, "decode_tokens": rec.decode_tokens,
+            "kv_used_blocks": rec.kv_used_blocks, "kv_total_blocks": rec.kv_total_blocks, "kv_tokens": rec.kv_tokens,
+            "num_preempted": len(rec.preempted), "num_finished": len(rec.finished)}
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    llm = engine.engine
+    serving = OpenAIServing(engine, settings)
+    metrics = ServerMetrics(engine, settings.served_model_name)
+    engine.finish_listeners.append(log_finished)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="iterserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server over a continuous-batching engine")
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+
+    # ---- errors ---------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return error_response(exc.message, exc.status_code, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestRejected)
+    async def on_rejected(request: Request, exc: RequestRejected):
+        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status_code == 503 else None
+        return error_response(str(exc), exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        message, param = validation_message(list(exc.errors()))
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(f"internal server error: {type(exc).__name__}", 500)
+
+    # ---- generation -----------------------------------------------------------------------------------
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completion(body, request)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request)
+
+    # ---- the rest ---------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": created,
+                                            "owned_by": "iterserve", "root": llm.config.model,
+                                            "max_model_len": llm.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive or not engine.ready.is_set():
+            return error_response("the engine loop is not running (yet)", 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt or messages")
+        if body.messages is not None:
+            if not body.messages:
+                raise APIError("messages must not be empty", param="messages")
+            ids = await serving.encode_chat(body.messages)
+        else:
+            ids = await engine.encode(prompt=body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = llm.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    @app.get("/v1/scheduler")
+    async def scheduler(since_step: int | None = Query(None, ge=0, description="only steps after this one")):
+        state, cfg = engine.state, llm.config
+        kv = state.kv
+        return {
+            "batching": cfg.batching, "running": state.running, "waiting": state.waiting,
+            "kv_cache": {"used_blocks": kv.used_blocks, "total_blocks": kv.total_blocks, "usage": kv.usage,
+                         "tokens_stored": kv.tokens_stored, "internal_fragmentation": kv.internal_fragmentation},
+            "busy_fraction": engine.busy_fraction(), "uptime_s": time.monotonic() - llm.start_time,
+            "step": state.step_count, "num_preemptions_total": state.num_preemptions_total,
+            "config": {**asdict(cfg), "max_model_len": llm.max_model_len, "max_input_len": llm.max_input_len,
+                       "max_output_len": llm.max_output_len, "num_kv_blocks": llm.pool.num_blocks,
+                       "served_model_name": settings.served_model_name},
+            "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
+        }
+
+    def openapi() -> dict:
+        """FastAPI documents a 422 for every body; this server answers 400 instead, as OpenAI does."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    if op.get("responses", {}).pop("422", None) is not None:
+                        op["responses"].setdefault("400", ERROR_RESPONSES[400])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app

@@ -1,0 +1,355 @@
+"""AsyncEngine: the engine's step loop in one dedicated thread, fed and read from asyncio.
+
+Why one thread that owns the engine: LLMEngine is not thread-safe, and its steps must never wait
+for HTTP work (parsing, tokenising, writing sockets). HTTP handlers hand new requests and aborts to
+the thread through a command list; the thread applies them between steps, so an abort takes effect
+within one step. Each step's outputs go back to the event loop in one `call_soon_threadsafe`, which
+puts them on per-request asyncio queues. When there is nothing to do the thread sleeps on a
+condition; under static batching it wakes at the partial batch's deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from iterserve.core.block_pool import BlockUsage
+from iterserve.engine import LLMEngine, StepRecord
+from iterserve.request import RequestOutput, RequestRejected, RequestTimes
+from iterserve.sampling import SamplingParams
+
+log = logging.getLogger("iterserve.server")
+
+NO_PROGRESS_POLL_S = 0.01  # unfinished work but nothing schedulable (should not happen; never spin)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the engine looked like after its latest step or command; replaced, never mutated."""
+
+    running: int
+    waiting: int
+    kv: BlockUsage
+    step_count: int
+    num_preemptions_total: int
+    at: float  # time.monotonic()
+
+
+class RequestStream:
+    """The outputs of one request, in order, ending with the one whose `finished` is True."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            out = await self.queue.get()
+            self.finished = out.finished
+            yield out
+
+
+class BusyWindow:
+    """Share of the last `window_s` seconds spent inside engine steps (forward + sampling)."""
+
+    def __init__(self, window_s: float, since: float) -> None:
+        self.window_s = window_s
+        self.since = since
+        self._steps: deque[tuple[float, float]] = deque()  # (start, end), time.monotonic()
+
+    def add(self, start: float, duration: float) -> None:
+        self._steps.append((start, start + duration))
+
+    def fraction(self, now: float) -> float:
+        lo = now - self.window_s
+        while self._steps and self._steps[0][1] <= lo:
+            self._steps.popleft()
+        busy = sum(min(end, now) - max(start, lo) for start, end in self._steps)
+        span = min(self.window_s, now - self.since)
+        return max(0.0, min(1.0, busy / span)) if span > 0 else 0.0
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    stream: RequestStream
+    admitted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Drain:
+    """Stop admitting; abort everything in flight (server shutdown)."""
+
+
+@dataclass
+class AsyncEngine:
+    engine: LLMEngine
+    busy_window_s: float = 10.0
+    history: int = 4096  # step records kept for /v1/scheduler
+    warmup: bool = True  # one short generation in the engine thread before it reports ready
+    step_listeners: list[Callable[[StepRecord], None]] = field(default_factory=list)  # engine thread
+    finish_listeners: list[Callable[[RequestOutput], None]] = field(default_factory=list)  # loop thread
+
+    def __post_init__(self) -> None:
+        self._cond = threading.Condition()
+        self._commands: list = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._draining = False
+        self._progressed = False
+        self._lock = threading.Lock()  # guards steps and busy
+        self.steps: deque[StepRecord] = deque(maxlen=self.history)
+        self.busy = BusyWindow(self.busy_window_s, self.engine.start_time)
+        self.shutting_down = False  # loop-side view, for fast 503s
+        self.ready = threading.Event()  # set once warmed up; /health answers 200 from then on
+        self.state = self._take_state()
+        self.engine.step_listeners.append(self._on_step)
+
+    # ---- lifecycle (event loop side) ----------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Aborts what is left and joins the engine thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def begin_shutdown(self) -> None:
+        """Safe from a signal handler: takes no lock, only schedules the drain on the loop."""
+        self.shutting_down = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._submit, _Drain())
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests (event loop side) -----------------------------------------------------------------
+    async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Tokenises off the loop and off the engine thread."""
+        try:
+            return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)
+        except UnicodeError as e:  # e.g. a lone surrogate escaped in the JSON
+            raise RequestRejected(f"the text cannot be tokenised: {e}") from None
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+        """Returns once the engine has accepted the request; raises RequestRejected otherwise, so
+        the caller can answer with an error before any streaming starts."""
+        if self.shutting_down or not self.alive:
+            raise RequestRejected("the server is shutting down", status_code=503)
+        self.engine.check_limits(len(prompt_token_ids), params)  # reads config only: thread-safe
+        stream = RequestStream(request_id)
+        admitted = asyncio.get_running_loop().create_future()
+        self._submit(_Add(request_id, prompt_token_ids, params, priority,
+                          arrival_time if arrival_time is not None else time.monotonic(), stream, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._submit(_Abort(request_id))
+
+    def _submit(self, cmd) -> None:
+        with self._cond:
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    def recent_steps(self, since_step: int | None = None, limit: int = 100) -> list[StepRecord]:
+        with self._lock:
+            steps = list(self.steps)
+        if since_step is None:
+            return steps[-limit:]
+        return [s for s in steps if s.step > since_step]
+
+    def busy_fraction(self) -> float:
+        with self._lock:
+            return self.busy.fraction(time.monotonic())
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.warmup:  # in this thread: torch's per-thread set-up is part of what gets warmed
+            t0 = time.perf_counter()
+            self.engine.step_listeners.remove(self._on_step)
+            try:
+                warm_up(self.engine)
+            finally:
+                self.engine.step_listeners.append(self._on_step)
+            log.info("warmed up in %.2f s", time.perf_counter() - t0)
+        self.state = self._take_state()
+        self.ready.set()
+        log.info("engine loop started (%s batching)", self.engine.config.batching)
+        stop = False
+        while not stop:
+            with self._cond:
+                timeout = self._idle_timeout()
+                if not self._commands and not self._stop and timeout != 0:
+                    self._cond.wait(timeout)
+                commands, self._commands = self._commands, []
+                stop = self._stop
+            outputs: list[RequestOutput] = []
+            self._progressed = False
+            try:
+                self._apply(commands, outputs)
+                if stop:
+                    self._drain(outputs)
+                elif self.engine.has_unfinished_requests():
+                    before = self.engine.step_count
+                    outputs.extend(self.engine.step())
+                    self._progressed = self.engine.step_count != before
+            except Exception:  # a bug must not hang every client: fail them and carry on
+                log.exception("engine step failed; aborting all requests")
+                self._fail_all("internal error in the engine step", outputs)
+            self._publish(outputs)
+        log.info("engine loop stopped")
+
+    def _idle_timeout(self) -> float | None:
+        """How long to sleep: None = until a command, 0 = not at all."""
+        if not self.engine.has_unfinished_requests():
+            return None
+        if self._progressed:
+            return 0
+        deadline = getattr(self.engine.scheduler, "next_deadline", lambda: None)()
+        if deadline is not None:
+            return max(1e-4, deadline - time.monotonic())
+        return NO_PROGRESS_POLL_S
+
+    def _apply(self, commands: list, outputs: list[RequestOutput]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                self._admit(cmd)
+            elif isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, _Drain):
+                self._drain(outputs)
+
+    def _admit(self, cmd: _Add) -> None:
+        error: Exception | None = None
+        if self._draining:
+            error = RequestRejected("the server is shutting down", status_code=503)
+        else:
+            try:
+                self.engine.add_request(params=cmd.params, request_id=cmd.request_id,
+                                        prompt_token_ids=cmd.prompt_token_ids, priority=cmd.priority,
+                                        arrival_time=cmd.arrival_time)
+                self._streams[cmd.request_id] = cmd.stream
+            except RequestRejected as e:
+                error = e
+            except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
+                log.exception("add_request failed for %s", cmd.request_id)
+                error = RequestRejected(f"internal error admitting the request: {e}", status_code=500)
+        self._loop.call_soon_threadsafe(_settle, cmd.admitted, error)
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        self._draining = True
+        ids = list(self.engine.requests)
+        for rid in ids:
+            self.engine.abort_request(rid)
+        if ids:
+            log.info("aborted %d in-flight request(s) for shutdown", len(ids))
+        # static batching releases aborted members of a running batch only when the batch ends:
+        # step until every aborted request has handed back its final output
+        for _ in range(self.engine.max_model_len + 1):
+            if not self.engine.has_unfinished_requests():
+                break
+            outputs.extend(self.engine.step())
+
+    def _fail_all(self, message: str, outputs: list[RequestOutput]) -> None:
+        for rid, stream in list(self._streams.items()):
+            outputs.append(RequestOutput(rid, [], "", True, "abort", 0, 0, RequestTimes(time.monotonic()),
+                                         error=message))
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("abort of %s after a failed step also failed", rid)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        pairs = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            pairs.append((stream, out))
+        self.state = self._take_state()
+        if pairs:
+            self._loop.call_soon_threadsafe(self._deliver, pairs)
+
+    def _take_state(self) -> EngineState:
+        sched = self.engine.scheduler
+        return EngineState(running=sched.num_running, waiting=sched.num_waiting,
+                           kv=self.engine.pool.usage(), step_count=self.engine.step_count,
+                           num_preemptions_total=sched.num_preemptions_total, at=time.monotonic())
+
+    def _on_step(self, rec: StepRecord) -> None:
+        with self._lock:
+            self.steps.append(rec)
+            self.busy.add(rec.start, rec.duration)
+        for fn in self.step_listeners:
+            fn(rec)
+
+    # ---- back on the event loop ---------------------------------------------------------------------
+    def _deliver(self, pairs: list[tuple[RequestStream, RequestOutput]]) -> None:
+        for stream, out in pairs:
+            stream.queue.put_nowait(out)
+            if out.finished:
+                for fn in self.finish_listeners:
+                    try:
+                        fn(out)
+                    except Exception:  # noqa: BLE001 - metrics/logging must not break delivery
+                        log.exception("finish listener failed")
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One short generation (a prefill and a decode step) and one tokenisation of each kind before
+    serving, so that the first client does not pay one-time set-up costs (lazy kernel and
+    tokenizer initialisation, hundreds of ms on CPU) in its TTFT. Runs before the engine thread."""
+    ids = engine.encode_prompt("Warm up.")
+    if getattr(engine.tokenizer, "chat_template", None):
+        engine.encode_prompt(messages=[{"role": "user", "content": "Warm up."}])
+    n = max(1, min(len(ids), engine.max_input_len, engine.max_model_len - 2))
+    try:
+        engine.add_request(params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                           request_id="__warmup__", prompt_token_ids=ids[:n])
+    except RequestRejected as e:
+        log.warning("skipping warm-up: %s", e)
+        return
+    while engine.has_unfinished_requests():
+        before = engine.step_count
+        engine.step()
+        if engine.step_count == before:  # static batching: the partial batch waits for its timeout
+            time.sleep(0.005)
+
+
+def _settle(fut: asyncio.Future, error: Exception | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,150 @@
+"""`iterserve serve [MODEL]`: the OpenAI-compatible server.
+
+Flags are the engine's (cli.add_engine_args, named as vLLM names them) plus the server's own. A
+YAML file given with --config may set the same keys (with dashes or underscores); a flag given on
+the command line wins over the file, the file over the built-in default. SIGINT / SIGTERM stop
+accepting, abort what is in flight (clients get finish_reason "abort"), stop the engine thread and
+exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from iterserve.cli import add_engine_args, engine_config_from_args, setup_logging
+
+DEFAULT_MODEL = "smollm2-135m"
+GRACEFUL_SHUTDOWN_S = 10  # after aborting in-flight requests, how long connections may take to close
+
+
+class _Unset:
+    """A default that the user did not choose, so that a config file may replace it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
+                    "(streaming with SSE), /v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus) "
+                    "and /v1/scheduler (live batch, KV cache and per-step records).")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="a .gguf file, a Hugging Face folder, or smollm2-135m (the embedded default)")
+    p.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (same as MODEL)")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients must send in 'model' (default: MODEL as given)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $ITERSERVE_API_KEY, else none)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="waiting-queue bound: beyond it new requests get HTTP 503 with Retry-After (default: unbounded)")
+    g.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503 (default 1)")
+    g.add_argument("--config", default=None,
+                   help="YAML file with the same keys as these flags (e.g. max-num-seqs: 32); flags win")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level of the server, access and scheduler logs (default info)")
+    for action in p._actions:
+        if action.default is not argparse.SUPPRESS and action.dest not in ("help", "config"):
+            action.default = _Unset(action.default)
+    p.set_defaults(func=cmd_serve, _serve_parser=p)
+
+
+def _option_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    keys: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if action.dest in ("help", "config", "model_flag"):  # a file cannot name itself; MODEL is `model`
+            continue
+        names = [o[2:] for o in action.option_strings if o.startswith("--")] or [action.dest]
+        for name in names + [action.dest]:
+            keys[name] = keys[name.replace("-", "_")] = action
+    return keys
+
+
+def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser, config: dict[str, Any]) -> None:
+    """Fills every option the command line left at its default from `config`, then unwraps defaults."""
+    keys = _option_keys(parser)
+    for key, value in config.items():
+        action = keys.get(str(key))
+        if action is None:
+            raise ValueError(f"unknown key {key!r} in --config file")
+        if not isinstance(getattr(args, action.dest, None), _Unset):
+            continue  # given on the command line: the flag wins
+        if isinstance(value, str) and callable(action.type):
+            value = action.type(value)
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"--config {key}: {value!r} is not one of {list(action.choices)}")
+        setattr(args, action.dest, value)
+    for name, value in vars(args).items():
+        if isinstance(value, _Unset):
+            setattr(args, name, value.value)
+
+
+def load_config(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config file must be a mapping of option: value")
+    return data
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    apply_config(args, args._serve_parser, load_config(args.config) if args.config else {})
+    if args.model_flag:
+        if args.model not in (DEFAULT_MODEL, args.model_flag):
+            raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model_flag
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise ValueError("--max-waiting must be >= 1 (leave it out for an unbounded queue)")
+    args.api_key = args.api_key or os.environ.get("ITERSERVE_API_KEY") or None
+    return args
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from iterserve.engine import LLMEngine
+    from iterserve.server.api import build_app
+    from iterserve.server.async_engine import AsyncEngine
+    from iterserve.server.serving import ServerSettings
+
+    args = resolve_args(args)
+    setup_logging(args.log_level == "debug")
+    logging.getLogger("iterserve").setLevel(args.log_level.upper())
+    config = engine_config_from_args(args, model=args.model)
+    engine = AsyncEngine(LLMEngine(config))
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                              retry_after_s=args.retry_after)
+    app = build_app(engine, settings)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    make_server(uv_config, on_exit=engine.begin_shutdown).run()
+    return 0
+
+
+def make_server(config, on_exit):
+    """A uvicorn.Server that aborts in-flight requests on the first signal (rather than waiting for
+    every stream to end) and exits 0 after the clean shutdown (rather than re-raising the signal).
+    uvicorn is imported here, not at module import, to keep `iterserve --help` fast."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+            if first:
+                on_exit()
+
+    return Server(config)

@@ -1,0 +1,255 @@
+"""OpenAI completions and chat completions over the AsyncEngine.
+
+A body becomes token ids (tokenised off the event loop) and SamplingParams; the engine admits the
+request or says why not before any byte of the response is sent; then the outputs become either
+SSE chunks or one JSON response. A client that goes away (stream cancelled, or a disconnect seen
+while a non-streaming request waits) aborts its request, which frees its KV blocks at the next
+step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from iterserve.request import RequestOutput, RequestTimes
+from iterserve.sampling import SamplingParams
+from iterserve.server.async_engine import AsyncEngine, RequestStream
+from iterserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                       GenerationRequest, error_body)
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    retry_after_s: int = 1
+
+
+def timings(t: RequestTimes) -> dict:
+    """The `iterserve` key: server-side seconds a client cannot see for itself."""
+    return {"queue_time": t.queue_time, "ttft": t.ttft, "e2e": t.e2e}
+
+
+def usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.llm = engine.engine
+        tok = self.llm.tokenizer
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i]))
+
+    # ---- validation ---------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.served_model_name:
+            raise APIError(f"model {name!r} does not exist; this server serves "
+                           f"{self.settings.served_model_name!r}", 404, param="model", code="model_not_found")
+
+    def sampling_params(self, body: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if body.n not in (None, 1):
+            raise APIError(f"n must be 1 (iterserve returns one choice per request), got {body.n}", param="n")
+        given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                                "stop_token_ids", "presence_penalty", "frequency_penalty",
+                                                "repetition_penalty") if getattr(body, k) is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
+                                  **given)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+    # ---- endpoints ----------------------------------------------------------------------------------
+    async def completion(self, body: CompletionRequest, http: Request):
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        for name, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", body.best_of not in (None, 1))):
+            if bad:
+                raise APIError(f"{name} is not supported", param=name)
+        text, ids = self._completion_prompt(body.prompt)
+        if ids is None:
+            ids = await self.engine.encode(prompt=text)
+        max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, self.llm.max_output_len)
+        params = self.sampling_params(body, max_tokens, body.logprobs)
+        return await self._generate(_Format(False, self), body, http, ids, params, arrival)
+
+    async def chat(self, body: ChatCompletionRequest, http: Request):
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        if not body.messages:
+            raise APIError("messages must not be empty", param="messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        ids = await self.encode_chat(body.messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(
+            1, min(self.llm.max_output_len, self.llm.max_model_len - len(ids)))
+        params = self.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        return await self._generate(_Format(True, self), body, http, ids, params, arrival)
+
+    async def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        try:
+            return await self.engine.encode(messages=messages_to_dicts(messages))
+        except (ValueError, TypeError, KeyError, IndexError) as e:  # template rejected the conversation
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        except Exception as e:
+            if type(e).__module__.startswith("jinja2"):
+                raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+            raise
+
+    @staticmethod
+    def _completion_prompt(prompt) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return None, list(prompt)
+        if len(prompt) != 1:
+            raise APIError("send one prompt per request (batched prompts are not supported)", param="prompt")
+        one = prompt[0]
+        return (one, None) if isinstance(one, str) else (None, list(one))
+
+    # ---- generation -----------------------------------------------------------------------------------
+    async def _generate(self, fmt: "_Format", body: GenerationRequest, http: Request, ids: list[int],
+                        params: SamplingParams, arrival: float):
+        request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        stream = await self.engine.add_request(request_id, ids, params, priority=body.priority or 0,
+                                               arrival_time=arrival)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(fmt, request_id, stream, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+        outputs = await self._collect(request_id, stream, http)
+        if outputs is None:  # the client is gone; nobody reads this
+            return JSONResponse(error_body("client disconnected", 400), status_code=400)
+        last = outputs[-1]
+        if last.error:
+            return JSONResponse(error_body(last.error, 500), status_code=500)
+        new_ids = [t for o in outputs for t in o.new_token_ids]
+        lps = [lp for o in outputs for lp in o.new_logprobs]
+        return JSONResponse(fmt.response(request_id, last, new_ids, lps, params.logprobs is not None),
+                            headers={"X-Request-Id": request_id})
+
+    async def _collect(self, request_id: str, stream: RequestStream, http: Request) -> list[RequestOutput] | None:
+        outputs: list[RequestOutput] = []
+
+        async def consume() -> None:
+            async for out in stream:
+                outputs.append(out)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(wait_disconnect(http))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+                self.engine.abort(request_id)
+        return outputs if consumer.done() and not consumer.cancelled() else None
+
+    async def _stream(self, fmt: "_Format", request_id: str, stream: RequestStream,
+                      include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        extra = {"usage": None} if include_usage else {}
+        try:
+            if fmt.chat:
+                yield sse(fmt.chunk(request_id, created, {"role": "assistant", "content": ""}, None, None) | extra)
+            offset = 0
+            async for out in stream:
+                if out.error:
+                    yield sse(error_body(out.error, 500))
+                    break
+                lp, offset = fmt.logprobs(out.new_token_ids, out.new_logprobs, offset)
+                if out.finished:
+                    chunk = fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, out.finish_reason)
+                    yield sse(chunk | extra | {"iterserve": timings(out.times)})
+                    if include_usage:
+                        yield sse(fmt.chunk(request_id, created, None, None, None) | {"usage": usage(out)})
+                elif out.text_delta or lp is not None:
+                    yield sse(fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, None) | extra)
+            yield sse("[DONE]")
+        finally:
+            if not stream.finished:
+                self.engine.abort(request_id)
+
+
+class _Format:
+    """What differs between the two endpoints' response shapes."""
+
+    def __init__(self, chat: bool, serving: OpenAIServing) -> None:
+        self.chat = chat
+        self.model = serving.settings.served_model_name
+        self.token_text = serving.token_text
+        self.id_prefix = "chatcmpl" if chat else "cmpl"
+
+    def delta(self, text: str):
+        return {"content": text} if self.chat else text
+
+    def chunk(self, request_id: str, created: int, delta, logprobs, finish_reason) -> dict:
+        """delta None: a usage-only chunk (no choices)."""
+        choices = [] if delta is None else [
+            {"index": 0, **({"delta": delta} if self.chat else {"text": delta}),
+             "logprobs": logprobs, "finish_reason": finish_reason}]
+        return {"id": request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": created, "model": self.model, "choices": choices}
+
+    def response(self, request_id: str, last: RequestOutput, ids: list[int], lps: list, want_lp: bool) -> dict:
+        lp = self.logprobs(ids, lps, 0)[0] if want_lp else None
+        choice = ({"message": {"role": "assistant", "content": last.output_text}} if self.chat
+                  else {"text": last.output_text})
+        return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": last.finish_reason}],
+                "usage": usage(last), "iterserve": timings(last.times)}
+
+    def logprobs(self, ids: list[int], lps: list, offset: int) -> tuple[dict | None, int]:
+        """OpenAI's logprobs object for these tokens; the completions format needs text offsets."""
+        if not lps:
+            return None, offset
+        entries = []
+        for tid, (lp, top) in zip(ids, lps):
+            text = self.token_text(tid)
+            entries.append((text, max(lp, MIN_LOGPROB), [(self.token_text(i), max(v, MIN_LOGPROB)) for i, v in top]))
+        if self.chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
+                                                  for s, v in top]} for t, lp, top in entries]}, offset
+        offsets = []
+        for t, _, _ in entries:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}, offset

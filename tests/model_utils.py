@@ -1,0 +1,83 @@
+"""Helpers for the model tests: logits straight from iterserve's model through the runner's own
+batch layout, and greedy references from transformers.
+
+Logits are taken by building the step exactly as the engine does (ModelRunner._prepare turns a
+SchedulerOutput into input ids, positions and AttentionMetadata) and then asking the model for the
+rows we want, instead of only the sampled ones.
+"""
+from __future__ import annotations
+
+import torch
+
+from iterserve.core.block_pool import BlockPool
+from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from iterserve.request import Request
+from iterserve.runner import ModelRunner
+from iterserve.sampling import SamplingParams
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the ocean."}],
+    [{"role": "user", "content": "Explain photosynthesis in two sentences."}],
+    [{"role": "user", "content": "List three prime numbers greater than 50."}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
+    [{"role": "user", "content": "What is 17 times 23?"}],
+    [{"role": "system", "content": "You are a pirate. Answer like one."},
+     {"role": "user", "content": "Describe your ship."}],
+    [{"role": "user", "content": "Who wrote Pride and Prejudice?"},
+     {"role": "assistant", "content": "Jane Austen wrote Pride and Prejudice."},
+     {"role": "user", "content": "Name another novel by her."}],
+    [{"role": "user", "content": "Give me one tip for writing clean Python code."}],
+]
+
+
+def new_runner(loaded, num_blocks: int = 64, block_size: int = 16) -> ModelRunner:
+    model, cfg, _ = loaded
+    return ModelRunner(model, cfg, BlockPool(num_blocks, block_size), torch.device("cpu"), torch.float32)
+
+
+def make_request(rid: str, token_ids: list[int]) -> Request:
+    return Request(rid, token_ids, SamplingParams(temperature=0, max_tokens=1))
+
+
+@torch.inference_mode()
+def run_step(runner: ModelRunner, items: list[tuple[Request, int]], all_rows: bool = False) -> torch.Tensor:
+    """Computes `n` more tokens of each request in ONE step. Returns the logits of each request's
+    last token this step ([len(items), vocab]), or of every token (all_rows)."""
+    for req, n in items:
+        assert runner.pool.allocate(req.request_id, req.num_computed_tokens + n), "test cache too small"
+    sched = SchedulerOutput([ScheduledRequest(req, n) for req, n in items])
+    input_ids, positions, meta, _, _ = runner._prepare(sched)
+    rows = torch.arange(len(input_ids)) if all_rows else meta.query_start_loc[1:] - 1
+    logits = runner.model(input_ids, positions, runner.kv_caches, meta, rows)
+    for req, n in items:
+        req.num_computed_tokens += n
+    return logits
+
+
+def sequence_logits(loaded, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence, computed alone in one prefill: [len, vocab]."""
+    runner = new_runner(loaded, num_blocks=len(token_ids) // 16 + 2)
+    return run_step(runner, [(make_request("alone", token_ids), len(token_ids))], all_rows=True)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """transformers' own tokenising chat template (the engine goes through text + encode)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
+    """transformers greedy generate for a left-padded batch, never stopping at EOS.
+    Returns (new token ids per prompt, raw logits per prompt [max_new_tokens, vocab])."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=pad_id, output_logits=True,
+                            return_dict_in_generate=True)
+    new = out.sequences[:, width:]
+    assert new.shape[1] == max_new_tokens
+    logits = torch.stack(out.logits, dim=1).float()  # [B, steps, vocab]
+    return new.tolist(), list(logits)

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1, tiny random-weight model.
+
+One server process for the module (starting one costs seconds); every test leaves it idle.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from iterserve.bench.launcher import ServerProcess
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    srv = ServerProcess([str(tiny_model_dir), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
+                         "--max-model-len", "1024", "--max-output-len", "512"], log_path=log)
+    with srv:
+        yield srv
+    assert srv.proc.returncode == 0, log.read_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def scheduler(server, **params) -> dict:
+    return httpx.get(server.base_url + "/v1/scheduler", params=params).json()
+
+
+def wait_idle(server, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = scheduler(server)
+        if snap["running"] == 0 and snap["waiting"] == 0 and snap["kv_cache"]["used_blocks"] == 0:
+            return snap
+        assert time.monotonic() < deadline, f"server not idle: {snap}"
+        time.sleep(0.02)
+
+
+def num_tokens(server, **body) -> int:
+    return httpx.post(server.base_url + "/tokenize", json=body).json()["count"]
+
+
+# ---- the official client, unchanged ---------------------------------------------------------------
+def test_openai_client_completions(server, client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens == num_tokens(server, prompt="The quick brown fox")
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    assert full.choices[0].text
+    assert full.model_extra["iterserve"]["e2e"] >= full.model_extra["iterserve"]["ttft"] > 0
+
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text  # greedy: streaming and not give the same text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert set(finals[0].model_extra["iterserve"]) == {"queue_time", "ttft", "e2e"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    wait_idle(server)
+
+
+def test_openai_client_chat(server, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 10
+    assert full.usage.prompt_tokens == num_tokens(server, messages=messages)
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # without include_usage there is no usage chunk
+    plain = list(client.chat.completions.create(**kw, stream=True))
+    assert all(c.choices for c in plain) and plain[-1].choices[0].finish_reason == "length"
+
+
+def test_max_completion_tokens_and_models(server, client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                         max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_logprobs(server, client):
+    out = client.completions.create(model=MODEL, prompt="One two three", max_tokens=5, logprobs=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == out.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and chosen <= 0
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy picks the top token
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True}, stream=True)
+    entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_stop_string_and_stop_token(server, client):
+    kw = dict(model=MODEL, prompt="Counting sheep", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(**kw, logprobs=0)
+    tokens = base.choices[0].logprobs.tokens
+    cut = next(i for i in range(3, 12) if tokens[i].strip() and tokens[i] not in "".join(tokens[:i]))
+    stop = tokens[cut]
+    full = client.completions.create(**kw, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=[stop], stream=True))
+    assert full.choices[0].finish_reason == "stop"
+    assert full.choices[0].text == "".join(tokens[:cut]) == streamed  # the stop string itself is never sent
+
+    for i, text in enumerate(tokens):  # a generated token whose text maps back to exactly one id
+        ids = httpx.post(server.base_url + "/tokenize", json={"prompt": text}).json()["tokens"]
+        if len(ids) == 1:
+            break
+    by_id = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": ids}})
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens <= i + 1
+
+
+# ---- many clients at once -----------------------------------------------------------------------
+async def _stream_one(http: httpx.AsyncClient, i: int) -> dict:
+    body = {"model": MODEL, "prompt": f"Request number {i} says" + " hello" * i, "max_tokens": 8 + 2 * i,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text, usage, finish = "", None, None
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+                finish = chunk["choices"][0]["finish_reason"] or finish
+            usage = chunk.get("usage") or usage
+    return {"i": i, "prompt": body["prompt"], "max_tokens": body["max_tokens"], "text": text, "usage": usage,
+            "finish": finish}
+
+
+def test_16_concurrent_streams(server):
+    before = scheduler(server)["step"]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            return await asyncio.gather(*(_stream_one(http, i) for i in range(16)))
+
+    results = asyncio.run(run())
+    for r in results:
+        assert r["finish"] == "length"
+        assert r["usage"]["completion_tokens"] == r["max_tokens"]
+        assert r["usage"]["prompt_tokens"] == num_tokens(server, prompt=r["prompt"])
+        assert r["text"]
+    steps = scheduler(server, since_step=before)["steps"]
+    assert max(s["batch_size"] for s in steps) >= 4  # they were batched together, not served one by one
+    wait_idle(server)
+
+
+# ---- aborts -------------------------------------------------------------------------------------------
+def test_dropped_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "never ending", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            got = 0
+            while got < 5:
+                got += next(lines).startswith("data: ")
+            snap = scheduler(server)
+            assert snap["running"] == 1 and snap["kv_cache"]["used_blocks"] > 0
+        # leaving the block closes the connection mid-stream
+        dropped = time.monotonic()
+    snap = wait_idle(server, timeout=1.0)
+    assert time.monotonic() - dropped < 1.0
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert 'iterserve:request_success_total{finished_reason="abort",model_name="tiny"}' in metrics
+
+
+def test_dropped_non_streaming_request_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "never ending", "max_tokens": 500, "ignore_eos": True}
+    failed = []
+
+    def fire():
+        try:
+            httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.6)
+        except httpx.ReadTimeout:
+            failed.append(time.monotonic())
+
+    t = threading.Thread(target=fire)
+    t.start()
+    time.sleep(0.3)
+    assert scheduler(server)["kv_cache"]["used_blocks"] > 0
+    t.join()
+    assert failed, "the request finished before the client gave up: make it longer"
+    wait_idle(server, timeout=1.0)
+    assert time.monotonic() - failed[0] < 1.0
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+LONG_PROMPT = "word " * 1100  # > max_model_len 1024 tokens
+BAD = [
+    ("malformed json", "/v1/completions", '{"prompt": "hi", ', 400, None),
+    ("body not an object", "/v1/completions", "[1, 2]", 400, None),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "three"}, 400, "max_tokens"),
+    ("bool for int", "/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("temperature < 0", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("top_p = 0", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, 400, "top_p"),
+    ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("n = 2", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, None),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("token out of vocab", "/v1/completions", {"prompt": [1, 10**9]}, 400, None),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("empty stop string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, None),
+    ("unknown model", "/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),
+    ("unknown model chat", "/v1/chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]},
+     404, "model"),
+    ("max_tokens over cap", "/v1/completions", {"prompt": "hi", "max_tokens": 513}, 400, None),
+    ("prompt too long", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, None),
+    ("unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
+]
+
+
+def test_bad_inputs_answer_openai_errors_and_disturb_nothing(server):
+    body = {"model": MODEL, "prompt": "a long running request", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            next(lines)
+            for name, path, payload, status, param in BAD:
+                kw = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, str) \
+                    else {"json": payload}
+                resp = http.post(path, **kw)
+                assert resp.status_code == status, (name, resp.text)
+                err = resp.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"], name
+                if param:
+                    assert err["param"] == param, (name, err)
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"  # the running request never noticed
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_too_long_states_limit_and_length(server):
+    n = num_tokens(server, prompt=LONG_PROMPT)
+    resp = httpx.post(server.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 1})
+    msg = resp.json()["error"]["message"]
+    assert resp.status_code == 400 and str(n) in msg and "1024" in msg
+    resp = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 600})
+    msg = resp.json()["error"]["message"]
+    assert "600" in msg and "512" in msg
+
+
+# ---- observability ------------------------------------------------------------------------------------
+def test_scheduler_snapshot_contract(server):
+    httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    snap = scheduler(server)
+    assert snap["batching"] == "continuous"
+    assert set(snap["kv_cache"]) >= {"used_blocks", "total_blocks", "usage", "tokens_stored", "internal_fragmentation"}
+    assert 0 <= snap["busy_fraction"] <= 1 and snap["uptime_s"] > 0
+    assert snap["config"]["max_model_len"] == 1024 and snap["config"]["max_num_seqs"] == 16
+    step = snap["steps"][-1]
+    assert set(step) >= {"step", "t", "duration", "batch_size", "num_padding", "num_running", "num_waiting",
+                         "prefill_tokens", "decode_tokens", "kv_used_blocks", "kv_total_blocks", "kv_tokens"}
+    later = scheduler(server, since_step=step["step"] - 2)["steps"]
+    assert [s["step"] for s in later] == [step["step"] - 1, step["step"]]
+    assert 0 <= later[0]["t"] <= later[1]["t"] <= snap["uptime_s"]
+
+
+def test_metrics_count_requests(server):
+    def value(text: str, name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} missing")
+
+    before = httpx.get(server.base_url + "/metrics").text
+    httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 7, "ignore_eos": True})
+    after = httpx.get(server.base_url + "/metrics").text
+    for name in ("iterserve:num_requests_running", "iterserve:num_requests_waiting", "iterserve:kv_cache_usage_perc",
+                 "iterserve:engine_busy_fraction", "iterserve:num_preemptions_total",
+                 "iterserve:time_to_first_token_seconds_count", "iterserve:time_per_output_token_seconds_count",
+                 "iterserve:e2e_request_latency_seconds_count", "iterserve:request_queue_time_seconds_count",
+                 "iterserve:batch_size_count"):
+        value(after, name)
+    assert value(after, "iterserve:generation_tokens_total") - value(before, "iterserve:generation_tokens_total") == 7
+    assert value(after, "iterserve:e2e_request_latency_seconds_count") == \
+        value(before, "iterserve:e2e_request_latency_seconds_count") + 1
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert ids and httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello world"
+    assert httpx.post(server.base_url + "/tokenize", json={}).status_code == 400
+    assert httpx.post(server.base_url + "/detokenize", json={"tokens": [-1]}).status_code == 400
