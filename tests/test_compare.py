@@ -20,8 +20,9 @@ from iterserve.bench.timeline import SchedulerPoller, Timeline
 
 
 def _step(i: int, t: float, dur: float, batch: int, padding: int = 0, kv: int = 10) -> dict:
+    """A decode step as /v1/scheduler reports it (decode_tokens counts padding members, as the engine does)."""
     return {"step": i, "t": t, "t_run": t, "duration": dur, "batch_size": batch, "num_padding": padding,
-            "num_running": batch, "num_waiting": 0, "prefill_tokens": 0, "decode_tokens": batch - padding,
+            "num_running": batch, "num_waiting": 0, "prefill_tokens": 0, "decode_tokens": batch,
             "kv_used_blocks": kv, "kv_total_blocks": 100, "kv_tokens": 5 * kv}
 
 
@@ -40,6 +41,9 @@ def test_windows_measure_busy_and_useful_time():
     assert tl.busy_between(0.0, 3.0) == pytest.approx((0.5, (0.375 + 1.0) / 3))
     stats = tl.step_stats()
     assert stats["padding_share"] == pytest.approx(1 / 12)
+    assert stats["saturated_s"] == 0 and stats["saturated_decode_tps"] is None  # nobody waited
+    queued = Timeline("static", [{**_step(1, 0.0, 0.5, 4, padding=1), "num_waiting": 3}, _step(2, 1.0, 1.0, 8)])
+    assert queued.step_stats()["saturated_decode_tps"] == pytest.approx(3 / 0.5)  # padding decodes nothing
     assert stats["mean_batch_size"] == pytest.approx((0.5 * 4 + 1.0 * 8) / 1.5)
     assert np.isnan(Timeline().windows(1.0, 1.0)["batch"][0])
     last = tl.windows(t_end=3.0, window_s=2.0)  # a shorter last window is measured over its own length
@@ -112,14 +116,14 @@ def test_table_changes_and_targets():
     assert c["static"]["utilisation"] == pytest.approx(0.5)
     assert c["static"]["useful_utilisation"] == pytest.approx(0.3)
     assert c["continuous"]["utilisation"] == pytest.approx(0.9)
-    assert c["static"]["saturated_throughput"] == pytest.approx(4 / 5.0)  # completed / busy seconds
+    assert c["static"]["busy_throughput"] == pytest.approx(4 / 5.0)  # completed / busy seconds
     met = {r["key"]: r["target_met"] for r in c["rows"]}
-    assert met["utilisation"] is True and met["saturated_throughput"] is True  # 2.78x
+    assert met["utilisation"] is True and met["busy_throughput"] is True  # 2.78x
     assert met["p95_latency_s"] is True and met["mean_queue_s"] is True
     table = markdown_table(static, cont)
     assert len(table.splitlines()) == 2 + len(ROWS)
     assert "| Throughput over the run (req/s) | 0.400 | 2.000 | +400% (5.00×) |  |" in table
-    assert "| Throughput at saturation (req/s per busy s) | 0.800 | 2.222 | +178% (2.78×) | ≥ 2× met |" in table
+    assert "| Throughput per busy second (req/s) | 0.800 | 2.222 | +178% (2.78×) | ≥ 2× met |" in table
     assert "| Utilisation (busy fraction) | 50% | 90% | +40 pts | continuous ≥ 80% met |" in table
     # a p95 only 30% lower misses its target
     assert target_met("p95_latency_s", {"p95_latency_s": 1.0}, {"p95_latency_s": 0.7}) is False

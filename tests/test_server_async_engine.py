@@ -19,7 +19,7 @@ def run(coro):
 
 def test_outputs_stream_in_order_and_abort_takes_one_step(make_engine):
     async def main():
-        engine = AsyncEngine(make_engine())
+        engine = AsyncEngine(make_engine(), warmup=False)
         engine.start()
         short = await engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
         outs = [o async for o in short]
@@ -46,7 +46,7 @@ def test_outputs_stream_in_order_and_abort_takes_one_step(make_engine):
 
 def test_rejections_come_back_before_any_output(make_engine):
     async def main():
-        engine = AsyncEngine(make_engine(max_num_seqs=1, max_waiting=1, max_output_len=400))
+        engine = AsyncEngine(make_engine(max_num_seqs=1, max_waiting=1, max_output_len=400), warmup=False)
         engine.start()
         with pytest.raises(RequestRejected, match="max_output_len 400") as e:
             await engine.add_request("big", [1], SamplingParams(max_tokens=401))
@@ -68,7 +68,7 @@ def test_rejections_come_back_before_any_output(make_engine):
 def test_failed_step_fails_its_requests_and_the_loop_survives(make_engine):
     async def main():
         llm = make_engine()
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine(llm, warmup=False)
         real = llm.runner.execute
         calls = {"n": 0}
 
@@ -95,7 +95,7 @@ def test_failed_step_fails_its_requests_and_the_loop_survives(make_engine):
 def test_static_partial_batch_waits_for_its_deadline_without_spinning(make_engine):
     async def main():
         llm = make_engine(batching="static", max_batch_size=4, batch_timeout_ms=200)
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine(llm, warmup=False)
         real = llm.scheduler.schedule
         calls = {"n": 0}
 
@@ -118,7 +118,7 @@ def test_static_partial_batch_waits_for_its_deadline_without_spinning(make_engin
 
 def test_drain_aborts_in_flight_and_refuses_new(make_engine):
     async def main():
-        engine = AsyncEngine(make_engine())
+        engine = AsyncEngine(make_engine(), warmup=False)
         engine.start()
         stream = await engine.add_request("x", [1, 2, 3], LONG)
         await anext(aiter(stream))
@@ -143,3 +143,17 @@ def test_busy_window():
     w2 = BusyWindow(10.0, since=0.0)
     w2.add(1.0, 1.0)
     assert w2.fraction(now=4.0) == pytest.approx(0.25)  # young server: divide by its age
+
+
+def test_warm_up_runs_before_ready_and_leaves_no_trace(make_engine):
+    async def main():
+        llm = make_engine()
+        engine = AsyncEngine(llm)  # warmup=True: what the server does
+        engine.start()
+        assert await asyncio.to_thread(engine.ready.wait, 30)
+        assert llm.step_count >= 2  # a prefill and a decode step ran
+        assert engine.recent_steps() == [] and not llm.requests  # not in /v1/scheduler, nothing left over
+        assert engine.state.kv.used_blocks == 0 and engine.state.step_count == llm.step_count
+        await engine.stop()
+
+    run(main())

@@ -82,9 +82,6 @@ def test_caps_state_limit_and_length(server):
 
 
 # ---- schemathesis: the server's own OpenAPI schema, positive and negative data ---------------------------
-CASES: list[tuple[str, str, int]] = []
-
-
 @pytest.fixture(scope="module")
 def schema(server):
     import schemathesis
@@ -95,27 +92,27 @@ def schema(server):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_schemathesis_finds_no_5xx(server, schema, path, mode):
+    """Up to MAX_EXAMPLES generated bodies per endpoint and mode (200 in all; each test prints its count)."""
     from schemathesis import GenerationMode
 
-    operation = schema[path]["POST"]
-    strategy = operation.as_strategy(generation_mode=GenerationMode(mode))
+    statuses: list[int] = []
+    strategy = schema[path]["POST"].as_strategy(generation_mode=GenerationMode(mode))
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def run(case):
         response = case.call(base_url=server.base_url, headers=AUTH, timeout=60)
-        CASES.append((path, mode, response.status_code))
+        statuses.append(response.status_code)
         assert response.status_code < 500, (case.body, response.text[:500])
 
     run()
+    counts = {code: statuses.count(code) for code in sorted(set(statuses))}
+    print(f"\nschemathesis {mode} {path}: {len(statuses)} cases, status codes {counts}")
+    assert len(statuses) >= MAX_EXAMPLES // 2  # hypothesis may stop early only when the space runs out
+    if mode == "positive":
+        assert counts.get(200, 0) > 0  # valid bodies were served, not just rejected
+    else:
+        assert counts.get(400, 0) > 0
+    snap = httpx.get(server.base_url + "/v1/scheduler").json()
+    assert snap["running"] == 0 and snap["kv_cache"]["used_blocks"] == 0  # nothing leaked
     assert httpx.get(server.base_url + "/health").status_code == 200
-
-
-def test_schemathesis_ran_enough_cases(server):
-    by_status: dict[int, int] = {}
-    for _, _, status in CASES:
-        by_status[status] = by_status.get(status, 0) + 1
-    print(f"\nschemathesis: {len(CASES)} cases, status codes {dict(sorted(by_status.items()))}")
-    assert len(CASES) >= 4 * MAX_EXAMPLES * 0.5  # hypothesis may stop early when the space is exhausted
-    assert by_status.get(200, 0) > 0 and by_status.get(400, 0) > 0  # both valid and invalid bodies were sent
-    assert httpx.get(server.base_url + "/v1/scheduler").json()["running"] == 0

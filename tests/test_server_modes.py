@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -62,6 +65,19 @@ def test_serve_help_documents_every_flag(capsys):
                  "--batch-timeout", "--max-input-len", "--max-output-len", "--max-waiting", "--log-scheduler",
                  "--config", "--log-level"):
         assert flag in text
+
+
+def test_serve_fails_fast_with_one_line_errors(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = subprocess.run([sys.executable, "-m", "iterserve.cli", "serve", str(tiny_model_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert busy.returncode == 2 and "cannot listen on" in busy.stderr and "Traceback" not in busy.stderr
+    missing = subprocess.run([sys.executable, "-m", "iterserve.cli", "serve", str(tiny_model_dir / "nope"), "--port", "0"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.startswith("error:")
 
 
 # ---- a static-batching server -----------------------------------------------------------------------------

@@ -95,3 +95,9 @@ def test_tune_2x2_on_tiny_model_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert (out / "tune.md").read_text().count("\n|") >= 5
     assert (out / "heatmap.png").stat().st_size > 10_000
     assert len(list((out / "logs").glob("*.log"))) == 4
+
+
+def test_config_result_round_trips_through_json():
+    r = _result(8, 16, 2.0, 80.0, True)
+    r.requests = [{"index": 0, "e2e_s": 1.0}]
+    assert ConfigResult.from_dict(json.loads(json.dumps(r.to_dict()))) == r

@@ -289,7 +289,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.replot:
         runs = load_runs(out)
         meta = json.loads((out / "compare.json").read_text()) if (out / "compare.json").exists() else {}
-        meta = {k: meta[k] for k in ("command", "date", "model", "workload") if k in meta}
+        meta = {k: v for k, v in meta.items() if k not in ("static", "continuous", "rows", "table")}
     else:
         args.workload = args.workload or ("trace" if args.trace else "bursty")
         if args.load <= 0:
@@ -333,8 +333,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--replot", action="store_true", help="redraw the table and plots from --out's JSON files")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--load", type=float, default=DEFAULT_LOAD,
-                   help="without --rate (--time-scale for a trace): offer this share of the continuous server's capacity, measured by a "
-                        f"calibration batch first (default {DEFAULT_LOAD:g})")
+                   help="without --rate (--time-scale for a trace): offer this share of the continuous server's "
+                        f"capacity, estimated from a calibration batch first (default {DEFAULT_LOAD:g})")
     add_workload_args(p)
     compare_help = {
         "workload": "arrival process (default: trace when --trace is given, else bursty)",

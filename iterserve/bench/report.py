@@ -62,10 +62,10 @@ class ModeRun:
                 "mean_ttft_s": sec("ttft_ms", "mean"), "p95_ttft_s": sec("ttft_ms", "p95"),
                 "request_throughput": s["request_throughput"], "output_throughput": s["output_throughput"],
                 "completed": s["completed"], "failed": s["failed"], "duration_s": duration,
-                # what the engine served per second of work: the throughput it would reach if kept
-                # busy all the time with this mix (a lower bound where batches would be fuller)
-                "saturated_throughput": s["completed"] / busy_s if busy_s else None,
-                "saturated_output_throughput": s["total_output_tokens"] / busy_s if busy_s else None,
+                # what the engine served per second of work: its throughput if kept busy all the time
+                # with this mix, a lower bound of the saturated one where its batches were not full
+                "busy_throughput": s["completed"] / busy_s if busy_s else None,
+                "busy_output_throughput": s["total_output_tokens"] / busy_s if busy_s else None,
                 "peak_concurrency": s["peak_concurrency"], **stats}
 
 
@@ -101,9 +101,10 @@ ROWS = (
     Row("Mean TTFT", "mean_ttft_s", _ms, "lower"),
     Row("Throughput over the run (req/s)", "request_throughput", lambda x: f"{x:.3f}", "higher"),
     Row("Output throughput over the run (tok/s)", "output_throughput", lambda x: f"{x:.1f}", "higher"),
-    Row("Throughput at saturation (req/s per busy s)", "saturated_throughput", lambda x: f"{x:.3f}", "higher",
+    Row("Throughput per busy second (req/s)", "busy_throughput", lambda x: f"{x:.3f}", "higher",
         f"≥ {TARGET_THROUGHPUT_RATIO:g}×"),
-    Row("Output tok/s at saturation (per busy s)", "saturated_output_throughput", lambda x: f"{x:.1f}", "higher"),
+    Row("Output tok/s per busy second", "busy_output_throughput", lambda x: f"{x:.1f}", "higher"),
+    Row("Decode tok/s while requests queued", "saturated_decode_tps", lambda x: f"{x:.1f}", "higher"),
     Row("Mean active sequences per step", "mean_active_seqs", lambda x: f"{x:.1f}", "higher"),
     Row("Padding share of sequence-steps", "padding_share", _pct, ""),
     Row("Completed / failed", "completed", str, ""),
@@ -118,7 +119,8 @@ def change(row: Row, static: float | None, cont: float | None) -> str:
         return f"{100 * (cont - static):+.0f} pts"
     if static == 0:
         return ""
-    text = f"{100 * (cont - static) / static:+.0f}%"
+    pct = 100 * (cont - static) / static
+    text = f"{pct:+.1f}%" if 99.5 <= abs(pct) < 100 else f"{pct:+.0f}%"  # never round 99.6% to 100%
     return text + (f" ({cont / static:.2f}×)" if "throughput" in row.key else "")
 
 
@@ -129,7 +131,7 @@ def target_met(key: str, static: dict[str, Any], cont: dict[str, Any]) -> bool |
         return None if c is None else c >= TARGET_UTILISATION
     if s is None or c is None or s <= 0:
         return None
-    if key == "saturated_throughput":
+    if key == "busy_throughput":
         return c / s >= TARGET_THROUGHPUT_RATIO
     if key == "p95_latency_s":
         return 1 - c / s >= TARGET_P95_REDUCTION
@@ -183,10 +185,9 @@ def _run_end(runs: dict[str, ModeRun]) -> float:
 
 def plot_utilisation(runs: dict[str, ModeRun], path: Path, window_s: float) -> None:
     plt = _plt()
-    end = _run_end(runs)
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), sharex=True, squeeze=False)
     for ax, (mode, run) in zip(axes[:, 0], runs.items()):
-        w = run.timeline.windows(end, window_s)
+        w = run.timeline.windows(float(run.summary["duration_s"]), window_s)
         m = run.metrics()
         ax.plot(w["t"], w["busy"], color=COLORS[mode], lw=1.8, label="busy fraction (time in steps)")
         if run.timeline.steps and any(s.get("num_padding") for s in run.timeline.steps):
@@ -229,7 +230,7 @@ def plot_batch_size(runs: dict[str, ModeRun], path: Path) -> None:
             ax2 = ax.twinx()
             ax2.step(tw, nw, where="post", color="tab:red", lw=1, label="waiting requests")
             ax2.set_ylabel("waiting", color="tab:red")
-            ax2.set_ylim(bottom=0)
+            ax2.set_ylim(0, max(1.0, 1.05 * max(nw)))
             ax2.legend(loc="upper right", fontsize=8)
         ax.set_ylim(bottom=0)
         ax.set_ylabel("sequences in step")
@@ -288,9 +289,15 @@ def plot_kv_usage(runs: dict[str, ModeRun], path: Path) -> None:
     for mode, run in runs.items():
         a = run.timeline.arrays()
         ax.plot(a["start"], a["kv_usage"], color=COLORS[mode], lw=1, label=f"{mode}: KV blocks held")
+        block = run.timeline.config.get("block_size")
+        if block and len(a["start"]):
+            slots = np.array([float(s.get("kv_total_blocks") or 0) * block for s in run.timeline.steps])
+            stored = np.array([float(s.get("kv_tokens") or 0) for s in run.timeline.steps])
+            ax.plot(a["start"], np.divide(stored, slots, out=np.zeros_like(slots), where=slots > 0),
+                    color=COLORS[mode], lw=0.8, ls="--", label=f"{mode}: tokens stored")
     ax.set_xlim(0, end)
     ax.set_ylim(bottom=0)
-    ax.set_ylabel("share of KV blocks")
+    ax.set_ylabel("share of the KV cache")
     ax.set_xlabel("time since the run started (s)")
     ax.set_title("KV cache held (static reserves the batch's longest possible sequence up front)",
                  fontsize=10, loc="left")

@@ -99,12 +99,19 @@ class Timeline:
         return out
 
     def step_stats(self) -> dict[str, float | int | None]:
-        """Totals over all steps: time-weighted mean batch / active, padding share of sequence-steps."""
+        """Totals over all steps: time-weighted mean batch / active, padding share of sequence-steps,
+        and the tokens decoded per second in steps taken while requests were queued (saturation)."""
         a = self.arrays()
         busy = a["duration"].sum()
         seq_steps = a["batch"].sum()
         weighted = lambda k: float((a[k] * a["duration"]).sum() / busy) if busy > 0 else None  # noqa: E731
-        return {"num_steps": len(self.steps), "busy_s": float(busy), "mean_batch_size": weighted("batch"),
+        # saturated: steps taken while requests waited, so the server ran as full as it could
+        queued = np.array([float(x.get("num_waiting") or 0) > 0 for x in self.steps], dtype=bool)
+        decoded = np.array([float(x.get("decode_tokens") or 0) for x in self.steps]) - a["padding"]
+        saturated_s = float(a["duration"][queued].sum()) if len(queued) else 0.0
+        return {"num_steps": len(self.steps), "busy_s": float(busy), "saturated_s": saturated_s,
+                "saturated_decode_tps": float(decoded[queued].sum() / saturated_s) if saturated_s else None,
+                "mean_batch_size": weighted("batch"),
                 "mean_active_seqs": weighted("active"), "mean_kv_usage": weighted("kv_usage"),
                 "padding_share": float(a["padding"].sum() / seq_steps) if seq_steps else None,
                 "max_batch_size": int(a["batch"].max()) if len(a["batch"]) else 0}

@@ -50,6 +50,11 @@ class GridPoint:
             flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         return flags
 
+    def slug(self) -> str:
+        """For file names: seqs16_block16[_tok2048]."""
+        tok = f"_tok{self.max_num_batched_tokens}" if self.max_num_batched_tokens else ""
+        return f"seqs{self.max_num_seqs}_block{self.block_size}{tok}"
+
     def label(self) -> str:
         text = f"seqs={self.max_num_seqs} block={self.block_size}"
         return text + (f" tokens={self.max_num_batched_tokens}" if self.max_num_batched_tokens else "")
@@ -113,6 +118,14 @@ class ConfigResult:
         return {"config": dataclasses.asdict(self.point), "status": self.status, "detail": self.detail,
                 "slo_met": self.slo_met, "wall_s": self.wall_s, "load_avg": self.load_avg,
                 "kv": dataclasses.asdict(self.kv), "summary": self.summary, "requests": self.requests}
+
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ConfigResult":
+        """Reads back one entry of tune.json (e.g. to redraw the heat-map)."""
+        return cls(GridPoint(**d["config"]), d["status"], d.get("detail", ""), d.get("summary") or {},
+                   KvStats(**d.get("kv") or {}), d.get("slo_met", False), d.get("wall_s", 0.0),
+                   d.get("load_avg"), d.get("requests") or [])
 
 
 def slo_met(result: RunResult) -> bool:
@@ -184,10 +197,7 @@ def run_config(point: GridPoint, model: str, server_args: Sequence[str], specs: 
                ignore_eos: bool = True, log_dir: Path | None = None) -> ConfigResult:
     """Start a server with this config, replay, stop it; failures become a 'failed' result."""
     start = time.perf_counter()
-    log_path = None
-    if log_dir is not None:
-        name = f"server_seqs{point.max_num_seqs}_block{point.block_size}"
-        log_path = log_dir / (name + (f"_tok{point.max_num_batched_tokens}" if point.max_num_batched_tokens else "") + ".log")
+    log_path = log_dir / f"server_{point.slug()}.log" if log_dir is not None else None
     srv = ServerProcess([model, *point.server_flags(), *server_args], log_path=log_path)
     try:
         with srv:
@@ -232,7 +242,8 @@ def explain(results: Sequence[ConfigResult], best: ConfigResult | None, met: boo
         return ["no configuration completed a run"]
     lines = [f"best: {best.point.label()} "
              + (f"meets {slo_text}" if met else f"(no configuration met {slo_text}; this one had the highest goodput)")
-             + f" with goodput {best.metric('goodput') or 0:.2f} req/s, {best.metric('throughput') or 0:.1f} output tok/s, "
+             + f" with goodput {best.metric('goodput') or 0:.3g} req/s, "
+               f"{best.metric('throughput') or 0:.1f} output tok/s, "
                f"e2e p95 {best.summary['e2e_ms']['p95'] or 0:.0f} ms"]
     same_seqs = sorted((r for r in ok if r.point.max_num_seqs == best.point.max_num_seqs
                         and r.point.max_num_batched_tokens == best.point.max_num_batched_tokens),
@@ -241,7 +252,8 @@ def explain(results: Sequence[ConfigResult], best: ConfigResult | None, met: boo
         lo, hi = same_seqs[0], same_seqs[-1]
         lines.append(
             f"block size (at max-num-seqs {best.point.max_num_seqs}): {lo.point.block_size} -> {hi.point.block_size} "
-            f"changed internal fragmentation {_pct(lo.kv.internal_fragmentation)} -> {_pct(hi.kv.internal_fragmentation)} "
+            f"changed internal fragmentation {_pct(lo.kv.internal_fragmentation)} -> "
+            f"{_pct(hi.kv.internal_fragmentation)} "
             f"and mean step time {lo.kv.mean_step_ms or 0:.1f} -> {hi.kv.mean_step_ms or 0:.1f} ms. Small blocks "
             "waste fewer slots but mean longer block tables (more block-table and slot-mapping work per step); "
             "large blocks leave slots allocated but unfilled at the end of every sequence, which only matters "
@@ -256,6 +268,20 @@ def explain(results: Sequence[ConfigResult], best: ConfigResult | None, met: boo
         lines.append(f"max-num-seqs (at block size {best.point.block_size}): " + "; ".join(parts) + ". Too few "
                      "sequences and requests queue; more sequences raise throughput until each step's compute "
                      "(or the KV cache) is the limit, after which every request's tokens just come slower")
+    peaks = [r.kv.kv_usage_peak for r in ok if r.kv.kv_usage_peak is not None]
+    preempted = sum(r.kv.preemptions for r in ok)
+    if peaks and max(peaks) < 0.9 and not preempted:
+        lines.append(f"KV cache: peak usage at most {_pct(max(peaks))} and no preemptions, so the cache never "
+                     "limited the batch here: block size could only act through per-step overhead, and "
+                     "fragmentation cost memory that was not needed")
+    elif preempted:
+        lines.append(f"KV cache: {preempted} preemptions in all, peak usage up to {_pct(max(peaks or [0]))}: "
+                     "the cache limited the batch, where large blocks' unfilled slots cost throughput")
+    loads = [r.load_avg for r in ok if r.load_avg is not None]
+    if loads:
+        lines.append(f"machine load (1-minute average after each replay) was {min(loads):.1f}-{max(loads):.1f}: "
+                     "where other jobs share the CPU, differences of a few tens of percent between configs "
+                     "can be noise; repeat the best few before trusting a ranking")
     return lines
 
 
@@ -274,7 +300,8 @@ def markdown_table(results: Sequence[ConfigResult]) -> str:
             cells += [f(s["output_throughput"]), f(s["request_throughput"], 2), f(s["goodput"], 2),
                       f(s["e2e_ms"]["mean"], 0), f(s["e2e_ms"]["p95"], 0), f(s["ttft_ms"]["p95"], 0),
                       f(s["queue_time_ms"]["mean"], 0), _pct(r.kv.kv_usage_mean), _pct(r.kv.kv_usage_peak),
-                      _pct(r.kv.internal_fragmentation), str(r.kv.preemptions), f(r.kv.mean_batch), f(r.kv.mean_step_ms), f(r.load_avg),
+                      _pct(r.kv.internal_fragmentation), str(r.kv.preemptions), f(r.kv.mean_batch),
+                      f(r.kv.mean_step_ms), f(r.load_avg),
                       "met" if r.slo_met else "missed"]
         else:
             cells += ["-"] * (len(head) - len(cells) - 1) + [r.detail[:60] or r.status]
@@ -309,7 +336,7 @@ def plot_heatmap(results: Sequence[ConfigResult], path: Path, metric: str = "goo
                 continue
             y, x = seqs.index(r.point.max_num_seqs), blocks.index(r.point.block_size)
             v = r.metric(metric)
-            text = r.status if v is None else f"{v:.2f}" + ("" if r.slo_met else "\nSLO missed")
+            text = r.status if v is None else f"{v:.3g}" + ("" if r.slo_met else "\nSLO missed")
             ax.text(x, y, text, ha="center", va="center", fontsize=8,
                     color="white" if v is None or v < 0.6 * vmax else "black")
             if r is best:

@@ -33,9 +33,11 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies with the config's theta and scaling (none, linear, llama3, and
-    llama.cpp's per-frequency divisors `freq_factors`, its form of llama3 scaling in GGUF)."""
+    llama.cpp's per-frequency divisors `freq_factors`, its form of llama3 scaling in GGUF).
+    Always computed on the CPU, also inside a `torch.device("meta")` block: a computing op on meta
+    tensors costs seconds of one-time setup inside torch."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     sc = cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type", "default"))
     if kind == "default":
@@ -43,7 +45,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if kind == "linear":
         return inv_freq / sc["factor"]
     if kind == "freq_factors":
-        return inv_freq / torch.tensor(sc["factors"], dtype=torch.float64)
+        return inv_freq / torch.tensor(sc["factors"], dtype=torch.float64, device="cpu")
     if kind == "llama3":
         factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
         old_len = sc["original_max_position_embeddings"]
@@ -58,12 +60,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, looked up by the per-token positions of a step."""
+    """cos/sin tables for every position, looked up by the per-token positions of a step.
+    Built on the CPU in float32 (see rope_inv_freq); move the module to the model's device."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(cfg)
-        t = torch.arange(max_positions, dtype=torch.float64)
+        t = torch.arange(max_positions, dtype=torch.float64, device="cpu")
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos().float(), persistent=False)

@@ -12,6 +12,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 
+import anyio
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -91,6 +92,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        async with anyio.create_task_group():  # loads anyio's backend now, not inside the first stream
+            pass
         engine.start()
         yield
         await engine.stop()

@@ -36,7 +36,6 @@ class EngineState:
     kv: BlockUsage
     step_count: int
     num_preemptions_total: int
-    at: float  # time.monotonic()
 
 
 class RequestStream:
@@ -304,7 +303,7 @@ class AsyncEngine:
         sched = self.engine.scheduler
         return EngineState(running=sched.num_running, waiting=sched.num_waiting,
                            kv=self.engine.pool.usage(), step_count=self.engine.step_count,
-                           num_preemptions_total=sched.num_preemptions_total, at=time.monotonic())
+                           num_preemptions_total=sched.num_preemptions_total)
 
     def _on_step(self, rec: StepRecord) -> None:
         with self._lock:
