@@ -109,6 +109,7 @@ def main() -> None:
     specs, prompts = make_workload(args.num_requests, args.seed, tokenizer)
     out_lens = [s.output_len for s in specs]
     load = os.getloadavg()[0]
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     print(f"{len(prompts)} requests: prompt tokens {sum(map(len, prompts))} "
           f"({min(map(len, prompts))}-{max(map(len, prompts))}), output tokens {sum(out_lens)} "
           f"({min(out_lens)}-{max(out_lens)}); torch threads {torch.get_num_threads()}; load {load:.2f}")
@@ -124,7 +125,7 @@ def main() -> None:
     print(f"ratio        : {ratio:.2f}x   (first 16 greedy tokens agree for {same}/{len(prompts)} requests)")
 
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/offline_vs_hf.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -69,6 +69,20 @@ def test_tiny_cache_preempts_and_output_matches_running_alone(make_engine, caplo
     eng.pool.check_invariants()
 
 
+def test_preempted_seeded_sampling_resumes_identically(make_engine):
+    """Recompute after preemption draws from the request's own generator where it left off."""
+    def sp(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=100 + i, ignore_eos=True)
+
+    eng = make_engine(block_size=8, num_kv_blocks=8, max_num_seqs=5)
+    for i in range(5):
+        eng.add_request(prompt_token_ids=prompt_ids(i, 12), params=sp(i), request_id=f"s{i}")
+    outs = run_to_end(eng)
+    assert any(rec.preempted for rec in eng.records)
+    for i in range(5):
+        assert tokens_of(outs[f"s{i}"]) == alone(make_engine, prompt_ids(i, 12), sp(i)), f"s{i} changed"
+
+
 # ---- rejection -------------------------------------------------------------------------------------
 def test_impossible_requests_rejected_others_finish(make_engine):
     eng = make_engine(block_size=16, num_kv_blocks=4, max_model_len=100)

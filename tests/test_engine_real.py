@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from iterserve.engine import LLMEngine
 from iterserve.config import EngineConfig
+from iterserve.engine import LLMEngine
 from iterserve.sampling import SamplingParams
 
 QUESTIONS = [
