@@ -104,7 +104,6 @@ class EngineConfig:
     log_scheduler: bool = False
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    quantization: str | None = None  # reserved for weight-only int8/int4 CPU kernels (issue 7)
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):

@@ -1,16 +1,17 @@
 """`iterserve compare`: static vs continuous batching, same model, same traffic, side by side.
 
-Starts `iterserve serve` twice on the model (static batching with --max-batch-size 8, then
-continuous batching with --max-num-seqs 16; every other engine flag the same), replays the
-identical workload against each with the load client while polling the engine's step records,
-then prints the seed's table (utilisation, mean / p95 latency, queue time, throughput and the
-change) and writes under --out: static.json and continuous.json (every request and every engine
-step), compare.json (the table's numbers) and PNG plots: utilisation and batch size over time,
-latency CDFs, queue time by arrival, KV usage.
+Starts `iterserve serve` twice on the model (continuous batching with --max-num-seqs 16, then
+static batching with --max-batch-size 8; every other engine flag the same), replays the identical
+workload against each with the load client while polling the engine's step records, then prints
+the seed's table (utilisation, mean / p95 latency, queue time, throughput and the change) and
+writes under --out: static.json and continuous.json (every request and every engine step),
+compare.json (the table's numbers) and PNG plots: utilisation and batch size over time, latency
+CDFs, queue time by arrival, KV usage.
 
-The default workload is bursty Poisson traffic shaped like the seed's (a base rate with bursts to
-a peak), scaled to what the embedded 135M model serves on a 2-core CPU: static batching is
-saturated during bursts and continuous batching is kept busy, and both runs take a few minutes.
+The default workload is bursty Poisson traffic shaped like the seed's (a base rate with bursts at
+6x it), its average rate set to --load of the continuous server's capacity as one calibration
+batch measures it, so that on any machine static batching is saturated and continuous batching
+kept busy; on the embedded model and a 2-core CPU the whole command takes a few minutes.
 """
 from __future__ import annotations
 

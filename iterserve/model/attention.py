@@ -63,8 +63,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nblk = -(-meta.max_context_len // bs)
     tables = meta.block_tables[:, :nblk]
     L = nblk * bs
-    k = k_cache[tables].view(B, L, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
-    v = v_cache[tables].view(B, L, kvh, D).transpose(1, 2)
+    flat = tables.reshape(-1)  # index_select copies whole blocks; ~2x faster than k_cache[tables]
+    k = k_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
+    v = v_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     key_pos = torch.arange(L, device=q.device)
