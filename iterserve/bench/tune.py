@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import shlex
 import sys
 import time
@@ -292,7 +293,8 @@ def markdown_table(results: Sequence[ConfigResult]) -> str:
             "frag", "preempt", "batch", "step ms", "load", "SLO"]
     rows = [head, ["---"] * len(head)]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    for r in results:
+    order = lambda r: (r.point.max_num_seqs, r.point.block_size, r.point.max_num_batched_tokens or 0)  # noqa: E731
+    for r in sorted(results, key=order):
         s = r.summary
         cells = [str(r.point.max_num_seqs), str(r.point.block_size),
                  *([str(r.point.max_num_batched_tokens or "-")] if with_tokens else []), r.status]
@@ -431,6 +433,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=("goodput", "throughput"), default="goodput", help="heat-map value")
     p.add_argument("--out", default="tune-results", metavar="DIR",
                    help="writes tune.json, tune.md (table + conclusion), heatmap.png and server logs here")
+    p.add_argument("--shuffle", action="store_true",
+                   help="run the configs in a random order (seeded by --seed), so that a drift in machine "
+                        "load does not line up with one axis of the grid")
     p.add_argument("--no-progress", action="store_true")
     add_workload_args(p)
     p.set_defaults(func=cmd_tune)
@@ -459,6 +464,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     _prompts_for(args.model, specs)
     points = [GridPoint(s, b, t) for s, b, t in
               itertools.product(args.grid_seqs, args.grid_blocks, args.grid_tokens or [None])]
+    if args.shuffle:
+        random.Random(args.seed).shuffle(points)
     out = Path(args.out)
     workload = describe_workload(args)
     print(f"tune: {len(points)} configs x {len(specs)} requests "
