@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from iterserve.bench.client import ClientError, parse_slo, print_table, run_load
+from iterserve.bench.client import ClientError, add_target_server_args, parse_slo, print_table, run_load
 from iterserve.bench.workload import (WorkloadError, add_workload_args, build_prompts,
                                       describe_workload, one_line, workload_from_args)
 
@@ -20,10 +20,7 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds `serve` to the `bench` command's sub-parsers; returns the new parser."""
     p = subparsers.add_parser("serve", help="load-test a running OpenAI-compatible server",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--api-key", help="sent as a Bearer token")
+    add_target_server_args(p)
     p.add_argument("--tokenizer", metavar="PATH",
                    help="local tokenizer (dir or cached name) to cut prompts to exact token "
                         "counts; default approximates with ~0.75 words per token")

@@ -418,3 +418,11 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
             rec.error = "not sent: run timeout"
     return RunResult(root, model, endpoint, duration, sorted(records, key=lambda r: r.index),
                      slo_list, started_at=t0)
+
+
+def add_target_server_args(p) -> None:
+    """The flags that name the OpenAI-compatible server a command talks to (bench serve, probe)."""
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--api-key", help="sent as a Bearer token")

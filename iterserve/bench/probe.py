@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from iterserve.bench.client import (ClientError, RequestRecord, _api_root, _payload, _resolve_model,
-                                    _stream_one)
+                                    _stream_one, add_target_server_args)
 from iterserve.bench.probe_analysis import Timing, Verdict, Witness, classify, combine
 from iterserve.bench.workload import RequestSpec, one_line
 
@@ -353,10 +353,7 @@ def plot_timeline(result: ProbeResult, path: str | Path) -> None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("probe", help="tell whether a server batches continuously, statically or not at all",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--api-key", help="sent as a Bearer token")
+    add_target_server_args(p)
     p.add_argument("--long-seconds", type=float, default=3.0,
                    help="how long the long request should last at solo speed (default 3)")
     p.add_argument("--max-long-tokens", type=int, default=1024, help="cap on the long request's length")
