@@ -5,7 +5,7 @@ batches of 8, same model, same prompts, same machine, one run.
 
 Workload: prompts of 50-500 tokens of real prose (iterserve.bench.workload.build_prompts), output
 lengths uniform in 16-256, greedy, ignore_eos, all submitted at once. transformers runs batches of 8
-in arrival order, left-padded, float32, max_new_tokens = the batch's longest output; only each
+in arrival order, left-padded, float32 (and/or bfloat16: --hf-dtype), max_new_tokens = the batch's longest output; only each
 request's own tokens count as useful output (what a static batcher would return to its clients).
 Prints output tokens/s of both and the ratio, and writes the numbers as JSON.
 """
@@ -36,8 +36,9 @@ def make_workload(n: int, seed: int, tokenizer) -> tuple[list[RequestSpec], list
     return specs, prompts
 
 
-def run_iterserve(model: str, prompts: list[list[int]], out_lens: list[int]) -> dict:
-    llm = LLM(model, dtype="float32")
+def run_iterserve(model: str, prompts: list[list[int]], out_lens: list[int], dtype: str = "auto",
+                  engine_args: dict | None = None) -> dict:
+    llm = LLM(model, dtype=dtype, **(engine_args or {}))
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in out_lens]
     first_step = llm.engine.step_count
@@ -46,18 +47,18 @@ def run_iterserve(model: str, prompts: list[list[int]], out_lens: list[int]) -> 
     wall = time.perf_counter() - t0
     recs = list(llm.engine.records)[-(llm.engine.step_count - first_step):]
     useful = sum(r.completion_tokens for r in results)
-    return {"wall_s": wall, "output_tokens": useful, "output_tok_s": useful / wall,
-            "steps": len(recs), "mean_batch": sum(r.batch_size for r in recs) / max(1, len(recs)),
+    return {"dtype": str(llm.engine.dtype).removeprefix("torch."), "wall_s": wall, "output_tokens": useful,
+            "output_tok_s": useful / wall, "steps": len(recs), "mean_batch": sum(r.batch_size for r in recs) / max(1, len(recs)),
             "token_ids": [r.token_ids for r in results]}
 
 
 def run_transformers(source, prompts: list[list[int]], out_lens: list[int], tokenizer,
-                     batch_size: int) -> dict:
+                     batch_size: int, dtype: str = "float32") -> dict:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(source.folder), gguf_file=source.path.name,
-                                                 dtype=torch.float32)
+                                                 dtype=getattr(torch, dtype))
     model.eval()
     model.generation_config.eos_token_id = None  # ignore_eos: every row runs to max_new_tokens
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -82,7 +83,7 @@ def run_transformers(source, prompts: list[list[int]], out_lens: list[int], toke
         token_ids += [row[:n] for row, n in zip(rows, lens)]  # a client gets only its own tokens
     wall = time.perf_counter() - t0
     useful = sum(out_lens)
-    return {"wall_s": wall, "output_tokens": useful, "output_tok_s": useful / wall,
+    return {"dtype": dtype, "wall_s": wall, "output_tokens": useful, "output_tok_s": useful / wall,
             "generated_tokens_incl_padding": computed, "token_ids": token_ids}
 
 
@@ -98,6 +99,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="workload seed (lengths and prompt offsets)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both systems")
     ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--dtype", default="auto", help="iterserve's --dtype (auto: bfloat16 on CPUs with "
+                    "native bf16, else float32)")
+    ap.add_argument("--hf-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="transformers runs, one per dtype (float32 is what transformers uses by default)")
+    ap.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields for iterserve")
     ap.add_argument("--out", default="benchmarks/results/offline_vs_hf.json", help="JSON results")
     args = ap.parse_args()
     if args.threads:
@@ -114,15 +120,19 @@ def main() -> None:
           f"({min(map(len, prompts))}-{max(map(len, prompts))}), output tokens {sum(out_lens)} "
           f"({min(out_lens)}-{max(out_lens)}); torch threads {torch.get_num_threads()}; load {load:.2f}")
 
-    it = run_iterserve(args.model, prompts, out_lens)
-    hf = run_transformers(source, prompts, out_lens, tokenizer, args.hf_batch_size)
-    ratio = it["output_tok_s"] / hf["output_tok_s"]
-    same = agreement(it["token_ids"], hf["token_ids"])
-    print(f"iterserve    : {it['output_tok_s']:8.1f} output tok/s  ({it['output_tokens']} tokens in "
-          f"{it['wall_s']:.1f} s, {it['steps']} steps, mean batch {it['mean_batch']:.1f})")
-    print(f"transformers : {hf['output_tok_s']:8.1f} output tok/s  ({hf['output_tokens']} useful of "
-          f"{hf['generated_tokens_incl_padding']} generated, {hf['wall_s']:.1f} s, batches of {args.hf_batch_size})")
-    print(f"ratio        : {ratio:.2f}x   (first 16 greedy tokens agree for {same}/{len(prompts)} requests)")
+    it = run_iterserve(args.model, prompts, out_lens, args.dtype, json.loads(args.engine_args))
+    print(f"iterserve ({it['dtype']}): {it['output_tok_s']:8.1f} output tok/s  ({it['output_tokens']} tokens in "
+          f"{it['wall_s']:.1f} s, {it['steps']} steps, mean batch {it['mean_batch']:.1f})", flush=True)
+    hf_runs = []
+    for dtype in args.hf_dtype:
+        hf = run_transformers(source, prompts, out_lens, tokenizer, args.hf_batch_size, dtype)
+        hf["ratio"] = it["output_tok_s"] / hf["output_tok_s"]
+        hf["first16_agree"] = agreement(it["token_ids"], hf["token_ids"])
+        hf_runs.append(hf)
+        print(f"transformers ({dtype}): {hf['output_tok_s']:8.1f} output tok/s  ({hf['output_tokens']} useful of "
+              f"{hf['generated_tokens_incl_padding']} generated, {hf['wall_s']:.1f} s, batches of {args.hf_batch_size})")
+        print(f"ratio iterserve/transformers-{dtype}: {hf['ratio']:.2f}x   (first 16 greedy tokens agree for "
+              f"{hf['first16_agree']}/{len(prompts)} requests)", flush=True)
 
     result = {
         "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -134,8 +144,7 @@ def main() -> None:
         "workload": {"num_requests": len(prompts), "seed": args.seed,
                      "prompt_tokens": [len(p) for p in prompts], "output_tokens": out_lens},
         "iterserve": {k: v for k, v in it.items() if k != "token_ids"},
-        "transformers": {k: v for k, v in hf.items() if k != "token_ids"},
-        "ratio": ratio, "first16_agree": same,
+        "transformers": [{k: v for k, v in hf.items() if k != "token_ids"} for hf in hf_runs],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import torch
 from iterserve.config import ModelConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from iterserve.model.attention import AttentionMetadata
+from iterserve.model.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.sampling import Sampler
 
 log = logging.getLogger("iterserve.runner")
@@ -21,6 +21,22 @@ log = logging.getLogger("iterserve.runner")
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs, in the flat order `prepare` chose."""
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # flat rows whose logits are sampled
+    sampled: list[int]  # index into sched.scheduled of each sampled row, in the same order
+    last_index: list[int]  # flat row of each scheduled request's last token this step
 
 
 @dataclass
@@ -43,64 +59,69 @@ class ModelRunner:
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size)
 
-    def _prepare(self, sched: SchedulerOutput):
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """Lays the step out as the attention expects: single-token rows (decodes, and static
+        batching's padding rows) first, then prefill chunks; each group keeps the scheduler's order."""
         bs = self.pool.block_size
+        rows = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_tokens > 1)
         tokens: list[int] = []
         positions: list[int] = []
-        token_seq: list[int] = []
-        token_qpos: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
+        slots: list[int] = []
+        last_index = [0] * len(rows)
         logits_idx: list[int] = []
-        sampled: list[int] = []  # index into sched.scheduled of rows that get a token
-        tables = []
-        for i, s in enumerate(sched.scheduled):
+        sampled: list[int] = []
+        dec_tables, dec_ctx, pre_tables, pre_q, pre_ctx = [], [], [], [], []
+        for i in rows:
+            s = sched.scheduled[i]
             req, n = s.request, s.num_tokens
             start = req.num_computed_tokens
             table = self.pool.tables[req.request_id]
             if s.padding:  # keep computing the finished member's slot, as a static batcher would
                 ids = [req.all_token_ids[-1]]
                 start = min(start, len(table) * bs - 1)  # stay inside its reservation
+            elif n == 1:
+                ids = [req.token_at(start)]
             else:
-                ids = [req.token_at(j) for j in range(start, start + n)]
+                ids = req.all_token_ids[start:start + n]
             tokens.extend(ids)
             positions.extend(range(start, start + n))
-            token_seq.extend([i] * n)
-            token_qpos.extend(range(n))
-            query_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(table)
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                dec_tables.append(table)
+                dec_ctx.append(start + 1)
+            else:
+                pre_tables.append(table)
+                pre_q.append(n)
+                pre_ctx.append(start + n)
+            last_index[i] = len(tokens) - 1
             if s.padding or start + n == req.num_tokens:
                 logits_idx.append(len(tokens) - 1)
                 sampled.append(i)
-        max_blocks = max(len(t) for t in tables)
-        table_t = torch.zeros((len(tables), max_blocks), dtype=torch.long)
-        for i, t in enumerate(tables):
-            table_t[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        seq_t = torch.tensor(token_seq, dtype=torch.long)
-        slots = table_t[seq_t, pos_t // bs] * bs + pos_t % bs
-        qloc = torch.zeros(len(query_lens) + 1, dtype=torch.long)
-        qloc[1:] = torch.tensor(query_lens).cumsum(0)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=table_t.to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
-            query_lens=query_lens,
-            query_start_loc=qloc.to(dev),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            token_seq=seq_t.to(dev),
-            token_qpos=torch.tensor(token_qpos, dtype=torch.long, device=dev),
+        decode = prefill = None
+        if dec_tables:
+            decode = DecodeMetadata(block_tables=_pad_tables(dec_tables, dev),
+                                    context_lens=torch.tensor(dec_ctx, dtype=torch.long, device=dev),
+                                    max_context_len=max(dec_ctx))
+        if pre_tables:
+            prefill = PrefillMetadata(block_tables=_pad_tables(pre_tables, dev), query_lens=pre_q,
+                                      context_lens=pre_ctx)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                                 num_decode_tokens=len(dec_tables), decode=decode, prefill=prefill)
+        return StepInputs(
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            sampled=sampled,
+            last_index=last_index,
         )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, pos_t.to(dev), meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), sampled
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
-        input_ids, positions, meta, logits_idx, sampled = self._prepare(sched)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        inp = self.prepare(sched)
+        logits = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.logits_indices)
+        sampled = inp.sampled
         rows = [sched.scheduled[i] for i in sampled]
         reqs = [s.request for s in rows]
         penal = any(r.params.has_penalties for r in reqs)

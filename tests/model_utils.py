@@ -1,7 +1,7 @@
 """Helpers for the model tests: logits straight from iterserve's model through the runner's own
 batch layout, and greedy references from transformers.
 
-Logits are taken by building the step exactly as the engine does (ModelRunner._prepare turns a
+Logits are taken by building the step exactly as the engine does (ModelRunner.prepare turns a
 SchedulerOutput into input ids, positions and AttentionMetadata) and then asking the model for the
 rows we want, instead of only the sampled ones.
 """
@@ -33,7 +33,8 @@ CHATS = [
 
 def new_runner(loaded, num_blocks: int = 64, block_size: int = 16) -> ModelRunner:
     model, cfg, _ = loaded
-    return ModelRunner(model, cfg, BlockPool(num_blocks, block_size), torch.device("cpu"), torch.float32)
+    dtype = next(model.parameters()).dtype
+    return ModelRunner(model, cfg, BlockPool(num_blocks, block_size), torch.device("cpu"), dtype)
 
 
 def make_request(rid: str, token_ids: list[int]) -> Request:
@@ -47,9 +48,13 @@ def run_step(runner: ModelRunner, items: list[tuple[Request, int]], all_rows: bo
     for req, n in items:
         assert runner.pool.allocate(req.request_id, req.num_computed_tokens + n), "test cache too small"
     sched = SchedulerOutput([ScheduledRequest(req, n) for req, n in items])
-    input_ids, positions, meta, _, _ = runner._prepare(sched)
-    rows = torch.arange(len(input_ids)) if all_rows else meta.query_start_loc[1:] - 1
-    logits = runner.model(input_ids, positions, runner.kv_caches, meta, rows)
+    inp = runner.prepare(sched)
+    if all_rows:  # every token in the request's own order (prepare puts single-token rows first)
+        rows = torch.cat([torch.arange(inp.last_index[i] - n + 1, inp.last_index[i] + 1)
+                          for i, (_, n) in enumerate(items)])
+    else:
+        rows = torch.tensor(inp.last_index)
+    logits = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta, rows)
     for req, n in items:
         req.num_computed_tokens += n
     return logits

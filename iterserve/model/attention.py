@@ -1,13 +1,18 @@
 """Attention over the paged KV cache.
 
-The runner hands every layer one `AttentionMetadata` describing the step's flat token batch: a mix
-of prefill chunks of different lengths and single-token decodes. Each layer writes its new K/V into
-the cache slots named by `slot_mapping`, then attends each query to its own sequence's cached
-context through that sequence's block table.
+The runner hands every layer one `AttentionMetadata` for the step's flat token batch, laid out as
+vLLM does: first the decodes (one new token per sequence), then the prefill chunks (several new
+tokens per sequence, possibly after an already-cached prefix). Each layer writes its new K/V into
+the cache slots named by `slot_mapping`, then attends each query to its own sequence's context.
+
+The two halves take different paths because they have different shapes: decodes are one query
+row per sequence, batched in one masked SDPA over the gathered blocks; prefills are long and few,
+so each runs alone at its exact length (no padding to the step's longest query: a step that mixes a
+500-token prompt with 15 decodes must not compute 16 x 500 query rows).
 
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size
-+ offset. The torch path below runs anywhere (no Python loop over sequences); on CUDA a fused
-kernel can replace `paged_attention` behind the same signature (see model/cuda_attention.py).
++ offset. The torch path here runs anywhere and has no Python loop over decoding sequences; on
+CUDA, decodes go to a Triton kernel that reads blocks in place (model/decode_backend.py picks).
 """
 from __future__ import annotations
 
@@ -16,27 +21,39 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from iterserve.model.decode_backend import select_decode_attention
+
 
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] block ids of each sequence (padded with 0)
-    context_lens: torch.Tensor  # [B] tokens in cache for each sequence after this step's writes
-    query_lens: list[int]  # new tokens of each sequence this step
-    query_start_loc: torch.Tensor  # [B + 1] offsets of each sequence's tokens in the flat batch
-    max_query_len: int
+class DecodeMetadata:
+    """The first `num_seqs` tokens of the batch: one new token per sequence."""
+    block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
+    context_lens: torch.Tensor  # [B] tokens in cache after this step's write
     max_context_len: int
-    # gather indices for the padded torch path: flat token t -> (sequence, index within its query)
-    token_seq: torch.Tensor | None = None  # [T]
-    token_qpos: torch.Tensor | None = None  # [T]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+
+@dataclass
+class PrefillMetadata:
+    """The rest of the batch: chunks of `query_lens[i]` tokens, in order."""
+    block_tables: torch.Tensor  # [P, max_blocks]
+    query_lens: list[int]
+    context_lens: list[int]  # cached prefix + this chunk
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def decode_only(self) -> bool:
-        return self.max_query_len == 1
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    num_decode_tokens: int
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -47,43 +64,70 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads, head_dim], causal within each sequence.
+def gather_context(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, kv_heads, L, D] view of each sequence's first `length` cached tokens (L rounded up to
+    whole blocks). index_select copies whole blocks; ~2x faster than cache[tables]."""
+    nb, bs, kvh, d = cache.shape
+    nblk = -(-length // bs)
+    B = tables.shape[0]
+    flat = tables[:, :nblk].reshape(-1)
+    return cache.index_select(0, flat).view(B, nblk * bs, kvh, d).transpose(1, 2)
 
-    Gathers each sequence's context through its block table into a padded [B, L, kv_heads, D]
-    tensor (L = blocks * block_size) and runs one masked SDPA over the batch. The query at index
-    j of a sequence with q_len new tokens and ctx_len cached tokens sits at position
-    ctx_len - q_len + j and may see keys 0..that position.
-    """
-    T, H, D = q.shape
-    B = meta.num_seqs
-    bs = k_cache.shape[1]
-    kvh = k_cache.shape[2]
-    nblk = -(-meta.max_context_len // bs)
-    tables = meta.block_tables[:, :nblk]
-    L = nblk * bs
-    flat = tables.reshape(-1)  # index_select copies whole blocks; ~2x faster than k_cache[tables]
-    k = k_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
-    v = v_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    key_pos = torch.arange(L, device=q.device)
-    ctx = meta.context_lens.unsqueeze(1)  # [B, 1]
-    if meta.decode_only:
-        qb = q.view(B, 1, H, D).transpose(1, 2)  # [B, H, 1, D]
-        mask = (key_pos.unsqueeze(0) < ctx).view(B, 1, 1, L)
-    else:
-        Q = meta.max_query_len
-        qb = q.new_zeros(B, Q, H, D)
-        qb[meta.token_seq, meta.token_qpos] = q
-        qb = qb.transpose(1, 2)  # [B, H, Q, D]
-        qlens = torch.tensor(meta.query_lens, device=q.device).unsqueeze(1)
-        qpos = ctx - qlens + torch.arange(Q, device=q.device).unsqueeze(0)  # [B, Q] absolute position
-        mask = (key_pos.view(1, 1, L) <= qpos.unsqueeze(2)) & (key_pos.view(1, 1, L) < ctx.unsqueeze(2))
-        mask = mask.unsqueeze(1)  # [B, 1, Q, L]
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=(H != kvh))
-    out = out.transpose(1, 2)  # [B, Q, H, D]
-    if meta.decode_only:
-        return out.reshape(T, H, D)
-    return out[meta.token_seq, meta.token_qpos]
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """q: [B, heads, D], one query per sequence at its last position -> [B, heads, D]."""
+    B, H, D = q.shape
+    k = gather_context(k_cache, meta.block_tables, meta.max_context_len)
+    v = gather_context(v_cache, meta.block_tables, meta.max_context_len)
+    L = k.shape[2]
+    mask = (torch.arange(L, device=q.device).unsqueeze(0) < meta.context_lens.unsqueeze(1)).view(B, 1, 1, L)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                         scale=scale, enable_gqa=(H != k.shape[1]))
+    return out.view(B, H, D)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: PrefillMetadata, scale: float) -> torch.Tensor:
+    """q, k, v: [T, heads, D] of the prefill chunks, concatenated -> [T, heads, D], causal.
+
+    A chunk with no cached prefix attends to its own fresh K/V (no cache read); a later chunk
+    reads its whole context from the cache, with query j at absolute position ctx - q_len + j."""
+    out = torch.empty_like(q)
+    H = q.shape[1]
+    start = 0
+    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if ctx == n:
+            ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
+            vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                               enable_gqa=(H != ki.shape[1]))
+        else:
+            table = meta.block_tables[i:i + 1]
+            ki = gather_context(k_cache, table, ctx)[:, :, :ctx].to(q.dtype)
+            vi = gather_context(v_cache, table, ctx)[:, :, :ctx].to(q.dtype)
+            qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                               enable_gqa=(H != ki.shape[1]))
+        out[start:start + n] = o[0].transpose(0, 1)
+        start += n
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Writes this step's k, v [T, kv_heads, D] to the cache, then attends q [T, heads, D]."""
+    k_cache, v_cache = kv_cache
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    d = meta.num_decode_tokens
+    if meta.prefill is None:
+        decode = select_decode_attention(q.device, k_cache.shape[1], q.dtype)
+        return decode(q, k_cache, v_cache, meta.decode, scale)
+    pre = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill, scale)
+    if meta.decode is None:
+        return pre
+    decode = select_decode_attention(q.device, k_cache.shape[1], q.dtype)
+    return torch.cat([decode(q[:d], k_cache, v_cache, meta.decode, scale), pre])

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from iterserve.config import ModelConfig
-from iterserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from iterserve.model.attention import AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -101,9 +101,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

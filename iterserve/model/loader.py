@@ -243,6 +243,18 @@ def load_tokenizer(src: ModelSource):
     return tok
 
 
+FOUR_BIT_GGUF_TYPES = {"Q4_0", "Q4_1"}  # 32-wide groups along the input dimension, as pack_int4's
+
+
+def is_four_bit_checkpoint(src: ModelSource) -> bool:
+    """True when every decoder projection of a GGUF is stored in a 32-group 4-bit type."""
+    if src.kind != "gguf":
+        return False
+    types = {t.qtype for t in read_index(src.path).tensors
+             if t.name.startswith("blk.") and len(t.shape) == 2}
+    return bool(types) and types <= FOUR_BIT_GGUF_TYPES
+
+
 # ---- the entry points ------------------------------------------------------------------------------
 def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
                       max_positions: int | None = None):

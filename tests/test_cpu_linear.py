@@ -1,0 +1,109 @@
+"""CPU bf16 fast paths (model/cpu_linear.py): prepacked oneDNN weights give the same numbers as
+F.linear; the int4 twin serves only steps of few rows, and on weights that are 4-bit already it
+reproduces them up to bf16 rounding of the scales; on the embedded model the whole bf16 path
+(prepacked + int4 decode) stays within a stated tolerance of float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_utils import make_request, new_runner, run_step, sequence_logits
+from torch import nn
+
+from iterserve.config import EngineConfig
+from iterserve.engine import LLM, LLMEngine
+from iterserve.model.cpu_linear import CpuLinear, int4_kernel_available, optimize_cpu_linears, prepack_available
+from iterserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not (prepack_available() and int4_kernel_available()),
+                                reason="needs oneDNN bf16 and torch's CPU int4 kernel")
+
+
+def on_4bit_grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A weight whose every group of 32 is d * q + m with q in 0..15, 0 and 15 both present
+    (what a GGUF Q4_1 block dequantises to)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n * k // 32, 32), generator=g).float()
+    q[:, 0], q[:, 1] = 0, 15
+    d = torch.rand(n * k // 32, 1, generator=g) * 0.02 + 0.005
+    m = -torch.rand(n * k // 32, 1, generator=g) * 0.1
+    return (q * d + m).reshape(n, k)
+
+
+def test_prepacked_equals_f_linear_at_every_row_count():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).bfloat16()
+    fast = CpuLinear(lin, keep_weight=True)
+    for rows in (1, 2, 7, 16, 33, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(fast(x), F.linear(x, lin.weight, lin.bias)), rows
+
+
+def test_int4_twin_only_for_small_steps_and_exact_on_a_4bit_grid():
+    w = on_4bit_grid(96, 128)
+    lin = nn.Linear(128, 96, bias=False)
+    lin.weight.data = w.bfloat16()
+    fast = CpuLinear(lin, int4_max_tokens=4)
+    ref_w = w.bfloat16().float()
+    for rows in (1, 4):
+        x = torch.randn(rows, 128).bfloat16()
+        out, ref = fast(x).float(), x.float() @ ref_w.t()
+        # the grid is recovered; what is left is bf16 rounding of scales/zeros and of the output
+        assert (out - ref).abs().max().item() < 0.02 * ref.abs().max().item(), rows
+    x = torch.randn(5, 128).bfloat16()  # above the threshold: the bf16 weight, bit for bit
+    assert torch.equal(fast(x), F.linear(x, lin.weight))
+    # off the grid the twin is visibly a different (rounded) weight: the dispatch is real
+    lin2 = nn.Linear(128, 96, bias=False).bfloat16()
+    twin = CpuLinear(lin2, int4_max_tokens=4)
+    x = torch.randn(4, 128).bfloat16()
+    assert not torch.equal(twin(x), F.linear(x, lin2.weight))
+
+
+def test_engine_on_optimized_tiny_model_gives_the_plain_bf16_tokens(tiny_model_dir):
+    """Prepacking alone changes no number: greedy tokens equal the plain bf16 model's."""
+    from iterserve.model.loader import load_model
+
+    plain = load_model(str(tiny_model_dir), torch.bfloat16)[:3]
+    fast = load_model(str(tiny_model_dir), torch.bfloat16)[:3]
+    assert optimize_cpu_linears(fast[0], int4_max_tokens=0) == 2 * 4 + 1  # 4 projections a layer + head
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 140)), [42]]
+    a = LLM(loaded=plain, kv_cache_memory="16MiB").generate(prompts, params,
+                                                           use_tqdm=False)
+    b = LLM(loaded=fast, kv_cache_memory="16MiB").generate(prompts, params,
+                                                          use_tqdm=False)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_int4_needs_bf16_cpu(tiny_model_dir):
+    with pytest.raises(ValueError, match="int4"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization="int4",
+                               kv_cache_memory="16MiB"))
+
+
+@pytest.mark.real_model
+def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded):
+    """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps)
+    against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
+    GEMMs) and then 48 single-token steps (int4 GEMMs)."""
+    eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB"))
+    assert eng.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
+    tok = smol_loaded[2]
+    prompt = tok.encode("The history of the printing press begins in", add_special_tokens=False)
+    ref = LLM(loaded=smol_loaded, kv_cache_memory="64MiB").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+        use_tqdm=False)[0].token_ids
+    full = prompt + ref
+    want = sequence_logits(smol_loaded, full)[len(prompt) - 1: -1].log_softmax(-1)  # fp32, [48, vocab]
+    loaded = (eng.model, eng.model_config, eng.tokenizer)
+    runner = new_runner(loaded, num_blocks=16)
+    req = make_request("bf16", full)
+    got = [run_step(runner, [(req, len(prompt))])[0]]
+    got += [run_step(runner, [(req, 1)])[0] for _ in range(len(ref) - 1)]
+    got = torch.stack(got).float().log_softmax(-1)
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    ref_lp_diff = (got[torch.arange(len(ref)), ref] - want[torch.arange(len(ref)), ref]).abs()
+    print(f"bf16+int4 vs float32: top-1 agreement {top1:.3f}, |logprob diff| of the fp32 greedy token: "
+          f"mean {ref_lp_diff.mean():.3f}, max {ref_lp_diff.max():.3f}")
+    assert top1 >= 0.85
+    assert ref_lp_diff.mean().item() < 0.1

