@@ -16,7 +16,7 @@ CUDA, decodes go to a Triton kernel that reads blocks in place (model/decode_bac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +30,22 @@ class DecodeMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
     context_lens: torch.Tensor  # [B] tokens in cache after this step's write
     max_context_len: int
+    _plan: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
+
+    def gather_plan(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block ids to gather [B * n], key mask [B, 1, 1, n * block_size]): the same for every
+        layer of a step, so built once, at the first layer."""
+        if self._plan is None:
+            nblk = -(-self.max_context_len // block_size)
+            flat = self.block_tables[:, :nblk].reshape(-1)
+            key_pos = torch.arange(nblk * block_size, device=self.context_lens.device)
+            mask = (key_pos.unsqueeze(0) < self.context_lens.unsqueeze(1)).view(self.num_seqs, 1, 1, -1)
+            self._plan = (flat, mask)
+        return self._plan
 
 
 @dataclass
@@ -78,12 +90,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      meta: DecodeMetadata, scale: float) -> torch.Tensor:
     """q: [B, heads, D], one query per sequence at its last position -> [B, heads, D]."""
     B, H, D = q.shape
-    k = gather_context(k_cache, meta.block_tables, meta.max_context_len)
-    v = gather_context(v_cache, meta.block_tables, meta.max_context_len)
-    L = k.shape[2]
-    mask = (torch.arange(L, device=q.device).unsqueeze(0) < meta.context_lens.unsqueeze(1)).view(B, 1, 1, L)
+    _, bs, kvh, _ = k_cache.shape
+    flat, mask = meta.gather_plan(bs)
+    L = mask.shape[-1]
+    k = k_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
+    v = v_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=(H != k.shape[1]))
+                                         scale=scale, enable_gqa=(H != kvh))
     return out.view(B, H, D)
 
 

@@ -1,0 +1,85 @@
+"""Where a decode step's time goes: torch profiler over N decode-only engine steps at a fixed
+batch size and context length, grouped into a few buckets (GEMMs, attention, the rest).
+
+    python benchmarks/profile_step.py --batch 1 16 --context 16 512 --extra '{"dtype": "float32"}'
+
+Buckets: `gemm` = aten::mm/addmm/linear kernels, oneDNN prepacked linears and the int4/int8
+weight-only kernels; `attention` = SDPA, the block gather (index_select) and the KV write
+(index_copy_); `sampling` = argmax/softmax/topk; `other` = every remaining op (norms, RoPE,
+residual adds, casts, views: per-op overhead). Self CPU time, summed over the step's ops; the
+wall time per step (without the profiler) is printed next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from iterserve.engine import LLM  # noqa: E402
+from iterserve.sampling import SamplingParams  # noqa: E402
+
+BUCKETS = {
+    "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
+             "aten::_weight_int8pack_mm"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_"),
+    "sampling": ("aten::argmax", "aten::softmax", "aten::_softmax", "aten::topk", "aten::sort"),
+}
+
+
+def profile_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=3 + 2 * steps, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(params=sp, prompt_token_ids=[100 + (i * 7 + j) % 4000 for j in range(context)])
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+    eng.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+    ops = {e.key: (e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in prof.key_averages()}
+    total = sum(ms for ms, _ in ops.values())
+    buckets = {name: sum(ops[k][0] for k in keys if k in ops) for name, keys in BUCKETS.items()}
+    buckets["other"] = total - sum(buckets.values())
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:8]
+    return {"batch": batch, "context": context, "wall_ms_per_step": wall_ms, "profiled_cpu_ms_per_step": total,
+            "ops_per_step": sum(c for _, c in ops.values()),
+            "buckets_ms": buckets, "top_ops": [(k, round(ms, 2), c) for k, (ms, c) in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--context", type=int, nargs="+", default=[16, 512], help="prompt tokens per sequence")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--extra", default="{}", help="JSON of EngineConfig fields (e.g. dtype, quantization)")
+    args = ap.parse_args()
+    llm = LLM(args.model, kv_cache_memory="1GiB", **json.loads(args.extra))
+    profile_decode(llm, 1, 16, 3)  # warm-up
+    rows = []
+    for ctx in args.context:
+        for b in args.batch:
+            r = profile_decode(llm, b, ctx, args.steps)
+            rows.append(r)
+            bk = "  ".join(f"{k} {v:5.1f}" for k, v in r["buckets_ms"].items())
+            print(f"batch {b:3d} context {ctx:4d}: {r['wall_ms_per_step']:6.1f} ms/step wall | profiled ms/step: "
+                  f"{bk} | {r['ops_per_step']} ops/step", flush=True)
+    print(json.dumps({"config": json.loads(args.extra), "dtype": str(llm.engine.dtype), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
