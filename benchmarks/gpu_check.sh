@@ -126,9 +126,8 @@ print(f"{p.name}: compute capability {p.major}.{p.minor}, {p.multi_processor_cou
 for mod in ("triton",):
     spec = importlib.util.find_spec(mod)
     print(f"{mod}: {__import__(mod).__version__ if spec else 'not installed'}")
-for dtype in (torch.bfloat16, torch.float32):
-    fn = select_decode_attention(torch.device("cuda"), 16, dtype)
-    print(f"decode attention for block size 16, {dtype}: {fn.__module__}.{fn.__name__}")
+fn = select_decode_attention(torch.device("cuda"))
+print(f"decode attention on cuda: {fn.__module__}.{fn.__name__}")
 EOF
 
 # ---- 3. equality -----------------------------------------------------------------------------------

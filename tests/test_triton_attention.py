@@ -104,14 +104,14 @@ def test_unread_slots_do_not_leak():
 
 def test_selection_defaults_to_torch_on_cpu_and_honours_the_override(monkeypatch):
     select_decode_attention.cache_clear()
-    assert select_decode_attention(torch.device("cpu"), 16, torch.float32) is decode_attention
+    assert select_decode_attention(torch.device("cpu")) is decode_attention
     select_decode_attention.cache_clear()
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "triton")
-    assert select_decode_attention(torch.device("cpu"), 16, torch.float32) is decode_attention_triton
+    assert select_decode_attention(torch.device("cpu")) is decode_attention_triton
     select_decode_attention.cache_clear()
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "cuda-magic")
     with pytest.raises(ValueError, match="ITERSERVE_DECODE_ATTENTION"):
-        select_decode_attention(torch.device("cpu"), 16, torch.float32)
+        select_decode_attention(torch.device("cpu"))
     select_decode_attention.cache_clear()
 
 

@@ -40,9 +40,8 @@ class DecodeMetadata:
         """(block ids to gather [B * n], key mask [B, 1, 1, n * block_size]): the same for every
         layer of a step, so built once, at the first layer."""
         if self._plan is None:
-            nblk = -(-self.max_context_len // block_size)
-            flat = self.block_tables[:, :nblk].reshape(-1)
-            key_pos = torch.arange(nblk * block_size, device=self.context_lens.device)
+            flat = block_ids(self.block_tables, self.max_context_len, block_size)
+            key_pos = torch.arange(flat.numel() // self.num_seqs * block_size, device=self.context_lens.device)
             mask = (key_pos.unsqueeze(0) < self.context_lens.unsqueeze(1)).view(self.num_seqs, 1, 1, -1)
             self._plan = (flat, mask)
         return self._plan
@@ -76,27 +75,26 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, kv_heads, L, D] view of each sequence's first `length` cached tokens (L rounded up to
-    whole blocks). index_select copies whole blocks; ~2x faster than cache[tables]."""
-    nb, bs, kvh, d = cache.shape
-    nblk = -(-length // bs)
-    B = tables.shape[0]
-    flat = tables[:, :nblk].reshape(-1)
-    return cache.index_select(0, flat).view(B, nblk * bs, kvh, d).transpose(1, 2)
+def block_ids(tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The ids of the blocks holding each sequence's first `length` tokens, flattened [B * n]."""
+    return tables[:, :-(-length // block_size)].reshape(-1)
+
+
+def gather_blocks(cache: torch.Tensor, flat: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[B, kv_heads, L, D] copy of the blocks `flat` names (L = whole blocks per sequence).
+    index_select copies whole blocks; ~2x faster than cache[tables]."""
+    _, bs, kvh, d = cache.shape
+    return cache.index_select(0, flat).view(num_seqs, -1, kvh, d).transpose(1, 2)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: DecodeMetadata, scale: float) -> torch.Tensor:
     """q: [B, heads, D], one query per sequence at its last position -> [B, heads, D]."""
     B, H, D = q.shape
-    _, bs, kvh, _ = k_cache.shape
-    flat, mask = meta.gather_plan(bs)
-    L = mask.shape[-1]
-    k = k_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
-    v = v_cache.index_select(0, flat).view(B, L, kvh, D).transpose(1, 2)
+    flat, mask = meta.gather_plan(k_cache.shape[1])
+    k, v = gather_blocks(k_cache, flat, B), gather_blocks(v_cache, flat, B)  # [B, kvh, L, D]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=(H != kvh))
+                                         scale=scale, enable_gqa=(H != k.shape[1]))
     return out.view(B, H, D)
 
 
@@ -114,16 +112,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         if ctx == n:
             ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
             vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                               enable_gqa=(H != ki.shape[1]))
+            mask = None
         else:
-            table = meta.block_tables[i:i + 1]
-            ki = gather_context(k_cache, table, ctx)[:, :, :ctx].to(q.dtype)
-            vi = gather_context(v_cache, table, ctx)[:, :, :ctx].to(q.dtype)
+            flat = block_ids(meta.block_tables[i:i + 1], ctx, k_cache.shape[1])
+            ki = gather_blocks(k_cache, flat, 1)[:, :, :ctx].to(q.dtype)
+            vi = gather_blocks(v_cache, flat, 1)[:, :, :ctx].to(q.dtype)
             qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
-                                               enable_gqa=(H != ki.shape[1]))
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=(H != ki.shape[1]))
         out[start:start + n] = o[0].transpose(0, 1)
         start += n
     return out
@@ -136,11 +133,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache = kv_cache
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     d = meta.num_decode_tokens
+    decode = select_decode_attention(q.device)
     if meta.prefill is None:
-        decode = select_decode_attention(q.device, k_cache.shape[1], q.dtype)
         return decode(q, k_cache, v_cache, meta.decode, scale)
     pre = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill, scale)
     if meta.decode is None:
         return pre
-    decode = select_decode_attention(q.device, k_cache.shape[1], q.dtype)
     return torch.cat([decode(q[:d], k_cache, v_cache, meta.decode, scale), pre])

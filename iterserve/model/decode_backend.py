@@ -29,9 +29,8 @@ def _available(name: str) -> bool:
 
 
 @functools.cache
-def select_decode_attention(device: torch.device, block_size: int, dtype: torch.dtype) -> DecodeFn:
-    """The decode attention callable for this device, cache block size and dtype (chosen once per
-    combination, logged)."""
+def select_decode_attention(device: torch.device) -> DecodeFn:
+    """The decode attention callable for this device (chosen once per device, logged)."""
     from iterserve.model.attention import decode_attention
     from iterserve.model.triton_attention import decode_attention_triton
 
@@ -46,5 +45,5 @@ def select_decode_attention(device: torch.device, block_size: int, dtype: torch.
         name = "triton"
     else:
         name = "torch"
-    log.info("decode attention on %s (block size %d, %s): %s", device, block_size, dtype, name)
+    log.info("decode attention on %s: %s", device, name)
     return {"torch": decode_attention, "triton": decode_attention_triton}[name]
