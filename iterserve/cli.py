@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int4: keep a 4-bit copy of each projection for steps of <= 8 tokens (CPU bf16; "
                         "about 2x faster single-stream decoding). auto (default): only when the checkpoint "
                         "is a 4-bit GGUF already, so no new rounding; none: bf16/float32 weights only")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers (inductor fuses norms, RoPE, activations and adds; "
+                        "about 1.2-1.4x faster steps on CPU). Costs about 1-2 minutes of compilation at "
+                        "startup on 2 cores, less when inductor's on-disk cache has the graphs already")
     g.add_argument("--batching", choices=["continuous", "static"], default=d.batching,
                    help="continuous: iteration-level scheduling (default); static: fill-or-timeout batches "
                         "that run to their slowest member, for comparison")

@@ -86,6 +86,8 @@ class EngineConfig:
     # weight-only int4 twin of each projection for steps of <= 8 tokens (CPU, bf16): auto = when the
     # checkpoint is 4-bit already (GGUF Q4_0/Q4_1), so it adds no new rounding of the weights
     quantization: Literal["auto", "none", "int4"] = "auto"
+    # torch.compile the decoder stack (inductor): faster steps after a one-off compilation at startup
+    compile: bool = False
     # scheduling
     batching: Literal["continuous", "static"] = "continuous"
     max_num_seqs: int = 16  # seed's case: --max-num-seqs=16

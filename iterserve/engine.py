@@ -122,6 +122,8 @@ class LLMEngine:
         sched_cls = StaticScheduler if config.batching == "static" else Scheduler
         self.scheduler: SchedulerBase = sched_cls(config, self.pool, self.max_model_len)
         self.runner = ModelRunner(model, mcfg, self.pool, self.device, self.dtype)
+        if config.compile:
+            self._compile_model()
         fits = num_blocks // self.pool.blocks_for(self.max_model_len)
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB); fits %d sequences of max_model_len %d",
                  num_blocks, config.block_size,
@@ -148,6 +150,14 @@ class LLMEngine:
         n = optimize_cpu_linears(model, self.int4_max_tokens)
         log.info("CPU bf16: %d projections prepacked%s", n,
                  f", int4 twin for steps of <= {INT4_MAX_TOKENS} tokens" if use_int4 else "")
+
+    def _compile_model(self) -> None:
+        if not hasattr(self.model, "compile_decoder"):
+            raise ValueError(f"compile: {type(self.model).__name__} has no compile_decoder()")
+        t0 = time.perf_counter()
+        self.model.compile_decoder()
+        self.runner.warm_up()
+        log.info("compiled the decoder stack in %.1f s", time.perf_counter() - t0)
 
     # ---- capacity --------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:

@@ -118,6 +118,21 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Runs the model on dummy decode steps of 1 and 2 tokens, so a compiled model compiles
+        now, not in the first request's step (torch.compile makes one graph for a single token and
+        one for any larger count). Their K/V go to slot 0 of block 0, which no sequence holds yet
+        and which is rewritten before it is read."""
+        assert not self.pool.tables, "warm_up before any request holds KV blocks"
+        for n in (1, 2):
+            def zeros() -> torch.Tensor:  # a new tensor each: aliased inputs would be a guard of their own
+                return torch.zeros(n, dtype=torch.long, device=self.device)
+
+            decode = DecodeMetadata(block_tables=zeros().view(n, 1), context_lens=zeros() + 1, max_context_len=1)
+            meta = AttentionMetadata(slot_mapping=zeros(), num_decode_tokens=n, decode=decode, prefill=None)
+            self.model(zeros(), zeros(), self.kv_caches, meta, torch.arange(n, device=self.device))
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         inp = self.prepare(sched)
         logits = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.logits_indices)

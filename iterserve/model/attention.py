@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.model.decode_backend import select_decode_attention
+from iterserve.model.forward_context import get_forward_context
 
 
 @dataclass
@@ -104,7 +105,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
     A chunk with no cached prefix attends to its own fresh K/V (no cache read); a later chunk
     reads its whole context from the cache, with query j at absolute position ctx - q_len + j."""
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     H = q.shape[1]
     start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
@@ -140,3 +141,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.decode is None:
         return pre
     return torch.cat([decode(q[:d], k_cache, v_cache, meta.decode, scale), pre])
+
+
+# ---- the op the model calls: opaque to torch.compile (see forward_context.py) ------------------------
+_lib = torch.library.Library("iterserve", "FRAGMENT")
+_lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+
+
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                        scale: float) -> torch.Tensor:
+    ctx = get_forward_context()
+    return paged_attention(q, k, v, ctx.kv_caches[layer], ctx.meta, scale)
+
+
+_lib.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("iterserve::paged_attention")
+def _paged_attention_fake(q, k, v, layer, scale):
+    return q.new_empty(q.shape)

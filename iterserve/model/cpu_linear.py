@@ -62,11 +62,34 @@ class CpuLinear(nn.Module):
         self.weight = linear.weight if keep_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.int4_max_tokens:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4_weight, GROUP_SIZE,
-                                                           self.int4_scales_and_zeros)
-            return y if self.bias is None else y + self.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.iterserve.cpu_linear(x, self.packed_weight, getattr(self, "int4_weight", None),
+                                              getattr(self, "int4_scales_and_zeros", None), self.bias,
+                                              self.int4_max_tokens)
+
+
+# One op, opaque to torch.compile: inductor cannot lower oneDNN's prepacked weight, and the
+# per-step choice between the two kernels must not become a guard (one compiled graph per choice).
+_lib = torch.library.Library("iterserve", "FRAGMENT")
+_lib.define("cpu_linear(Tensor x, Tensor packed_weight, Tensor? int4_weight, Tensor? int4_scales_and_zeros, "
+            "Tensor? bias, int int4_max_tokens) -> Tensor")
+
+
+def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, int4_weight: torch.Tensor | None,
+                int4_scales_and_zeros: torch.Tensor | None, bias: torch.Tensor | None,
+                int4_max_tokens: int) -> torch.Tensor:
+    if x.shape[0] <= int4_max_tokens:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), int4_weight, GROUP_SIZE,
+                                                       int4_scales_and_zeros)
+        return y if bias is None else y + bias
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+_lib.impl("cpu_linear", _cpu_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("iterserve::cpu_linear")
+def _cpu_linear_fake(x, packed_weight, int4_weight, int4_scales_and_zeros, bias, int4_max_tokens):
+    return x.new_empty(x.shape[0], packed_weight.shape[0])
 
 
 def optimize_cpu_linears(model: nn.Module, int4_max_tokens: int = 0) -> int:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.config import ModelConfig
-from iterserve.model.attention import AttentionMetadata, paged_attention
+from iterserve.model.attention import AttentionMetadata
+from iterserve.model.forward_context import forward_context
 
 
 class RMSNorm(nn.Module):
@@ -84,8 +85,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which of the step's KV caches this layer owns
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -93,15 +95,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         qk = apply_rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # one RoPE call for both
         v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = torch.ops.iterserve.paged_attention(q, k, v, self.layer_idx, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -118,15 +119,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -142,23 +143,40 @@ class LlamaForCausalLM(nn.Module):
         # normal_() on the meta device costs seconds of first-use setup inside torch
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        self._compiled_stack = None  # set by compile_decoder()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns logits [len(logits_indices), vocab] for the flat tokens that get sampled."""
+        with forward_context(meta, kv_caches):
+            x = (self._compiled_stack or self.decoder_stack)(input_ids, positions)
+        return self.lm_head(self.norm(x[logits_indices])).float()
+
+    def decoder_stack(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token of the step after the last layer. Tensors in,
+        tensors out: the part `torch.compile` takes (attention state comes from forward_context)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return x
+
+    def compile_decoder(self) -> None:
+        """Compiles `decoder_stack` with inductor, dynamic in the step's token count: norms, RoPE,
+        SiLU, residual adds and casts fuse into a few kernels per layer; projections and attention
+        stay opaque ops. Compilation happens at the first calls (see runner.warm_up)."""
+        # no guards on the parameters (hundreds of id checks per call, ~1.5 ms here): they never
+        # change after loading
+        self._compiled_stack = torch.compile(
+            self.decoder_stack, dynamic=True,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

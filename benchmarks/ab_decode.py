@@ -1,0 +1,73 @@
+"""Decode speed of several engine configurations, interleaved in one process (A, B, A, B, ...), so
+that a shared host's noise hits every configuration alike. Prints the best ms/step of each per
+batch size and its ratio to the first configuration.
+
+    python benchmarks/ab_decode.py --configs '{}' '{"compile": true}' --batch 1 16 --rounds 3
+
+Each configuration gets its own engine and model copy; compilation (if any) happens at its start.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from iterserve.engine import LLM  # noqa: E402
+from iterserve.sampling import SamplingParams  # noqa: E402
+
+
+def decode_ms_per_step(llm: LLM, batch: int, tokens: int, prompt_len: int) -> float:
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(params=sp, prompt_token_ids=[100 + (i * 7 + j) % 4000 for j in range(prompt_len)])
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+    t0, steps = time.perf_counter(), 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--configs", nargs="+", default=["{}", '{"compile": true}'],
+                    help="one JSON object of EngineConfig fields per configuration")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    llms = []
+    for c in args.configs:
+        t0 = time.perf_counter()
+        llms.append(LLM(args.model, **json.loads(c)))
+        decode_ms_per_step(llms[-1], 1, 4, 8)  # warm-up
+        print(f"{c}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    best: dict[tuple[int, int], float] = {}
+    for _ in range(args.rounds):
+        for b in args.batch:
+            for i, llm in enumerate(llms):
+                ms = decode_ms_per_step(llm, b, args.tokens, args.prompt_len)
+                best[i, b] = min(best.get((i, b), float("inf")), ms)
+    rows = []
+    for b in args.batch:
+        for i, c in enumerate(args.configs):
+            ms = best[i, b]
+            rows.append({"config": json.loads(c), "batch": b, "ms_per_step": ms, "tok_s": 1e3 * b / ms,
+                         "speedup_vs_first": best[0, b] / ms})
+            print(f"batch {b:3d} {c:40s} {ms:7.1f} ms/step {1e3 * b / ms:7.1f} tok/s  x{best[0, b] / ms:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
