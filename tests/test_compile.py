@@ -55,3 +55,29 @@ def test_compile_refuses_a_model_without_a_decoder_stack(tiny_loaded):
     _, cfg, tok = tiny_loaded
     with pytest.raises(ValueError, match="compile_decoder"):
         LLMEngine(EngineConfig(kv_cache_memory="64MiB", compile=True), loaded=(Opaque(), cfg, tok))
+
+
+# ---- --omp-wait: the OpenMP environment is set before torch loads -------------------------------------
+def _env_after(args: str, env: dict[str, str]) -> dict[str, str]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, os, sys\nfrom iterserve import cli\n"
+            f"a = cli.build_parser().parse_args({args.split()!r})\ncli.apply_omp_wait(a.omp_wait)\n"
+            "import torch\n"
+            "print(json.dumps({k: os.environ.get(k) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')}))")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=base | env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_omp_wait_passive_by_default_and_an_exported_policy_wins():
+    assert _env_after("generate", {}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+    assert _env_after("generate", {"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_omp_wait_spin_overrides_the_environment():
+    got = _env_after("serve --omp-wait spin", {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert got == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "200000"}
