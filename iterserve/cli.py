@@ -33,8 +33,10 @@ OMP_WAIT = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 def apply_omp_wait(choice: str) -> None:
     """passive only fills what the environment leaves unset (an exported OMP_WAIT_POLICY wins);
     spin is an explicit request and overrides it."""
-    if "torch" in sys.modules:  # main() called from a process that loaded torch already (tests)
-        if choice != "passive":
+    choice = getattr(choice, "value", choice)  # `serve` wraps defaults it lets a --config file replace
+    if "torch" in sys.modules:  # too late: main() in a process that loaded torch (tests), or a --config file
+        applied = all(os.environ.get(k) == v for k, v in OMP_WAIT[choice].items())
+        if choice != "passive" and not applied:
             logging.getLogger("iterserve").warning("--omp-wait %s ignored: torch was loaded before it", choice)
         return
     for key, value in OMP_WAIT[choice].items():

@@ -75,6 +75,7 @@ def _env_after(args: str, env: dict[str, str]) -> dict[str, str]:
 
 def test_omp_wait_passive_by_default_and_an_exported_policy_wins():
     assert _env_after("generate", {}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+    assert _env_after("serve", {}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
     assert _env_after("generate", {"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
 
 

@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Any
 
-from iterserve.cli import add_engine_args, engine_config_from_args, setup_logging
+from iterserve.cli import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 
 DEFAULT_MODEL = "smollm2-135m"
 GRACEFUL_SHUTDOWN_S = 10  # after aborting in-flight requests, how long connections may take to close
@@ -122,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from iterserve.server.serving import ServerSettings
 
     args = resolve_args(args)
+    apply_omp_wait(args.omp_wait)  # says so if a --config file asked for spin after torch loaded
     check_bind(args.host, args.port)  # fail in a second, not after loading the model
     setup_logging(args.log_level == "debug")
     logging.getLogger("iterserve").setLevel(args.log_level.upper())
