@@ -13,6 +13,10 @@ so each runs alone at its exact length (no padding to the step's longest query: 
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size
 + offset. The torch path here runs anywhere and has no Python loop over decoding sequences; on
 CUDA, decodes go to a Triton kernel that reads blocks in place (model/decode_backend.py picks).
+
+The model reaches all this through one op, `torch.ops.iterserve.paged_attention(q, k, v, layer,
+scale)`, registered at the bottom: it takes the step's metadata and caches from the forward context,
+so a compiled decoder never sees them (forward_context.py says why).
 """
 from __future__ import annotations
 
