@@ -82,12 +82,16 @@ def test_int4_needs_bf16_cpu(tiny_model_dir):
 
 
 @pytest.mark.real_model
-def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled):
     """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps)
     against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
-    GEMMs) and then 48 single-token steps (int4 GEMMs)."""
+    GEMMs) and then 48 single-token steps (int4 GEMMs). Compiled (--compile), inductor fuses the
+    elementwise ops and rounds to bf16 in other places than eager does: the same bounds hold."""
     eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB"))
     assert eng.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
+    if compiled:
+        eng.model.compile_decoder()
     tok = smol_loaded[2]
     prompt = tok.encode("The history of the printing press begins in", add_special_tokens=False)
     ref = LLM(loaded=smol_loaded, kv_cache_memory="64MiB").generate(
@@ -103,7 +107,7 @@ def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded):
     got = torch.stack(got).float().log_softmax(-1)
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     ref_lp_diff = (got[torch.arange(len(ref)), ref] - want[torch.arange(len(ref)), ref]).abs()
-    print(f"bf16+int4 vs float32: top-1 agreement {top1:.3f}, |logprob diff| of the fp32 greedy token: "
+    print(f"bf16+int4{' compiled' if compiled else ''} vs float32: top-1 agreement {top1:.3f}, |logprob diff| of the fp32 greedy token: "
           f"mean {ref_lp_diff.mean():.3f}, max {ref_lp_diff.max():.3f}")
     assert top1 >= 0.85
     assert ref_lp_diff.mean().item() < 0.1
