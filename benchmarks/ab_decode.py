@@ -16,17 +16,14 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from decode_speed import start_decode_batch  # noqa: E402  (sibling script)
+
 from iterserve.engine import LLM  # noqa: E402
-from iterserve.sampling import SamplingParams  # noqa: E402
 
 
 def decode_ms_per_step(llm: LLM, batch: int, tokens: int, prompt_len: int) -> float:
     eng = llm.engine
-    sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request(params=sp, prompt_token_ids=[100 + (i * 7 + j) % 4000 for j in range(prompt_len)])
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
-        eng.step()
+    start_decode_batch(llm, batch, prompt_len, tokens)
     t0, steps = time.perf_counter(), 0
     while eng.has_unfinished_requests():
         eng.step()

@@ -17,13 +17,21 @@ from iterserve.engine import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
 
 
-def run(llm: LLM, batch: int, tokens: int, prompt_len: int) -> dict:
-    prompts = [[100 + (i * 7 + j) % 4000 for j in range(prompt_len)] for i in range(batch)]
-    sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+def start_decode_batch(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> None:
+    """Adds `batch` greedy, ignore_eos requests with distinct synthetic prompts and steps until
+    every prompt is prefilled, so the engine's next steps are decode-only at this batch size.
+    Shared by decode_speed, ab_decode and profile_step."""
     eng = llm.engine
-    for p in prompts:
-        eng.add_request(params=sp, prompt_token_ids=p)
-    eng.step()  # prefill all (fits the token budget)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(params=sp, prompt_token_ids=[100 + (i * 7 + j) % 4000 for j in range(prompt_len)])
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
+        eng.step()
+
+
+def run(llm: LLM, batch: int, tokens: int, prompt_len: int) -> dict:
+    start_decode_batch(llm, batch, prompt_len, tokens)
+    eng = llm.engine
     t0 = time.perf_counter()
     steps = 0
     while eng.has_unfinished_requests():

@@ -19,11 +19,11 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from decode_speed import start_decode_batch  # noqa: E402  (sibling script)
+
 from iterserve.engine import LLM  # noqa: E402
-from iterserve.sampling import SamplingParams  # noqa: E402
 
 BUCKETS = {
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
@@ -35,11 +35,7 @@ BUCKETS = {
 
 def profile_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
     eng = llm.engine
-    sp = SamplingParams(max_tokens=3 + 2 * steps, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request(params=sp, prompt_token_ids=[100 + (i * 7 + j) % 4000 for j in range(context)])
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
-        eng.step()
+    start_decode_batch(llm, batch, context, 3 + 2 * steps)
     eng.step()
     t0 = time.perf_counter()
     for _ in range(steps):

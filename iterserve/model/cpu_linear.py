@@ -17,7 +17,6 @@ recovers the checkpoint's own levels; the only new error is bf16 rounding of the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZE = 32
