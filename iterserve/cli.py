@@ -57,8 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is a 4-bit GGUF already, so no new rounding; none: bf16/float32 weights only")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers (inductor fuses norms, RoPE, activations and adds; "
-                        "about 1.2-1.4x faster steps on CPU). Costs about 1-2 minutes of compilation at "
-                        "startup on 2 cores, less when inductor's on-disk cache has the graphs already")
+                        "1.2-1.3x faster steps measured on CPU). Costs about a minute of compilation at "
+                        "startup on 2 cores (50-65 s measured), less when inductor's on-disk cache has the graphs")
     g.add_argument("--batching", choices=["continuous", "static"], default=d.batching,
                    help="continuous: iteration-level scheduling (default); static: fill-or-timeout batches "
                         "that run to their slowest member, for comparison")
