@@ -360,8 +360,6 @@ class LLM:
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priorities: list[int] | None = None) -> list[CompletionResult]:
         """Each prompt is a string, a list of token ids, or {"messages": [...]} for chat."""
-        from tqdm.auto import tqdm
-
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):

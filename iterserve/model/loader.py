@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from iterserve.config import ModelConfig
-from iterserve.model.gguf_file import (GGUF_DEQUANT_TYPES, GGUFIndex, cache_dir, dequantize_tensor,  # noqa: F401
-                                       file_key, iter_tensors, read_index)
+from iterserve.model.gguf_file import (GGUFIndex, cache_dir, dequantize_tensor, file_key,
+                                       iter_tensors, read_index)
 
 log = logging.getLogger("iterserve.loader")
 

@@ -1,0 +1,202 @@
+"""Kernel choices behind a CPU decode step, measured one by one so that a change can be judged
+before it is wired in. Every layer gets its own random weights of the embedded model's shapes, so
+the weights stream from memory as in a real step (one hot matrix repeated would sit in cache).
+
+    python benchmarks/kernel_options.py linears --rows 1 2 4 8 16      # the 120 projections
+    python benchmarks/kernel_options.py linears --rows 8 16 --inductor-woq  # + inductor's AMX int4
+    python benchmarks/kernel_options.py lm-head --rows 1 4 16 --numerics
+    python benchmarks/kernel_options.py attention --batch 1 4 8 16 --context 100 500
+
+- linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
+  the weight prepacked (what steps of more than 8 rows use), torch's int4 kernel (the int4 twin),
+  and, with --inductor-woq, inductor's C++/AMX template for the int4 op (max-autotune, frozen
+  weights; one shape, gate-up, hot in cache: it needs a compiled graph per weight).
+- lm-head: the 49152 x 576 head in bf16 against an int8 per-channel twin (_weight_int8pack_mm);
+  --numerics loads the embedded model and compares both with float32 logits on a few prompts.
+- attention: one layer's `paged_attention` (KV write + decode attention) per call, with torch's 2
+  threads and switched to 1 thread around the call.
+Results are printed; the figures quoted in docs/profile.md came from these commands.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from iterserve.model.attention import AttentionMetadata, DecodeMetadata, paged_attention  # noqa: E402
+from iterserve.model.cpu_linear import GROUP_SIZE, pack_int4  # noqa: E402
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
+SHAPES = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+
+
+def best_ms(fn, rounds: int = 5, inner: int = 1) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best * 1e3
+
+
+def linears(args) -> None:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        for n, k in SHAPES:
+            w = torch.randn(n, k) * 0.02
+            layers.append((k, torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *pack_int4(w)))
+    for m in args.rows:
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
+
+        def bf16() -> None:
+            for k, packed, _, _ in layers:
+                torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
+
+        def int4() -> None:
+            for k, _, q, sz in layers:
+                torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], q, GROUP_SIZE, sz)
+
+        print(f"rows {m:3d}: bf16 prepacked {best_ms(bf16):6.2f} ms   torch int4 {best_ms(int4):6.2f} ms"
+              f"   (all {len(layers)} projections)", flush=True)
+    if args.inductor_woq:
+        inductor_woq(args.rows)
+
+
+def inductor_woq(rows: list[int]) -> None:
+    n, k = SHAPES[2]
+    w = torch.randn(n, k) * 0.02
+
+    class Int4(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            q, sz = pack_int4(w)
+            self.register_buffer("q", q)
+            self.register_buffer("sz", sz)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, GROUP_SIZE, self.sz)
+
+    mod = Int4().eval()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16)
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True, max_autotune=True,
+                                                        max_autotune_gemm_backends="CPP,ATEN"):
+        compiled = torch.compile(mod, dynamic=False)
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            compiled(x)
+            t_c, t_e = best_ms(lambda: compiled(x), inner=100), best_ms(lambda: mod(x), inner=100)
+            t_b = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), inner=100)
+            print(f"gate-up {n}x{k}, hot, rows {m:3d}: inductor int4 template {t_c * 1e3:6.0f} us   torch int4 "
+                  f"{t_e * 1e3:6.0f} us   bf16 prepacked {t_b * 1e3:6.0f} us", flush=True)
+
+
+def int8_twin(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.float().abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+    return (w.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.squeeze(1).bfloat16()
+
+
+def lm_head(args) -> None:
+    torch.manual_seed(0)
+    copies = []  # several heads, used in turn, so each call reads its weights from memory
+    for _ in range(args.copies):
+        w = torch.randn(VOCAB, HIDDEN) * 0.05
+        copies.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *int8_twin(w)))
+    for m in args.rows:
+        x = torch.randn(m, HIDDEN, dtype=torch.bfloat16)
+
+        def bf16() -> None:
+            for packed, _, _ in copies:
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+        def int8() -> None:
+            for _, q, s in copies:
+                torch.ops.aten._weight_int8pack_mm(x, q, s)
+
+        print(f"rows {m:3d}: bf16 prepacked {best_ms(bf16) / len(copies):5.2f} ms   int8 per-channel "
+              f"{best_ms(int8) / len(copies):5.2f} ms   (per head call)", flush=True)
+    if args.numerics:
+        head_numerics()
+
+
+def head_numerics() -> None:
+    from iterserve.engine import LLM
+    from iterserve.sampling import SamplingParams
+
+    llm = LLM("smollm2-135m", dtype="float32")
+    model = llm.engine.runner.model
+    hidden: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: hidden.append(inp[0].detach().float()))
+    prompts = ["The capital of France is", "def fibonacci(n):", "In 1492, Columbus", "Photosynthesis is the process",
+               "Once upon a time there was a"]
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    hook.remove()
+    x, w = torch.cat(hidden), model.embed_tokens.weight.detach().float()
+    ref = x @ w.t()
+    q, s = int8_twin(w)
+    for name, y in (("bf16", (x.bfloat16() @ w.bfloat16().t()).float()),
+                    ("int8 per-channel", torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, s).float())):
+        agree = (y.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        d = (y - ref).abs()
+        print(f"{name:17s} vs float32 over {len(x)} positions: top-1 agreement {agree:.1%}, "
+              f"mean |dlogit| {d.mean():.4f}, max {d.max():.3f}")
+
+
+def attention(args) -> None:
+    torch.manual_seed(0)
+    bs, num_blocks = 16, 4096
+    cache = (torch.randn(num_blocks, bs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16),
+             torch.randn(num_blocks, bs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16))
+    threads = torch.get_num_threads()
+    for ctx in args.context:
+        for b in args.batch:
+            nblk = -(-ctx // bs)
+            tables = torch.randperm(num_blocks)[:b * nblk].view(b, nblk)
+            dec = DecodeMetadata(block_tables=tables, context_lens=torch.full((b,), ctx), max_context_len=ctx)
+            meta = AttentionMetadata(slot_mapping=tables[:, -1] * bs + (ctx - 1) % bs, num_decode_tokens=b,
+                                     decode=dec, prefill=None)
+            q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            k, v = (torch.randn(b, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+
+            def call() -> None:
+                paged_attention(q, k, v, cache, meta, HEAD_DIM ** -0.5)
+
+            def one_thread() -> None:
+                torch.set_num_threads(1)
+                call()
+                torch.set_num_threads(threads)
+
+            t2, t1 = best_ms(call, rounds=7, inner=200), best_ms(one_thread, rounds=7, inner=200)
+            print(f"context {ctx:4d} batch {b:3d}: {threads} threads {t2 * 1e3:6.0f} us   1 thread {t1 * 1e3:6.0f} us"
+                  f"   per layer", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("linears", help="the 120 decoder projections: bf16 prepacked vs torch int4")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--inductor-woq", action="store_true", help="also inductor's int4 template (compiles, ~1 min)")
+    p.set_defaults(fn=linears)
+    p = sub.add_parser("lm-head", help="the LM head: bf16 prepacked vs an int8 twin")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--copies", type=int, default=6, help="distinct heads used in turn (cache eviction)")
+    p.add_argument("--numerics", action="store_true", help="logit error of both on the embedded model")
+    p.set_defaults(fn=lm_head)
+    p = sub.add_parser("attention", help="one layer's paged attention on 2 threads vs 1")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--context", type=int, nargs="+", default=[100, 500])
+    p.set_defaults(fn=attention)
+    args = ap.parse_args()
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
