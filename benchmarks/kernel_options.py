@@ -5,6 +5,7 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
     python benchmarks/kernel_options.py linears --rows 1 2 4 8 16      # the 120 projections
     python benchmarks/kernel_options.py linears --rows 8 16 --inductor-woq  # + inductor's AMX int4
     python benchmarks/kernel_options.py lm-head --rows 1 4 16 --numerics
+    python benchmarks/kernel_options.py lm-head --rows 1 2 4 8 --q8-kernel  # + kernels/q8_gemv.cpp
     python benchmarks/kernel_options.py attention --batch 1 4 8 16 --context 100 500
 
 - linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
@@ -12,7 +13,9 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
   and, with --inductor-woq, inductor's C++/AMX template for the int4 op (max-autotune, frozen
   weights; one shape, gate-up, hot in cache: it needs a compiled graph per weight).
 - lm-head: the 49152 x 576 head in bf16 against an int8 per-channel twin (_weight_int8pack_mm);
-  --numerics loads the embedded model and compares both with float32 logits on a few prompts.
+  --numerics loads the embedded model and compares both with float32 logits on a few prompts;
+  --q8-kernel also builds kernels/q8_gemv.cpp (the GGUF's Q8_0 layout: int8 weights, a float
+  scale per 32; needs gcc, ninja and AVX-512) and times it, with its error against float32.
 - attention: one layer's `paged_attention` (KV write + decode attention) per call, with torch's 2
   threads and switched to 1 thread around the call.
 Results are printed; the figures quoted in docs/profile.md came from these commands.
@@ -103,25 +106,56 @@ def int8_twin(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).round().clamp(-127, 127).to(torch.int8), scale.squeeze(1).bfloat16()
 
 
+def q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 of w: (int8 [N, K], scale per 32 [N, K/32] f32, the dequantised weight)."""
+    n, k = w.shape
+    g = w.float().view(n, k // 32, 32)
+    d = g.abs().amax(-1).clamp(min=1e-8) / 127
+    q = (g / d.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return q.view(n, k), d.contiguous(), (q.float() * d.unsqueeze(-1)).view(n, k)
+
+
+def build_q8_kernel() -> None:
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+    load(name="iterserve_bench_q8", sources=[str(Path(__file__).parent / "kernels" / "q8_gemv.cpp")],
+         extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"], extra_ldflags=["-fopenmp"],
+         is_python_module=False)
+
+
 def lm_head(args) -> None:
     torch.manual_seed(0)
+    if args.q8_kernel:
+        build_q8_kernel()
     copies = []  # several heads, used in turn, so each call reads its weights from memory
     for _ in range(args.copies):
-        w = torch.randn(VOCAB, HIDDEN) * 0.05
-        copies.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *int8_twin(w)))
+        q, d, w = q8_0(torch.randn(VOCAB, HIDDEN) * 0.05)  # Q8_0 values, as the GGUF's head holds
+        copies.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *int8_twin(w), q, d, w))
     for m in args.rows:
         x = torch.randn(m, HIDDEN, dtype=torch.bfloat16)
 
         def bf16() -> None:
-            for packed, _, _ in copies:
-                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            for c in copies:
+                torch.ops.mkldnn._linear_pointwise(x, c[0], None, "none", [], "")
 
         def int8() -> None:
-            for _, q, s in copies:
-                torch.ops.aten._weight_int8pack_mm(x, q, s)
+            for c in copies:
+                torch.ops.aten._weight_int8pack_mm(x, c[1], c[2])
 
-        print(f"rows {m:3d}: bf16 prepacked {best_ms(bf16) / len(copies):5.2f} ms   int8 per-channel "
-              f"{best_ms(int8) / len(copies):5.2f} ms   (per head call)", flush=True)
+        line = (f"rows {m:3d}: bf16 prepacked {best_ms(bf16) / len(copies):5.2f} ms   int8 per-channel "
+                f"{best_ms(int8) / len(copies):5.2f} ms")
+        if args.q8_kernel:
+            def q8() -> None:
+                for c in copies:
+                    torch.ops.iterserve_bench_q8.q8_gemm(x, c[3], c[4])
+
+            ref = x.float() @ copies[0][5].t()
+            err_q8 = (torch.ops.iterserve_bench_q8.q8_gemm(x, copies[0][3], copies[0][4]).float() - ref).abs().max()
+            err_bf = (torch.ops.mkldnn._linear_pointwise(x, copies[0][0], None, "none", [], "").float() - ref).abs().max()
+            line += (f"   Q8_0 kernel {best_ms(q8) / len(copies):5.2f} ms   (max error vs float32: Q8_0 {err_q8:.4f},"
+                     f" bf16 {err_bf:.4f})")
+        print(line + "   per head call", flush=True)
     if args.numerics:
         head_numerics()
 
@@ -189,6 +223,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--copies", type=int, default=6, help="distinct heads used in turn (cache eviction)")
     p.add_argument("--numerics", action="store_true", help="logit error of both on the embedded model")
+    p.add_argument("--q8-kernel", action="store_true", help="also build and time kernels/q8_gemv.cpp (~30 s)")
     p.set_defaults(fn=lm_head)
     p = sub.add_parser("attention", help="one layer's paged attention on 2 threads vs 1")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
