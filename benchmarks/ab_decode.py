@@ -16,19 +16,13 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from decode_speed import start_decode_batch  # noqa: E402  (sibling script)
+from decode_speed import run  # noqa: E402  (sibling script)
 
 from iterserve.engine import LLM  # noqa: E402
 
 
 def decode_ms_per_step(llm: LLM, batch: int, tokens: int, prompt_len: int) -> float:
-    eng = llm.engine
-    start_decode_batch(llm, batch, prompt_len, tokens)
-    t0, steps = time.perf_counter(), 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-    return 1e3 * (time.perf_counter() - t0) / steps
+    return run(llm, batch, tokens, prompt_len)["ms_per_step"]
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -124,37 +125,46 @@ def build_q8_kernel() -> None:
          is_python_module=False)
 
 
+class Head(NamedTuple):
+    """One LM head in every form measured: Q8_0 values, as the GGUF's head holds them."""
+    packed: torch.Tensor  # bf16, prepacked for oneDNN
+    int8: torch.Tensor  # per-channel int8 twin
+    int8_scales: torch.Tensor
+    q8: torch.Tensor  # Q8_0: int8 [N, K] and a scale per 32
+    q8_scales: torch.Tensor
+    weight: torch.Tensor  # float32, dequantised: the reference
+
+
+def make_head() -> Head:
+    q, d, w = q8_0(torch.randn(VOCAB, HIDDEN) * 0.05)
+    return Head(torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *int8_twin(w), q, d, w)
+
+
 def lm_head(args) -> None:
     torch.manual_seed(0)
     if args.q8_kernel:
         build_q8_kernel()
-    copies = []  # several heads, used in turn, so each call reads its weights from memory
-    for _ in range(args.copies):
-        q, d, w = q8_0(torch.randn(VOCAB, HIDDEN) * 0.05)  # Q8_0 values, as the GGUF's head holds
-        copies.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *int8_twin(w), q, d, w))
+    heads = [make_head() for _ in range(args.copies)]  # used in turn: each call reads its weights from memory
     for m in args.rows:
         x = torch.randn(m, HIDDEN, dtype=torch.bfloat16)
 
-        def bf16() -> None:
-            for c in copies:
-                torch.ops.mkldnn._linear_pointwise(x, c[0], None, "none", [], "")
+        def bf16(h: Head) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, h.packed, None, "none", [], "")
 
-        def int8() -> None:
-            for c in copies:
-                torch.ops.aten._weight_int8pack_mm(x, c[1], c[2])
+        def int8(h: Head) -> torch.Tensor:
+            return torch.ops.aten._weight_int8pack_mm(x, h.int8, h.int8_scales)
 
-        line = (f"rows {m:3d}: bf16 prepacked {best_ms(bf16) / len(copies):5.2f} ms   int8 per-channel "
-                f"{best_ms(int8) / len(copies):5.2f} ms")
+        def q8(h: Head) -> torch.Tensor:
+            return torch.ops.iterserve_bench_q8.q8_gemm(x, h.q8, h.q8_scales)
+
+        def per_call(kernel) -> float:
+            return best_ms(lambda: [kernel(h) for h in heads]) / len(heads)
+
+        line = f"rows {m:3d}: bf16 prepacked {per_call(bf16):5.2f} ms   int8 per-channel {per_call(int8):5.2f} ms"
         if args.q8_kernel:
-            def q8() -> None:
-                for c in copies:
-                    torch.ops.iterserve_bench_q8.q8_gemm(x, c[3], c[4])
-
-            ref = x.float() @ copies[0][5].t()
-            err_q8 = (torch.ops.iterserve_bench_q8.q8_gemm(x, copies[0][3], copies[0][4]).float() - ref).abs().max()
-            err_bf = (torch.ops.mkldnn._linear_pointwise(x, copies[0][0], None, "none", [], "").float() - ref).abs().max()
-            line += (f"   Q8_0 kernel {best_ms(q8) / len(copies):5.2f} ms   (max error vs float32: Q8_0 {err_q8:.4f},"
-                     f" bf16 {err_bf:.4f})")
+            ref = x.float() @ heads[0].weight.t()
+            err_q8, err_bf = ((kernel(heads[0]).float() - ref).abs().max() for kernel in (q8, bf16))
+            line += f"   Q8_0 kernel {per_call(q8):5.2f} ms   (max error vs float32: Q8_0 {err_q8:.4f}, bf16 {err_bf:.4f})"
         print(line + "   per head call", flush=True)
     if args.numerics:
         head_numerics()

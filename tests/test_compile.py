@@ -57,6 +57,30 @@ def test_compile_refuses_a_model_without_a_decoder_stack(tiny_loaded):
         LLMEngine(EngineConfig(kv_cache_memory="64MiB", compile=True), loaded=(Opaque(), cfg, tok))
 
 
+def test_forward_context_is_per_thread():
+    """Two engines stepping in two threads of one process each read their own step's metadata."""
+    import threading
+
+    from iterserve.model.forward_context import forward_context, get_forward_context
+
+    both_open, both_read, seen = threading.Barrier(2, timeout=10), threading.Barrier(2, timeout=10), {}
+
+    def step(name: str) -> None:
+        with forward_context(name, []):
+            both_open.wait()  # the two contexts are set at the same time
+            seen[name] = get_forward_context().meta
+            both_read.wait()
+
+    threads = [threading.Thread(target=step, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert seen == {"a": "a", "b": "b"}
+    with pytest.raises(RuntimeError, match="outside forward_context"):
+        get_forward_context()
+
+
 # ---- --omp-wait: the OpenMP environment is set before torch loads -------------------------------------
 def _env_after(args: str, env: dict[str, str]) -> dict[str, str]:
     import json

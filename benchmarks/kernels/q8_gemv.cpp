@@ -34,8 +34,12 @@ void rows(const float* x, int64_t K, const int8_t* w, const float* sc, at::BFloa
 }
 
 at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 32 == 0 && w.size(1) == K && w.scalar_type() == at::kChar);
+  TORCH_CHECK(K % 32 == 0 && w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "w must be contiguous [N, K] int8 with K % 32 == 0");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
+              "scales must be contiguous [N, K/32] float32");
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = xf.const_data_ptr<float>();

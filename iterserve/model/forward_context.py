@@ -5,11 +5,14 @@ Why: `torch.compile` specialises a graph on every Python value it sees. The atte
 changes every step (block tables, context lengths, how many decodes), so the compiled decoder
 never sees it: each layer calls the opaque `iterserve::paged_attention` op with its layer index,
 and the op reads the metadata and the cache from here (vLLM's forward context does the same).
+The context belongs to the thread that runs the step, so engines stepping in different threads of
+one process never read each other's metadata.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -21,21 +24,22 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-_current: ForwardContext | None = None
+_local = threading.local()  # .current: the running step's ForwardContext, per thread
 
 
 @contextmanager
 def forward_context(meta, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    global _current
-    prev, _current = _current, ForwardContext(meta, kv_caches)
+    prev = getattr(_local, "current", None)
+    _local.current = ForwardContext(meta, kv_caches)
     try:
         yield
     finally:
-        _current = prev
+        _local.current = prev
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    current = getattr(_local, "current", None)
+    if current is None:
         raise RuntimeError("paged attention called outside forward_context(): the model must run "
                            "through LlamaForCausalLM.forward, which sets the step's metadata")
-    return _current
+    return current
