@@ -5,6 +5,11 @@ batch size and its ratio to the first configuration.
     python benchmarks/ab_decode.py --configs '{}' '{"compile": true}' --batch 1 16 --rounds 3
 
 Each configuration gets its own engine and model copy; compilation (if any) happens at its start.
+A configuration's "env" key (not an EngineConfig field) sets environment variables around its
+measurements, e.g. the decode attention backend:
+
+    python benchmarks/ab_decode.py --configs '{"env": {"ITERSERVE_DECODE_ATTENTION": "torch"}}' '{}'
+    python benchmarks/ab_decode.py --configs '{"env": {"ITERSERVE_CPU_KERNELS": "0"}}' '{}'   # no C++ kernels
 """
 from __future__ import annotations
 
@@ -19,10 +24,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from decode_speed import run  # noqa: E402  (sibling script)
 
 from iterserve.engine import LLM  # noqa: E402
+from iterserve.model.cpu_kernels import load_cpu_kernels  # noqa: E402
+from iterserve.model.decode_backend import select_decode_attention  # noqa: E402
 
 
 def decode_ms_per_step(llm: LLM, batch: int, tokens: int, prompt_len: int) -> float:
     return run(llm, batch, tokens, prompt_len)["ms_per_step"]
+
+
+def use_env(env: dict[str, str]) -> None:
+    """Sets one configuration's environment (undoing the previous one's) and re-selects backends."""
+    for key in ALL_ENV_KEYS - env.keys():
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    load_cpu_kernels.cache_clear()
+    select_decode_attention.cache_clear()
+
+
+ALL_ENV_KEYS: set[str] = set()
 
 
 def main() -> None:
@@ -36,16 +55,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
-    llms = []
+    llms, envs = [], []
     for c in args.configs:
         t0 = time.perf_counter()
-        llms.append(LLM(args.model, **json.loads(c)))
+        fields = json.loads(c)
+        envs.append(fields.pop("env", {}))
+        ALL_ENV_KEYS.update(envs[-1])
+        use_env(envs[-1])
+        llms.append(LLM(args.model, **fields))
         decode_ms_per_step(llms[-1], 1, 4, 8)  # warm-up
         print(f"{c}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
     best: dict[tuple[int, int], float] = {}
     for _ in range(args.rounds):
         for b in args.batch:
             for i, llm in enumerate(llms):
+                use_env(envs[i])
                 ms = decode_ms_per_step(llm, b, args.tokens, args.prompt_len)
                 best[i, b] = min(best.get((i, b), float("inf")), ms)
     rows = []

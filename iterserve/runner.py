@@ -13,6 +13,7 @@ from iterserve.config import ModelConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.model.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from iterserve.model.decode_backend import select_decode_attention
 from iterserve.sampling import Sampler
 
 log = logging.getLogger("iterserve.runner")
@@ -58,6 +59,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size)
+        select_decode_attention(device)  # now, not at the first request: on CPU it may build a kernel
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Lays the step out as the attention expects: single-token rows (decodes, and static

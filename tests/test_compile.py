@@ -39,6 +39,26 @@ def test_compiled_decoder_matches_eager(tiny_model_dir, tiny_loaded):
     assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
+def test_two_compiled_models_in_one_process_keep_their_own_graphs(tiny_model_dir):
+    """dynamo keeps its graphs on the function's code object and the parameters are unguarded:
+    without a code object per model, the second model here (one layer fewer) would run the first's
+    graph and give the first model's tokens."""
+    kw = dict(kv_cache_memory="64MiB", max_num_batched_tokens=64, dtype="float32")
+    runs = []
+    for drop_last_layer in (False, True):
+        model, cfg, tok, _ = load_model(str(tiny_model_dir))
+        if drop_last_layer:
+            model.layers = model.layers[:-1]
+        eager = _run(LLMEngine(EngineConfig(**kw), loaded=(model, cfg, tok)))
+        engine = LLMEngine(EngineConfig(**kw), loaded=(model, cfg, tok))
+        model.compile_decoder()
+        engine.runner.warm_up()
+        runs.append((eager, _run(engine)))
+    assert runs[0][0] != runs[1][0]  # the two models really differ
+    for eager, compiled in runs:
+        assert compiled == eager
+
+
 def test_compile_flag_compiles_at_startup(tiny_model_dir):
     model, cfg, tok, _ = load_model(str(tiny_model_dir))
     engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", dtype="float32", compile=True), loaded=(model, cfg, tok))

@@ -12,7 +12,9 @@ from torch import nn
 
 from iterserve.config import EngineConfig
 from iterserve.engine import LLM, LLMEngine
-from iterserve.model.cpu_linear import CpuLinear, int4_kernel_available, optimize_cpu_linears, prepack_available
+from iterserve.model.cpu_kernels import load_cpu_kernels
+from iterserve.model.cpu_linear import (CpuLinear, int4_kernel_available, optimize_cpu_linears, pack_q8_0,
+                                        prepack_available)
 from iterserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (prepack_available() and int4_kernel_available()),
@@ -39,13 +41,17 @@ def test_prepacked_equals_f_linear_at_every_row_count():
         assert torch.equal(fast(x), F.linear(x, lin.weight, lin.bias)), rows
 
 
-def test_int4_twin_only_for_small_steps_and_exact_on_a_4bit_grid():
+@pytest.mark.parametrize("twin", ["int4", "q4_1"])
+def test_4bit_twin_only_for_small_steps_and_exact_on_a_4bit_grid(twin):
+    """Both 4-bit twins: torch's int4 kernel and ours (cpu_kernels.cpp's q4_gemm, int16 activations)."""
+    if twin == "q4_1" and load_cpu_kernels() is None:
+        pytest.skip("the CPU kernels did not build here")
     w = on_4bit_grid(96, 128)
     lin = nn.Linear(128, 96, bias=False)
     lin.weight.data = w.bfloat16()
-    fast = CpuLinear(lin, int4_max_tokens=4)
+    fast = CpuLinear(lin, twin, 4)
     ref_w = w.bfloat16().float()
-    for rows in (1, 4):
+    for rows in (1, 2, 3, 4):
         x = torch.randn(rows, 128).bfloat16()
         out, ref = fast(x).float(), x.float() @ ref_w.t()
         # the grid is recovered; what is left is bf16 rounding of scales/zeros and of the output
@@ -54,9 +60,40 @@ def test_int4_twin_only_for_small_steps_and_exact_on_a_4bit_grid():
     assert torch.equal(fast(x), F.linear(x, lin.weight))
     # off the grid the twin is visibly a different (rounded) weight: the dispatch is real
     lin2 = nn.Linear(128, 96, bias=False).bfloat16()
-    twin = CpuLinear(lin2, int4_max_tokens=4)
     x = torch.randn(4, 128).bfloat16()
-    assert not torch.equal(twin(x), F.linear(x, lin2.weight))
+    assert not torch.equal(CpuLinear(lin2, twin, 4)(x), F.linear(x, lin2.weight))
+
+
+def on_q8_grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A weight whose every group of 32 is d * q with q in -127..127 and |q| = 127 present (what a
+    GGUF Q8_0 block dequantises to), d a power of two so that bf16 holds every value exactly."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n * k // 32, 32), generator=g).float()
+    q[:, 0] = 127
+    d = 2.0 ** -torch.randint(8, 12, (n * k // 32, 1), generator=g).float()
+    return (q * d).reshape(n, k)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="the CPU kernels did not build here")
+def test_q8_0_twin_only_for_small_steps_and_exact_on_a_q8_grid():
+    w = on_q8_grid(200, 96)
+    q, scales = pack_q8_0(w)
+    assert torch.equal(q.float() * scales.repeat_interleave(32, 1), w)  # the grid is recovered exactly
+    lin = nn.Linear(96, 200, bias=False)
+    lin.weight.data = w.bfloat16()
+    fast = CpuLinear(lin, "q8_0", 4, keep_weight=True)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, 96).bfloat16()
+        ref = x.float() @ w.t()
+        # exact weights, float32 accumulation: only the output's rounding to bf16 is left
+        torch.testing.assert_close(fast(x).float(), ref, rtol=2 ** -8, atol=1e-5)
+    x = torch.randn(5, 96).bfloat16()  # above the threshold: the bf16 weight, bit for bit
+    assert torch.equal(fast(x), F.linear(x, lin.weight))
+    lin2 = nn.Linear(96, 200, bias=False).bfloat16()  # off the grid the twin is a rounded weight
+    x = torch.randn(2, 96).bfloat16()
+    assert not torch.equal(CpuLinear(lin2, "q8_0", 4)(x), F.linear(x, lin2.weight))
+    with pytest.raises(ValueError, match="twin"):
+        CpuLinear(lin2, "q3_k", 4)
 
 
 def test_engine_on_optimized_tiny_model_gives_the_plain_bf16_tokens(tiny_model_dir):
@@ -84,12 +121,14 @@ def test_int4_needs_bf16_cpu(tiny_model_dir):
 @pytest.mark.real_model
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled):
-    """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps)
-    against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
-    GEMMs) and then 48 single-token steps (int4 GEMMs). Compiled (--compile), inductor fuses the
+    """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps,
+    Q8_0 LM head for steps of <= 4 rows, the C++ decode attention) against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
+    GEMMs) and then 48 single-token steps (int4 GEMMs, Q8_0 head). Compiled (--compile), inductor fuses the
     elementwise ops and rounds to bf16 in other places than eager does: the same bounds hold."""
     eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB"))
     assert eng.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
+    if load_cpu_kernels() is not None:  # and its head is Q8_0: the head's twin too
+        assert eng.model.lm_head.twin == "q8_0"
     if compiled:
         eng.model.compile_decoder()
     tok = smol_loaded[2]

@@ -15,32 +15,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from iterserve.model.attention import DecodeMetadata, decode_attention  # noqa: E402
+from iterserve.model.attention import decode_attention  # noqa: E402
 from iterserve.model.decode_backend import select_decode_attention  # noqa: E402
 from iterserve.model.triton_attention import decode_attention_triton  # noqa: E402
 
-CONTEXT_LENS = [1, 15, 16, 17, 100]
-HEAD_DIM = 64
-KV_HEADS = 2
-
-
-def random_case(context_lens: list[int], block_size: int, group: int, seed: int = 0, head_dim: int = HEAD_DIM):
-    """q, caches and metadata for sequences whose blocks are a random permutation of the pool."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(need) + 3  # spare blocks hold noise that must never be read
-    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, KV_HEADS, head_dim, generator=g)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(need) + 1  # padded wider than any sequence needs, as the runner may
-    tables = torch.zeros(len(context_lens), width, dtype=torch.long)
-    for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor(perm[:n])
-        perm = perm[n:]
-    meta = DecodeMetadata(block_tables=tables, context_lens=torch.tensor(context_lens),
-                          max_context_len=max(context_lens))
-    q = torch.randn(len(context_lens), KV_HEADS * group, head_dim, generator=g)
-    return q, k_cache, v_cache, meta
+from attention_cases import CONTEXT_LENS, HEAD_DIM, random_case  # noqa: E402
 
 
 def check(context_lens: list[int], block_size: int, group: int, head_dim: int = HEAD_DIM) -> None:
@@ -102,7 +81,8 @@ def test_unread_slots_do_not_leak():
     torch.testing.assert_close(decode_attention_triton(q, k_cache, v_cache, meta, scale), before)
 
 
-def test_selection_defaults_to_torch_on_cpu_and_honours_the_override(monkeypatch):
+def test_selection_honours_the_override(monkeypatch):
+    monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "torch")
     select_decode_attention.cache_clear()
     assert select_decode_attention(torch.device("cpu")) is decode_attention
     select_decode_attention.cache_clear()
@@ -129,6 +109,8 @@ def test_engine_greedy_output_unchanged_with_triton_decode(tiny_loaded, monkeypa
                   kv_cache_memory="8MiB")
         return llm.generate(prompts, params, use_tqdm=False)
 
+    monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "torch")
+    select_decode_attention.cache_clear()
     want = generate()
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "triton")
     select_decode_attention.cache_clear()

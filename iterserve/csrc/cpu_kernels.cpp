@@ -1,0 +1,383 @@
+// CPU kernels for the two places where a decode step on CPU is not bound by torch's own GEMMs.
+// Built on first use by iterserve/model/cpu_kernels.py (torch.utils.cpp_extension, -O3
+// -march=native); the engine falls back to its torch path when the build is not possible.
+//
+// paged_decode_attention: one query row per sequence against its blocks, read in place.
+//   The torch path copies every sequence's blocks into a padded tensor (index_select) and runs
+//   masked SDPA over the copy: ~15 small ops per layer, each waking the second thread, 100-140 us
+//   a layer at batch 1 on 2 cores. Here one call per layer walks the block table directly.
+// q8_0_gemm: the LM head in GGUF's Q8_0 layout (int8 weights, one float scale per 32), for steps of
+//   a few rows, where reading the bf16 head (49152 x 576) bounds the step.
+//
+// Plain C++ loops written for the compiler's vectoriser (`omp simd`), so the file builds on any
+// CPU gcc targets, with AVX-512 intrinsics where the vectoriser fell short; float32 accumulation.
+#include <torch/extension.h>
+
+#include "work_pool.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using iterserve::WorkPool;
+
+inline float load(float x) { return x; }
+inline float load(uint16_t bits) {  // bfloat16 -> float32 is a 16-bit shift
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (std::isnan(x)) { *p = 0x7fc0; return; }
+  u += 0x7fff + ((u >> 16) & 1);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
+// T: the element type of q/out (float or bf16 bits); C: of the caches.
+template <typename T, typename C>
+void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
+                           const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                           int64_t BS, int64_t table_width, float scale) {
+  const int64_t group = H / KVH;
+  const int64_t token_stride = KVH * D;   // elements between consecutive slots
+  const int64_t block_stride = BS * token_stride;
+  // one chunk = one (sequence, query head); a thread keeps its scratch across chunks
+  WorkPool::instance().run(B * H, [&](int64_t item) {
+    thread_local std::vector<float> qf, acc, scores;
+    qf.resize(D);
+    acc.resize(D);
+    {
+      const int64_t b = item / H, h = item % H, kvh = h / group;
+      const int64_t len = lens[b];
+      const int64_t* table = tables + b * table_width;
+      const T* qrow = q + item * D;
+      for (int64_t d = 0; d < D; ++d) qf[d] = load(qrow[d]) * scale;
+      scores.resize(len);
+      float mx = -INFINITY;
+      for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * D;
+        const int64_t n = std::min(BS, len - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const C* k = kb + o * token_stride;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qf[d] * load(k[d]);
+          scores[t0 + o] = s;
+          mx = std::max(mx, s);
+        }
+      }
+      float sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) {
+        scores[t] = std::exp(scores[t] - mx);
+        sum += scores[t];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+        const int64_t n = std::min(BS, len - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const C* v = vb + o * token_stride;
+          const float p = scores[t0 + o];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += p * load(v[d]);
+        }
+      }
+      T* orow = out + item * D;
+      const float inv = len > 0 ? 1.f / sum : 0.f;
+      for (int64_t d = 0; d < D; ++d) store(orow + d, acc[d] * inv);
+    }
+  });
+}
+
+template <typename T>
+const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); }
+
+// q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, width] int64;
+// context_lens [B] int64 (tokens in cache, this step's included) -> [B, H, D] in q's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [B, H, D] and the caches [num_blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "the caches must be contiguous and of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or the GQA ratio does not match the caches");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per sequence");
+  at::Tensor out = at::empty_like(q);
+  if (B == 0) return out;
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= tables.size(1) * BS, "context length ", lp[b], " exceeds its block table");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && (ct == at::kFloat || ct == at::kBFloat16),
+              "float32 or bfloat16 only");
+#define ISV_CALL(T, C)                                                                                       \
+  decode_attention_impl<T, C>(ptr<T>(q), ptr<C>(k_cache), ptr<C>(v_cache), tables.const_data_ptr<int64_t>(), \
+                              lp, reinterpret_cast<T*>(out.data_ptr()), B, H, KVH, D, BS, tables.size(1),    \
+                              static_cast<float>(scale))
+  if (qt == at::kBFloat16 && ct == at::kBFloat16) ISV_CALL(uint16_t, uint16_t);
+  else if (qt == at::kFloat && ct == at::kBFloat16) ISV_CALL(float, uint16_t);
+  else if (qt == at::kBFloat16 && ct == at::kFloat) ISV_CALL(uint16_t, float);
+  else ISV_CALL(float, float);
+#undef ISV_CALL
+  return out;
+}
+
+// Rows of a quantised weight are a few hundred bytes: the GEMMs below ask for the row this many
+// ahead, or each row's loads wait on memory (120 projections at 1 row: 3.9 vs 5.1 ms, Zen 4).
+constexpr int64_t kPrefetchRows = 16;
+constexpr int64_t kRanges = 16;  // a GEMM's output rows, split for the work pool
+
+// ---- Q8_0 GEMM: out[m, n] = sum_k x[m, k] * w[n, k] * scale[n, k / 32] --------------------------------
+// MB rows of x share each weight group as it is widened to float; the accumulators stay 32 wide
+// until the end of the row, as in llama.cpp's Q8_0 dot. On AVX-512 written with intrinsics (the
+// vectoriser made the portable loop 5x slower: 4.9 vs 0.84 ms for a 49152 x 576 head at 1 row).
+template <int MB, typename T>
+void q8_0_rows(const float* x, int64_t K, const int8_t* w, const float* scales, T* out, int64_t N,
+               int64_t n0, int64_t n1) {
+  constexpr int Q = 32;
+  const int64_t groups = K / Q;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    const float* sr = scales + n * groups;
+#if defined(__AVX512F__)
+    const int64_t ahead = std::min(n + kPrefetchRows, N - 1);  // as in q4_rows
+    for (int64_t off = 0; off < K; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w + ahead * K + off), _MM_HINT_T0);
+    for (int64_t off = 0; off < groups; off += 16) _mm_prefetch(reinterpret_cast<const char*>(scales + ahead * groups + off), _MM_HINT_T0);
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 s = _mm512_set1_ps(sr[g]);
+      const __m512 w0 = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * Q)))));
+      const __m512 w1 = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * Q + 16)))));
+      for (int m = 0; m < MB; ++m) {
+        const float* xr = x + m * K + g * Q;
+        acc[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[m]);
+        acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) store(out + m * N + n, _mm512_reduce_add_ps(acc[m]));
+#else
+    float acc[MB] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int m = 0; m < MB; ++m) {
+        const float* xr = x + m * K + g * Q;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int i = 0; i < Q; ++i) s += static_cast<float>(wr[g * Q + i]) * xr[i];
+        acc[m] += s * sr[g];
+      }
+    }
+    for (int m = 0; m < MB; ++m) store(out + m * N + n, acc[m]);
+#endif
+  }
+}
+
+template <typename T>
+void q8_0_gemm_impl(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, T* out, int64_t N) {
+  // a few long ranges (interleaved short chunks broke the hardware prefetcher's streams: 1.09 vs
+  // 0.75 ms for a 49152 x 576 head), walked 64 rows at a time so every x row reuses them from cache
+  iterserve::parallel_ranges(N, kRanges, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += 64) {
+      const int64_t n1 = std::min(end, n0 + 64);
+      for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m;
+        if (left >= 4) { q8_0_rows<4>(x + m * K, K, w, scales, out + m * N, N, n0, n1); m += 4; }
+        else if (left >= 2) { q8_0_rows<2>(x + m * K, K, w, scales, out + m * N, N, n0, n1); m += 2; }
+        else { q8_0_rows<1>(x + m * K, K, w, scales, out + m * N, N, n0, n1); m += 1; }
+      }
+    }
+  });
+}
+
+// x [M, K] float32 or bfloat16; w [N, K] int8; scales [N, K / 32] float32 -> [M, N] in x's dtype.
+at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be [M, K] float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "w must be contiguous [N, K] int8 with K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / 32),
+              "scales must be contiguous [N, K / 32] float32");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    q8_0_gemm_impl(xf.const_data_ptr<float>(), M, K, w.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
+                   out.data_ptr<float>(), N);
+  else
+    q8_0_gemm_impl(xf.const_data_ptr<float>(), M, K, w.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
+                   reinterpret_cast<uint16_t*>(out.data_ptr()), N);
+  return out;
+}
+
+// ---- Q4 GEMM (GGUF Q4_1 levels): w[n, k] = d[n, b] * q[n, k] + m[n, b], q in 0..15, b = k / 32 ------
+// Decoding a few sequences reads every weight once per token, so the weights stay 4-bit. Each
+// activation row is quantised to int16 with one scale (dx: 2^-15 of the row's largest value, so an
+// element's absolute error stays below what bf16 rounding gives it unless it is 100x smaller than
+// the row's largest, where its share of the dot is as small), and each 32-weight block is one
+// s16 x s16 dot instruction (AVX512-VNNI vpdpwssd):
+//   sum_k x w = dx * sum_b d_b sum_{k in b} q xq  +  sum_b m_b sum_{k in b} x.
+// (llama.cpp quantises activations to int8 per 32: twice the dot rate, but on this model the logits
+// then drifted ~4x further from float32 than with bf16 activations.)
+// Layout, made by pack_q4_1 (cpu_linear.py): qs [N, K/2] uint8, chunk c's byte i = q[64c+i] | q[64c+32+i] << 4;
+// d and m [N, K/32] float16 (GGUF's own types).
+struct Q4Rows {  // quantised activation rows
+  const int16_t* xq;  // [M, K]
+  const float* dx;    // [M]: one scale a row
+  const float* sx;    // [M, K/32]: the exact float sum of x over each block
+  int64_t K;
+  Q4Rows at(int64_t m) const { return {xq + m * K, dx + m, sx + m * (K / 32), K}; }
+};
+
+template <int MB, typename T>
+void q4_rows(const Q4Rows& a, const uint8_t* qs, const at::Half* d, const at::Half* mn, T* out, int64_t N,
+             int64_t n0, int64_t n1) {
+  const int64_t K = a.K, chunks = K / 64, blocks = K / 32;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = qs + n * (K / 2);
+    const at::Half* dr = d + n * blocks;
+    const at::Half* mr = mn + n * blocks;
+    // a row is a few hundred bytes: ask for one kPrefetchRows ahead, or the loads wait on memory
+    const int64_t ahead = std::min(n + kPrefetchRows, N - 1);
+    for (int64_t off = 0; off < K / 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(qs + ahead * (K / 2) + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(d + ahead * blocks), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn + ahead * blocks), _MM_HINT_T0);
+    float mins[MB] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float mb = static_cast<float>(mr[b]);
+      for (int m = 0; m < MB; ++m) mins[m] += mb * a.sx[m * blocks + b];
+    }
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + c * 32));
+      const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low4));
+      const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
+      const __m512 d0 = _mm512_set1_ps(static_cast<float>(dr[2 * c])), d1 = _mm512_set1_ps(static_cast<float>(dr[2 * c + 1]));
+      for (int m = 0; m < MB; ++m) {
+        const int16_t* xr = a.xq + m * K + c * 64;
+        const __m512i s0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(xr));
+        const __m512i s1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512(xr + 32));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), d0, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), d1, acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      store(out + m * N + n, _mm512_reduce_add_ps(acc[m]) * a.dx[m] + mins[m]);
+  }
+#else
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = qs + n * (K / 2);
+    float acc[MB] = {}, macc[MB] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t c = b / 2, h = b % 2;
+      const float db = static_cast<float>(d[n * blocks + b]), mb = static_cast<float>(mn[n * blocks + b]);
+      for (int m = 0; m < MB; ++m) {
+        int32_t isum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int q = h ? qr[c * 32 + i] >> 4 : qr[c * 32 + i] & 0x0F;
+          isum += q * a.xq[m * K + b * 32 + i];
+        }
+        acc[m] += db * static_cast<float>(isum);
+        macc[m] += mb * a.sx[m * blocks + b];
+      }
+    }
+    for (int m = 0; m < MB; ++m) store(out + m * N + n, acc[m] * a.dx[m] + macc[m]);
+  }
+#endif
+}
+
+// x [M, K] float32 or bfloat16; qs [N, K/2] uint8; d, m [N, K/32] float16 -> [M, N] in x's dtype.
+at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be [M, K] float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  TORCH_CHECK(K % 64 == 0 && qs.dim() == 2 && qs.size(1) == K / 2 && qs.scalar_type() == at::kByte &&
+              qs.is_contiguous(), "qs must be contiguous [N, K/2] uint8 with K a multiple of 64");
+  for (const at::Tensor* t : {&d, &mn})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == N * (K / 32),
+                "scales and mins must be contiguous [N, K/32] float16");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  // the activations, quantised once on the calling thread (M x K is tiny next to the weights)
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> dx(M), sx(M * (K / 32));
+  const float* xp = xf.const_data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+    dx[m] = amax / 32767.f;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      float sum = 0.f;
+      for (int i = 0; i < 32; ++i) sum += xr[b * 32 + i];
+      sx[m * (K / 32) + b] = sum;
+    }
+  }
+  const Q4Rows rows{xq.data(), dx.data(), sx.data(), K};
+  const uint8_t* qp = qs.const_data_ptr<uint8_t>();
+  const at::Half* dp = d.const_data_ptr<at::Half>();
+  const at::Half* mp = mn.const_data_ptr<at::Half>();
+  auto run = [&](auto* op) {
+    iterserve::parallel_ranges(N, kRanges, [&](int64_t begin, int64_t end) {  // as in q8_0_gemm
+      for (int64_t n0 = begin; n0 < end; n0 += 32) {
+        const int64_t n1 = std::min(end, n0 + 32);
+        for (int64_t m = 0; m < M;) {
+          const int64_t left = M - m;
+          if (left >= 8) { q4_rows<8>(rows.at(m), qp, dp, mp, op + m * N, N, n0, n1); m += 8; }
+          else if (left >= 4) { q4_rows<4>(rows.at(m), qp, dp, mp, op + m * N, N, n0, n1); m += 4; }
+          else if (left >= 2) { q4_rows<2>(rows.at(m), qp, dp, mp, op + m * N, N, n0, n1); m += 2; }
+          else { q4_rows<1>(rows.at(m), qp, dp, mp, op + m * N, N, n0, n1); m += 1; }
+        }
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+bool q4_gemm_is_vectorised() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pool_threads", [] { return WorkPool::instance().num_threads(); }, "threads of the kernels' work pool");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence against its paged K/V, read in place (see cpu_kernels.cpp)");
+  m.def("q4_gemm", &q4_gemm, "x @ w.T for 4-bit w (GGUF Q4_1 levels; layout in cpu_kernels.cpp)");
+  m.def("q4_gemm_is_vectorised", &q4_gemm_is_vectorised, "whether q4_gemm was built with AVX512-VNNI");
+  m.def("q8_0_gemm", &q8_0_gemm, "x @ w.T for int8 w with a float scale per 32 inputs (GGUF Q8_0)");
+}

@@ -1,0 +1,151 @@
+// A fork-join pool for the CPU kernels in cpu_kernels.cpp: why not torch's OpenMP pool.
+//
+// A decode step of a small model is ~150 kernel calls of 5-60 us each. With OMP_WAIT_POLICY=PASSIVE
+// (the engine's default, because spinning OpenMP threads collapse when another process holds a
+// core) every parallel region first wakes the sleeping second thread, ~25 us here, so on 2 cores a
+// 4-bit GEMM ran *slower* on two threads than on one. This pool differs in two ways:
+//   - its worker spins for a short while (kSpinMicros) after each job, yielding the core at every
+//     turn, so the next kernel of the same step finds it awake; between steps it sleeps;
+//   - the work is split into many small chunks claimed one at a time, and the calling thread claims
+//     them too: it never waits for a worker that has not started (asleep, or its core taken by
+//     another process), only for chunks a worker already holds.
+// The chunk functions touch raw memory only (no torch calls), so they may run on any thread.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ISV_PAUSE() _mm_pause()
+#else
+#define ISV_PAUSE() ((void)0)
+#endif
+
+namespace iterserve {
+
+class WorkPool {
+ public:
+  using Fn = std::function<void(int64_t)>;
+  // a step's kernels are closer together than this; ITERSERVE_POOL_SPIN_US overrides it (0: always sleep)
+  static constexpr int kSpinMicros = 100;
+
+  // One pool per process, with at::get_num_threads() - 1 workers (read at first use).
+  static WorkPool& instance() {
+    static WorkPool* pool = new WorkPool(std::max(1, at::get_num_threads()) - 1);  // never destroyed
+    return *pool;
+  }
+
+  int num_threads() const { return static_cast<int>(workers_) + 1; }
+
+  // Calls fn(c) for every c in [0, n), spread over the pool; returns when all are done.
+  void run(int64_t n, const Fn& fn) {
+    if (n <= 0) return;
+    if (workers_ == 0 || n == 1) {
+      for (int64_t c = 0; c < n; ++c) fn(c);
+      return;
+    }
+    std::lock_guard<std::mutex> one_job(run_mu_);  // jobs from two engine threads take turns
+    const uint64_t gen = (ticket_.load() >> kGenShift) + 1;
+    fn_.store(&fn);
+    done_.store(0);
+    ticket_.store(gen << kGenShift | static_cast<uint64_t>(n) << kNShift);  // publishes the job
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    int64_t c;
+    while ((c = claim(gen)) >= 0) {
+      fn(c);
+      done_.fetch_add(1);
+    }
+    while (done_.load() < n) {  // only chunks a worker holds are left
+      ISV_PAUSE();
+      sched_yield();
+    }
+  }
+
+ private:
+  // ticket_ = generation (24 bits) | chunk count (20) | next chunk (20): one atomic word, so a claim
+  // can never mix one job's counter with another's
+  static constexpr int kGenShift = 40, kNShift = 20;
+  static constexpr uint64_t kMask20 = (1ull << 20) - 1;
+
+  explicit WorkPool(int workers) : workers_(workers) {
+    const char* env = std::getenv("ITERSERVE_POOL_SPIN_US");
+    spin_us_ = env ? std::max(0, std::atoi(env)) : kSpinMicros;
+    for (int i = 0; i < workers; ++i) std::thread([this] { work(); }).detach();
+  }
+
+  // The next chunk of job `gen`, or -1 when it has none left (or is not the current job).
+  int64_t claim(uint64_t gen) {
+    uint64_t t = ticket_.load();
+    while ((t >> kGenShift) == gen) {
+      const uint64_t next = t & kMask20, n = (t >> kNShift) & kMask20;
+      if (next >= n) return -1;
+      if (ticket_.compare_exchange_weak(t, t + 1)) return static_cast<int64_t>(next);
+    }
+    return -1;
+  }
+
+  void work() {
+    uint64_t seen = ticket_.load() >> kGenShift;
+    for (;;) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      uint64_t gen;
+      while ((gen = ticket_.load() >> kGenShift) == seen && std::chrono::steady_clock::now() < deadline) {
+        ISV_PAUSE();
+        sched_yield();
+      }
+      if (gen == seen) {  // nothing came: sleep until a job is published
+        sleepers_.fetch_add(1);
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [&] { return (ticket_.load() >> kGenShift) != seen; });
+        }
+        sleepers_.fetch_sub(1);
+        gen = ticket_.load() >> kGenShift;
+      }
+      seen = gen;
+      // fn_ is read before each claim: a claim that succeeds proves job `gen` was live all along,
+      // so the function read is that job's (run() stores the next job's only after this one ends)
+      for (;;) {
+        const Fn* fn = fn_.load();
+        const int64_t c = claim(gen);
+        if (c < 0) break;
+        (*fn)(c);
+        done_.fetch_add(1);
+      }
+    }
+  }
+
+  const int workers_;
+  int spin_us_;
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<const Fn*> fn_{nullptr};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::mutex mu_, run_mu_;
+  std::condition_variable cv_;
+};
+
+// Splits [0, n) into about `chunks` ranges and runs fn(begin, end) on each through the pool.
+inline void parallel_ranges(int64_t n, int64_t chunks, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  chunks = std::max<int64_t>(1, std::min(chunks, n));
+  const int64_t step = (n + chunks - 1) / chunks;
+  WorkPool::instance().run((n + step - 1) / step, [&](int64_t c) { fn(c * step, std::min(n, (c + 1) * step)); });
+}
+
+}  // namespace iterserve

@@ -1,0 +1,86 @@
+"""Builds and loads iterserve's C++ CPU kernels (`iterserve/csrc/cpu_kernels.cpp`).
+
+The build happens on first use, with the compiler already needed to install torch extensions
+(gcc and ninja), and is cached by torch (TORCH_EXTENSIONS_DIR, by default under ~/.cache): about a
+minute the first time, a fraction of a second after. It is compiled for the CPU it runs on
+(-march=native), so the cache key includes the CPU's feature flags.
+
+Nothing depends on it being there: when the build fails (no compiler, an unusual platform),
+`load_cpu_kernels()` logs why once and returns None, and callers keep their torch path.
+ITERSERVE_CPU_KERNELS=0 turns the kernels off (to compare, or to step around a broken toolchain).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from iterserve.model.attention import DecodeMetadata
+
+log = logging.getLogger("iterserve.kernels")
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE = CSRC / "cpu_kernels.cpp"  # includes work_pool.h
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _build_tag() -> str:
+    """A short hash of what -march=native sees and of every file in csrc/: a build made on another CPU
+    or from other sources is never loaded (torch's own check looks at the .cpp only, not headers)."""
+    key = platform.machine().encode()
+    try:
+        with open("/proc/cpuinfo") as f:
+            key += next((line for line in f if line.startswith(("flags", "Features"))), "").encode()
+    except OSError:
+        pass
+    for path in sorted(CSRC.iterdir()):
+        key += path.name.encode() + path.read_bytes()
+    return hashlib.sha1(key).hexdigest()[:12]
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary sits next to a venv's python, which
+    is not on PATH when the venv was not activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def enabled() -> bool:
+    return os.environ.get("ITERSERVE_CPU_KERNELS", "1") != "0"
+
+
+@functools.cache
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled module, or None (disabled, or the build failed: logged once)."""
+    if not enabled():
+        log.info("CPU kernels off (ITERSERVE_CPU_KERNELS=0): decode attention uses torch")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _put_ninja_on_path()
+        log.info("loading CPU kernels (built on first use, about a minute)")
+        return load(name=f"iterserve_cpu_{_build_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
+    except Exception as exc:  # no compiler / ninja, or an unsupported platform: keep the torch path
+        log.warning("CPU kernels unavailable, using the torch path instead: %s", str(exc).strip()[:500])
+        return None
+
+def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: "DecodeMetadata", scale: float) -> torch.Tensor:
+    """`attention.decode_attention`'s contract, with the blocks read in place by the C++ kernel."""
+    kernels = load_cpu_kernels()
+    return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

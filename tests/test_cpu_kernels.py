@@ -1,0 +1,141 @@
+"""The C++ CPU decode-attention kernel (iterserve/csrc/cpu_kernels.cpp) against the torch path.
+
+Same random cases as the Triton kernel's tests: shuffled block tables, contexts ending inside, at
+and just past a block boundary, several block sizes, head dims and GQA ratios; float32 must agree
+to float rounding, bfloat16 to bf16 rounding; the parallel and single-thread paths must agree; and
+the engine's greedy output must not change when the kernel replaces the torch path.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve.model.attention import decode_attention
+from iterserve.model.cpu_kernels import decode_attention_cpu, load_cpu_kernels
+from iterserve.model.decode_backend import select_decode_attention
+
+from attention_cases import CONTEXT_LENS, HEAD_DIM, random_case
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here (see the log)")
+
+
+@pytest.mark.parametrize("head_dim, block_size, group", [(64, 16, 1), (64, 16, 3), (64, 32, 3), (80, 8, 4),
+                                                         (128, 64, 8), (32, 1, 2)])
+def test_float32_matches_torch(head_dim, block_size, group):
+    q, k_cache, v_cache, meta = random_case(CONTEXT_LENS + [33, 2, 300], block_size, group, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    want = decode_attention(q, k_cache, v_cache, meta, scale)
+    got = decode_attention_cpu(q, k_cache, v_cache, meta, scale)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32)])
+def test_bfloat16_within_rounding_of_float32(q_dtype, cache_dtype):
+    """bf16 inputs are widened exactly and accumulated in float32, so the only error left is the
+    rounding of the output to bf16 (half an ulp: 2**-8 relative)."""
+    q, k_cache, v_cache, meta = random_case(CONTEXT_LENS, block_size=16, group=3)
+    q, k_cache, v_cache = q.to(q_dtype), k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scale = HEAD_DIM ** -0.5
+    want = decode_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    got = decode_attention_cpu(q, k_cache, v_cache, meta, scale)
+    assert got.dtype == q_dtype
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)
+
+
+def test_kernels_called_from_several_threads_at_once():
+    """The kernels share one work pool: jobs from two Python threads (two engines) take turns, and
+    every result is the one a lone call gives (each output row is computed by one chunk, so the
+    split never changes a number)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from iterserve.model.cpu_linear import pack_q4_1, pack_q8_0
+
+    q, k_cache, v_cache, meta = random_case(CONTEXT_LENS * 4, block_size=16, group=3)
+    w = torch.randn(300, 128)
+    x = torch.randn(3, 128).bfloat16()
+    calls = {
+        "attention": lambda: decode_attention_cpu(q, k_cache, v_cache, meta, 0.125),
+        "q4": lambda: kernels.q4_gemm(x, *pack_q4_1(w)),
+        "q8": lambda: kernels.q8_0_gemm(x, *pack_q8_0(w)),
+    }
+    want = {name: f() for name, f in calls.items()}
+    with ThreadPoolExecutor(4) as ex:
+        futures = [(name, ex.submit(f)) for _ in range(20) for name, f in calls.items()]
+        for name, fut in futures:
+            assert torch.equal(fut.result(), want[name]), name
+    assert kernels.pool_threads() == torch.get_num_threads()
+
+
+def test_unread_slots_do_not_leak():
+    """Slots past a sequence's context and blocks in no table are never read."""
+    q, k_cache, v_cache, meta = random_case([17, 5, 32], block_size=16, group=3)
+    scale = HEAD_DIM ** -0.5
+    before = decode_attention_cpu(q, k_cache, v_cache, meta, scale)
+    for i, n in enumerate(meta.context_lens.tolist()):
+        last = meta.block_tables[i, (n - 1) // 16]
+        k_cache[last, n % 16 or 16:] = 1e4
+        v_cache[last, n % 16 or 16:] = 1e4
+    used = {int(b) for i, n in enumerate(meta.context_lens.tolist()) for b in meta.block_tables[i, :-(-n // 16)]}
+    unused = sorted(set(range(k_cache.shape[0])) - used)
+    assert unused
+    k_cache[unused] = 1e4
+    v_cache[unused] = 1e4
+    assert torch.equal(decode_attention_cpu(q, k_cache, v_cache, meta, scale), before)
+
+
+def test_bad_inputs_get_clear_errors():
+    q, k_cache, v_cache, meta = random_case([17, 5], block_size=16, group=3)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, torch.tensor([17, 10_000]), 0.1)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables.int(), meta.context_lens, 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        decode_attention_cpu(q.half(), k_cache.half(), v_cache.half(), meta, 0.1)
+    with pytest.raises(RuntimeError, match="GQA"):
+        decode_attention_cpu(q[:, :5], k_cache, v_cache, meta, 0.1)
+
+
+def test_cpu_selects_the_kernel_and_can_be_turned_off(monkeypatch):
+    monkeypatch.delenv("ITERSERVE_DECODE_ATTENTION", raising=False)
+    select_decode_attention.cache_clear()
+    assert select_decode_attention(torch.device("cpu")) is decode_attention_cpu
+    monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
+    load_cpu_kernels.cache_clear()
+    select_decode_attention.cache_clear()
+    try:
+        assert load_cpu_kernels() is None
+        assert select_decode_attention(torch.device("cpu")) is decode_attention
+    finally:
+        monkeypatch.delenv("ITERSERVE_CPU_KERNELS")
+        load_cpu_kernels.cache_clear()
+        select_decode_attention.cache_clear()
+    assert load_cpu_kernels() is not None
+
+
+def test_engine_greedy_output_unchanged_with_the_kernel(tiny_loaded, monkeypatch):
+    """The tiny model through the whole engine (decodes mixed with prefill chunks, blocks shared
+    out by the pool): the same tokens and logprobs with the kernel as with the torch path."""
+    from iterserve.engine import LLM
+    from iterserve.sampling import SamplingParams
+
+    prompts = [[100 + (37 * i + 11 * j) % 3000 for j in range(5 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+
+    def generate(backend: str):
+        monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", backend)
+        select_decode_attention.cache_clear()
+        llm = LLM(loaded=tiny_loaded, block_size=8, max_num_seqs=4, max_num_batched_tokens=24,
+                  kv_cache_memory="8MiB")
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    try:
+        want, got = generate("torch"), generate("cpu")
+    finally:
+        select_decode_attention.cache_clear()
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        diff = max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs))
+        assert diff < 1e-4, f"logprobs differ by {diff:.2e}"
