@@ -4,21 +4,22 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
 
     python benchmarks/kernel_options.py linears --rows 1 2 4 8 16      # the 120 projections
     python benchmarks/kernel_options.py linears --rows 8 16 --inductor-woq  # + inductor's AMX int4
-    python benchmarks/kernel_options.py lm-head --rows 1 4 16 --numerics
-    python benchmarks/kernel_options.py lm-head --rows 1 2 4 8 --q8-kernel  # + kernels/q8_gemv.cpp
+    python benchmarks/kernel_options.py lm-head --rows 1 2 4 8 16 --numerics
     python benchmarks/kernel_options.py attention --batch 1 4 8 16 --context 100 500
 
 - linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
-  the weight prepacked (what steps of more than 8 rows use), torch's int4 kernel (the int4 twin),
-  and, with --inductor-woq, inductor's C++/AMX template for the int4 op (max-autotune, frozen
-  weights; one shape, gate-up, hot in cache: it needs a compiled graph per weight).
-- lm-head: the 49152 x 576 head in bf16 against an int8 per-channel twin (_weight_int8pack_mm);
-  --numerics loads the embedded model and compares both with float32 logits on a few prompts;
-  --q8-kernel also builds kernels/q8_gemv.cpp (the GGUF's Q8_0 layout: int8 weights, a float
-  scale per 32; needs gcc, ninja and AVX-512) and times it, with its error against float32.
-- attention: one layer's `paged_attention` (KV write + decode attention) per call, with torch's 2
-  threads and switched to 1 thread around the call.
-Results are printed; the figures quoted in docs/profile.md came from these commands.
+  the weight prepacked (what steps of more than 8 rows use), torch's int4 kernel, our Q4_1 kernel
+  (iterserve/csrc: what steps of <= 8 rows use where it is vectorised), and, with --inductor-woq,
+  inductor's C++/AMX template for the int4 op (max-autotune, frozen weights; one shape, gate-up,
+  hot in cache: it needs a compiled graph per weight).
+- lm-head: the 49152 x 576 head in bf16 against an int8 per-channel twin (_weight_int8pack_mm)
+  and our Q8_0 kernel (the GGUF's layout: int8 weights, a float scale per 32), with the error of
+  each against float32; --numerics loads the embedded model and compares bf16 and int8 with float32
+  logits on a few prompts.
+- attention: one layer's decode attention per call: the torch path (block gather + SDPA) against
+  our kernel (blocks read in place).
+Columns of our kernels appear when they build (model/cpu_kernels.py). Results are printed; the
+figures quoted in docs/profile.md and docs/benchmarks.md came from these commands.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from iterserve.model.attention import AttentionMetadata, DecodeMetadata, paged_attention  # noqa: E402
-from iterserve.model.cpu_linear import GROUP_SIZE, pack_int4  # noqa: E402
+from iterserve.model.attention import DecodeMetadata, decode_attention  # noqa: E402
+from iterserve.model.cpu_kernels import decode_attention_cpu, load_cpu_kernels  # noqa: E402
+from iterserve.model.cpu_linear import GROUP_SIZE, pack_int4, pack_q4_1  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SHAPES = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -52,11 +54,13 @@ def best_ms(fn, rounds: int = 5, inner: int = 1) -> float:
 
 def linears(args) -> None:
     torch.manual_seed(0)
+    kernels = load_cpu_kernels()
     layers = []
     for _ in range(LAYERS):
         for n, k in SHAPES:
             w = torch.randn(n, k) * 0.02
-            layers.append((k, torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *pack_int4(w)))
+            layers.append((k, torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), pack_int4(w),
+                           pack_q4_1(w) if kernels else None))
     for m in args.rows:
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
 
@@ -65,11 +69,17 @@ def linears(args) -> None:
                 torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
 
         def int4() -> None:
-            for k, _, q, sz in layers:
+            for k, _, (q, sz), _ in layers:
                 torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], q, GROUP_SIZE, sz)
 
-        print(f"rows {m:3d}: bf16 prepacked {best_ms(bf16):6.2f} ms   torch int4 {best_ms(int4):6.2f} ms"
-              f"   (all {len(layers)} projections)", flush=True)
+        def q4_1() -> None:
+            for k, _, _, q4 in layers:
+                kernels.q4_gemm(xs[k], *q4)
+
+        line = f"rows {m:3d}: bf16 prepacked {best_ms(bf16):6.2f} ms   torch int4 {best_ms(int4):6.2f} ms"
+        if kernels:
+            line += f"   ours Q4_1 {best_ms(q4_1):6.2f} ms"
+        print(line + f"   (all {len(layers)} projections)", flush=True)
     if args.inductor_woq:
         inductor_woq(args.rows)
 
@@ -116,15 +126,6 @@ def q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.view(n, k), d.contiguous(), (q.float() * d.unsqueeze(-1)).view(n, k)
 
 
-def build_q8_kernel() -> None:
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load
-    load(name="iterserve_bench_q8", sources=[str(Path(__file__).parent / "kernels" / "q8_gemv.cpp")],
-         extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"], extra_ldflags=["-fopenmp"],
-         is_python_module=False)
-
-
 class Head(NamedTuple):
     """One LM head in every form measured: Q8_0 values, as the GGUF's head holds them."""
     packed: torch.Tensor  # bf16, prepacked for oneDNN
@@ -142,8 +143,7 @@ def make_head() -> Head:
 
 def lm_head(args) -> None:
     torch.manual_seed(0)
-    if args.q8_kernel:
-        build_q8_kernel()
+    kernels = load_cpu_kernels()
     heads = [make_head() for _ in range(args.copies)]  # used in turn: each call reads its weights from memory
     for m in args.rows:
         x = torch.randn(m, HIDDEN, dtype=torch.bfloat16)
@@ -155,16 +155,16 @@ def lm_head(args) -> None:
             return torch.ops.aten._weight_int8pack_mm(x, h.int8, h.int8_scales)
 
         def q8(h: Head) -> torch.Tensor:
-            return torch.ops.iterserve_bench_q8.q8_gemm(x, h.q8, h.q8_scales)
+            return kernels.q8_0_gemm(x, h.q8, h.q8_scales)
 
         def per_call(kernel) -> float:
             return best_ms(lambda: [kernel(h) for h in heads]) / len(heads)
 
         line = f"rows {m:3d}: bf16 prepacked {per_call(bf16):5.2f} ms   int8 per-channel {per_call(int8):5.2f} ms"
-        if args.q8_kernel:
+        if kernels:
             ref = x.float() @ heads[0].weight.t()
             err_q8, err_bf = ((kernel(heads[0]).float() - ref).abs().max() for kernel in (q8, bf16))
-            line += f"   Q8_0 kernel {per_call(q8):5.2f} ms   (max error vs float32: Q8_0 {err_q8:.4f}, bf16 {err_bf:.4f})"
+            line += f"   ours Q8_0 {per_call(q8):5.2f} ms   (max error vs float32: Q8_0 {err_q8:.4f}, bf16 {err_bf:.4f})"
         print(line + "   per head call", flush=True)
     if args.numerics:
         head_numerics()
@@ -196,46 +196,33 @@ def head_numerics() -> None:
 def attention(args) -> None:
     torch.manual_seed(0)
     bs, num_blocks = 16, 4096
-    cache = (torch.randn(num_blocks, bs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16),
-             torch.randn(num_blocks, bs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16))
-    threads = torch.get_num_threads()
+    k_cache, v_cache = (torch.randn(num_blocks, bs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+    kernels = load_cpu_kernels()
     for ctx in args.context:
         for b in args.batch:
             nblk = -(-ctx // bs)
             tables = torch.randperm(num_blocks)[:b * nblk].view(b, nblk)
-            dec = DecodeMetadata(block_tables=tables, context_lens=torch.full((b,), ctx), max_context_len=ctx)
-            meta = AttentionMetadata(slot_mapping=tables[:, -1] * bs + (ctx - 1) % bs, num_decode_tokens=b,
-                                     decode=dec, prefill=None)
+            meta = DecodeMetadata(block_tables=tables, context_lens=torch.full((b,), ctx), max_context_len=ctx)
             q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-            k, v = (torch.randn(b, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
-
-            def call() -> None:
-                paged_attention(q, k, v, cache, meta, HEAD_DIM ** -0.5)
-
-            def one_thread() -> None:
-                torch.set_num_threads(1)
-                call()
-                torch.set_num_threads(threads)
-
-            t2, t1 = best_ms(call, rounds=7, inner=200), best_ms(one_thread, rounds=7, inner=200)
-            print(f"context {ctx:4d} batch {b:3d}: {threads} threads {t2 * 1e3:6.0f} us   1 thread {t1 * 1e3:6.0f} us"
-                  f"   per layer", flush=True)
+            line = f"context {ctx:4d} batch {b:3d}: torch (gather + SDPA) {best_ms(lambda: decode_attention(q, k_cache, v_cache, meta, 0.125), rounds=7, inner=200) * 1e3:6.0f} us"
+            if kernels:
+                line += f"   ours {best_ms(lambda: decode_attention_cpu(q, k_cache, v_cache, meta, 0.125), rounds=7, inner=200) * 1e3:6.0f} us"
+            print(line + "   per layer", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("linears", help="the 120 decoder projections: bf16 prepacked vs torch int4")
+    p = sub.add_parser("linears", help="the 120 decoder projections: bf16 prepacked vs torch int4 vs ours")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--inductor-woq", action="store_true", help="also inductor's int4 template (compiles, ~1 min)")
     p.set_defaults(fn=linears)
-    p = sub.add_parser("lm-head", help="the LM head: bf16 prepacked vs an int8 twin")
+    p = sub.add_parser("lm-head", help="the LM head: bf16 prepacked vs an int8 twin vs our Q8_0")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--copies", type=int, default=6, help="distinct heads used in turn (cache eviction)")
     p.add_argument("--numerics", action="store_true", help="logit error of both on the embedded model")
-    p.add_argument("--q8-kernel", action="store_true", help="also build and time kernels/q8_gemv.cpp (~30 s)")
     p.set_defaults(fn=lm_head)
-    p = sub.add_parser("attention", help="one layer's paged attention on 2 threads vs 1")
+    p = sub.add_parser("attention", help="one layer's decode attention: torch path vs our kernel")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--context", type=int, nargs="+", default=[100, 500])
     p.set_defaults(fn=attention)

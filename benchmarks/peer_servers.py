@@ -6,10 +6,11 @@ iterserve is started with `iterserve.bench.launcher.ServerProcess`, once per fla
 peer runs here exactly as its README describes. The scripts take their settings from the
 environment (PORT, NP, THREADS, MAX_NUM_SEQS, VLLM_EXTRA_ARGS, ...), which is passed through.
 
-llama.cpp gets LLAMA_ARG_REPACK=0 (its `--no-repack` / `-nr`) unless the environment sets it:
-the AMX repack kernels its CPU backend picks for Q4 weights on this VM die with SIGILL at the first
-forward pass, and start_llamacpp.sh has no flag for it, but llama-server reads every option from
-a LLAMA_ARG_* variable too.
+On a CPU with AMX, llama.cpp gets LLAMA_ARG_REPACK=0 (its `--no-repack` / `-nr`) unless the
+environment sets it: the AMX repack kernels its CPU backend picks for Q4 weights died with SIGILL at
+the first forward pass on such a VM here, and start_llamacpp.sh has no flag for it, but
+llama-server reads every option from a LLAMA_ARG_* variable too. Elsewhere (e.g. Zen 4) it keeps
+its default repacking into its fastest layout, which ran single-stream decoding 2x faster there.
 """
 from __future__ import annotations
 
@@ -26,8 +27,17 @@ from iterserve.bench.workload import one_line
 
 PEER_KINDS = ("llamacpp", "vllm")
 KINDS = ("iterserve", *PEER_KINDS)
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
 # Settings of ours a peer's start script inherits; a variable already in the environment wins.
-PEER_ENV_DEFAULTS: dict[str, dict[str, str]] = {"llamacpp": {"LLAMA_ARG_REPACK": "0"}, "vllm": {}}
+PEER_ENV_DEFAULTS: dict[str, dict[str, str]] = {"llamacpp": {"LLAMA_ARG_REPACK": "0"} if _cpu_has_amx() else {},
+                                                "vllm": {}}
 # The start scripts' settings (see each script), recorded with the results when set.
 PEER_SETTINGS = {"llamacpp": ("NP", "CTX", "THREADS"),
                  "vllm": ("MAX_NUM_SEQS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",

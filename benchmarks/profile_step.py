@@ -3,9 +3,10 @@ batch size and context length, grouped into a few buckets (GEMMs, attention, the
 
     python benchmarks/profile_step.py --batch 1 16 --context 16 512 --extra '{"dtype": "float32"}'
 
-Buckets: `gemm` = aten::mm/addmm/linear kernels, oneDNN prepacked linears and the int4/int8
-weight-only kernels; `attention` = SDPA, the block gather (index_select) and the KV write
-(index_copy_); `sampling` = argmax/softmax/topk; `other` = every remaining op (norms, RoPE,
+Buckets: `gemm` = aten::mm/addmm/linear kernels, oneDNN prepacked linears, the int4/int8
+weight-only kernels and our Q4_1/Q8_0 kernels (inside iterserve::cpu_linear); `attention` = SDPA,
+the block gather (index_select), the KV write (index_copy_) and our decode kernel (inside
+iterserve::paged_attention); `sampling` = argmax/softmax/topk; `other` = every remaining op (norms, RoPE,
 residual adds, casts, views: per-op overhead). Self CPU time, summed over the step's ops; the
 wall time per step (without the profiler) is printed next to it.
 """
@@ -26,9 +27,12 @@ from decode_speed import start_decode_batch  # noqa: E402  (sibling script)
 from iterserve.engine import LLM  # noqa: E402
 
 BUCKETS = {
+    # iterserve::cpu_linear's and ::paged_attention's self time is our C++ kernels (iterserve/csrc,
+    # not seen by the profiler) plus the ops' Python wrappers
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
-             "aten::_weight_int8pack_mm"),
-    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_"),
+             "aten::_weight_int8pack_mm", "iterserve::cpu_linear"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_",
+                  "iterserve::paged_attention"),
     "sampling": ("aten::argmax", "aten::softmax", "aten::_softmax", "aten::topk", "aten::sort"),
 }
 

@@ -90,6 +90,10 @@ def test_bad_inputs_get_clear_errors():
     q, k_cache, v_cache, meta = random_case([17, 5], block_size=16, group=3)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, torch.tensor([17, 10_000]), 0.1)
+    bad = meta.block_tables.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, bad, meta.context_lens, 0.1)
     with pytest.raises(RuntimeError, match="int64"):
         kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables.int(), meta.context_lens, 0.1)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):

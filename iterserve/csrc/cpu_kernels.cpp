@@ -1,13 +1,15 @@
-// CPU kernels for the two places where a decode step on CPU is not bound by torch's own GEMMs.
+// CPU kernels for the parts of a decode step where torch's own kernels leave time on the table.
 // Built on first use by iterserve/model/cpu_kernels.py (torch.utils.cpp_extension, -O3
 // -march=native); the engine falls back to its torch path when the build is not possible.
 //
 // paged_decode_attention: one query row per sequence against its blocks, read in place.
 //   The torch path copies every sequence's blocks into a padded tensor (index_select) and runs
-//   masked SDPA over the copy: ~15 small ops per layer, each waking the second thread, 100-140 us
-//   a layer at batch 1 on 2 cores. Here one call per layer walks the block table directly.
+//   masked SDPA over the copy: ~15 small ops per layer, each waking the second thread.
+// q4_gemm: the projections of steps of <= 8 rows from 4-bit weights (GGUF Q4_1 levels), where
+//   reading the weights bounds the step.
 // q8_0_gemm: the LM head in GGUF's Q8_0 layout (int8 weights, one float scale per 32), for steps of
-//   a few rows, where reading the bf16 head (49152 x 576) bounds the step.
+//   a few rows.
+// All three split their work through work_pool.h (why not torch's OpenMP pool: see there).
 //
 // Plain C++ loops written for the compiler's vectoriser (`omp simd`), so the file builds on any
 // CPU gcc targets, with AVX-512 intrinsics where the vectoriser fell short; float32 accumulation.
@@ -36,6 +38,13 @@ inline float load(uint16_t bits) {  // bfloat16 -> float32 is a 16-bit shift
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
 inline void store(float* p, float x) { *p = x; }
 inline void store(uint16_t* p, float x) {  // round to nearest even, as torch does
   uint32_t u;
@@ -43,6 +52,57 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch do
   if (std::isnan(x)) { *p = 0x7fc0; return; }
   u += 0x7fff + ((u >> 16) & 1);
   *p = static_cast<uint16_t>(u >> 16);
+}
+
+// exp(x) for x <= 0 in plain arithmetic, so that `omp simd` loops vectorise it (std::exp stays a
+// scalar call; it was the largest part of a batch-16 layer). Range reduction to 2^n * exp(r),
+// |r| <= ln2/2, and a degree-6 polynomial: relative error ~2e-7, below float32's own rounding of
+// the softmax sums. x is clamped at -87 (e^-87 ~ 1.6e-38: nothing a softmax sum can tell from 0).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504089f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+// q . k and acc += p * v over one head's D values (float q/acc; k, v float or bf16 bits). Written
+// out for AVX-512 when D is a multiple of 16: the vectoriser left the bf16 loops scalar.
+template <typename C>
+inline float dot(const float* q, const C* k, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * load(k[d]);
+  return s;
+}
+
+template <typename C>
+inline void axpy(float p, const C* v, float* acc, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * load(v[d]);
 }
 
 // T: the element type of q/out (float or bf16 bits); C: of the caches.
@@ -58,46 +118,40 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
     thread_local std::vector<float> qf, acc, scores;
     qf.resize(D);
     acc.resize(D);
-    {
-      const int64_t b = item / H, h = item % H, kvh = h / group;
-      const int64_t len = lens[b];
-      const int64_t* table = tables + b * table_width;
-      const T* qrow = q + item * D;
-      for (int64_t d = 0; d < D; ++d) qf[d] = load(qrow[d]) * scale;
-      scores.resize(len);
-      float mx = -INFINITY;
-      for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * D;
-        const int64_t n = std::min(BS, len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const C* k = kb + o * token_stride;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qf[d] * load(k[d]);
-          scores[t0 + o] = s;
-          mx = std::max(mx, s);
-        }
+    const int64_t b = item / H, h = item % H, kvh = h / group;
+    const int64_t len = lens[b];
+    const int64_t* table = tables + b * table_width;
+    const T* qrow = q + item * D;
+    for (int64_t d = 0; d < D; ++d) qf[d] = load(qrow[d]) * scale;
+    scores.resize(len);
+    float mx = -INFINITY;
+    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+      const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * D;
+      const int64_t n = std::min(BS, len - t0);
+      for (int64_t o = 0; o < n; ++o) {
+        const float s = dot(qf.data(), kb + o * token_stride, D);
+        scores[t0 + o] = s;
+        mx = std::max(mx, s);
       }
-      float sum = 0.f;
-      for (int64_t t = 0; t < len; ++t) {
-        scores[t] = std::exp(scores[t] - mx);
-        sum += scores[t];
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
-        const int64_t n = std::min(BS, len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const C* v = vb + o * token_stride;
-          const float p = scores[t0 + o];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += p * load(v[d]);
-        }
-      }
-      T* orow = out + item * D;
-      const float inv = len > 0 ? 1.f / sum : 0.f;
-      for (int64_t d = 0; d < D; ++d) store(orow + d, acc[d] * inv);
     }
+    float sum = 0.f;
+    float* sc = scores.data();
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sc[t] = exp_nonpositive(sc[t] - mx);
+      sum += sc[t];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+      const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+      const int64_t n = std::min(BS, len - t0);
+      for (int64_t o = 0; o < n; ++o) {
+        axpy(scores[t0 + o], vb + o * token_stride, acc.data(), D);
+      }
+    }
+    T* orow = out + item * D;
+    const float inv = len > 0 ? 1.f / sum : 0.f;
+    for (int64_t d = 0; d < D; ++d) store(orow + d, acc[d] * inv);
   });
 }
 
@@ -124,8 +178,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   at::Tensor out = at::empty_like(q);
   if (B == 0) return out;
   const int64_t* lp = lens.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= tables.size(1) * BS, "context length ", lp[b], " exceeds its block table");
+    for (int64_t j = 0; j < (lp[b] + BS - 1) / BS; ++j)
+      TORCH_CHECK(tp[b * tables.size(1) + j] >= 0 && tp[b * tables.size(1) + j] < k_cache.size(0),
+                  "block id ", tp[b * tables.size(1) + j], " is outside the cache");
+  }
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && (ct == at::kFloat || ct == at::kBFloat16),
               "float32 or bfloat16 only");
