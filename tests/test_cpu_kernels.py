@@ -102,6 +102,25 @@ def test_bad_inputs_get_clear_errors():
         decode_attention_cpu(q[:, :5], k_cache, v_cache, meta, 0.1)
 
 
+def _q8_in_child(x, packed):
+    return load_cpu_kernels().q8_0_gemm(x, *packed)
+
+
+def test_a_forked_child_still_runs_the_kernels():
+    """fork() copies the work pool but not its worker thread (nor a lock that thread held): the
+    child runs each job on its calling thread and gets the parent's numbers."""
+    import multiprocessing as mp
+
+    from iterserve.model.cpu_linear import pack_q8_0
+
+    packed = pack_q8_0(torch.randn(300, 128))
+    x = torch.randn(3, 128).bfloat16()
+    want = kernels.q8_0_gemm(x, *packed)  # the pool and its worker exist before the fork
+    with mp.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_q8_in_child, (x, packed)).get(timeout=120)
+    assert torch.equal(got, want)
+
+
 def test_cpu_selects_the_kernel_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("ITERSERVE_DECODE_ATTENTION", raising=False)
     select_decode_attention.cache_clear()

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -52,7 +53,7 @@ class WorkPool {
   // Calls fn(c) for every c in [0, n), spread over the pool; returns when all are done.
   void run(int64_t n, const Fn& fn) {
     if (n <= 0) return;
-    if (workers_ == 0 || n == 1) {
+    if (workers_ == 0 || n == 1 || forked_child()) {
       for (int64_t c = 0; c < n; ++c) fn(c);
       return;
     }
@@ -82,7 +83,15 @@ class WorkPool {
   static constexpr int kGenShift = 40, kNShift = 20;
   static constexpr uint64_t kMask20 = (1ull << 20) - 1;
 
+  // A child made by fork() has no worker threads, and a lock a worker held at the fork stays held:
+  // the child runs every job on its calling thread.
+  static std::atomic<bool>& forked_child() {
+    static std::atomic<bool> flag{false};
+    return flag;
+  }
+
   explicit WorkPool(int workers) : workers_(workers) {
+    pthread_atfork(nullptr, nullptr, [] { forked_child().store(true); });
     const char* env = std::getenv("ITERSERVE_POOL_SPIN_US");
     spin_us_ = env ? std::max(0, std::atoi(env)) : kSpinMicros;
     for (int i = 0; i < workers; ++i) std::thread([this] { work(); }).detach();
