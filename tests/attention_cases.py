@@ -27,3 +27,19 @@ def random_case(context_lens: list[int], block_size: int, group: int, seed: int 
                           max_context_len=max(context_lens))
     q = torch.randn(len(context_lens), KV_HEADS * group, head_dim, generator=g)
     return q, k_cache, v_cache, meta
+
+
+def poison_unread_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata) -> None:
+    """Fills every cache slot a decode kernel must not read with 1e4: the rest of each sequence's
+    last block, and every block no sequence uses. Asserts that some such block exists."""
+    bs = k_cache.shape[1]
+    lens = meta.context_lens.tolist()
+    for i, n in enumerate(lens):
+        last = meta.block_tables[i, (n - 1) // bs]
+        k_cache[last, n % bs or bs:] = 1e4
+        v_cache[last, n % bs or bs:] = 1e4
+    used = {int(b) for i, n in enumerate(lens) for b in meta.block_tables[i, :-(-n // bs)]}
+    unused = sorted(set(range(k_cache.shape[0])) - used)
+    assert unused
+    k_cache[unused] = 1e4
+    v_cache[unused] = 1e4

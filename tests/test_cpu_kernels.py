@@ -14,7 +14,7 @@ from iterserve.model.attention import decode_attention
 from iterserve.model.cpu_kernels import decode_attention_cpu, load_cpu_kernels
 from iterserve.model.decode_backend import select_decode_attention
 
-from attention_cases import CONTEXT_LENS, HEAD_DIM, random_case
+from attention_cases import CONTEXT_LENS, HEAD_DIM, poison_unread_slots, random_case
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here (see the log)")
@@ -74,15 +74,7 @@ def test_unread_slots_do_not_leak():
     q, k_cache, v_cache, meta = random_case([17, 5, 32], block_size=16, group=3)
     scale = HEAD_DIM ** -0.5
     before = decode_attention_cpu(q, k_cache, v_cache, meta, scale)
-    for i, n in enumerate(meta.context_lens.tolist()):
-        last = meta.block_tables[i, (n - 1) // 16]
-        k_cache[last, n % 16 or 16:] = 1e4
-        v_cache[last, n % 16 or 16:] = 1e4
-    used = {int(b) for i, n in enumerate(meta.context_lens.tolist()) for b in meta.block_tables[i, :-(-n // 16)]}
-    unused = sorted(set(range(k_cache.shape[0])) - used)
-    assert unused
-    k_cache[unused] = 1e4
-    v_cache[unused] = 1e4
+    poison_unread_slots(k_cache, v_cache, meta)
     assert torch.equal(decode_attention_cpu(q, k_cache, v_cache, meta, scale), before)
 
 

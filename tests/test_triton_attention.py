@@ -19,7 +19,7 @@ from iterserve.model.attention import decode_attention  # noqa: E402
 from iterserve.model.decode_backend import select_decode_attention  # noqa: E402
 from iterserve.model.triton_attention import decode_attention_triton  # noqa: E402
 
-from attention_cases import CONTEXT_LENS, HEAD_DIM, random_case  # noqa: E402
+from attention_cases import CONTEXT_LENS, HEAD_DIM, poison_unread_slots, random_case  # noqa: E402
 
 
 def check(context_lens: list[int], block_size: int, group: int, head_dim: int = HEAD_DIM) -> None:
@@ -70,14 +70,7 @@ def test_unread_slots_do_not_leak():
     q, k_cache, v_cache, meta = random_case([17, 5], block_size=16, group=3)
     scale = HEAD_DIM ** -0.5
     before = decode_attention_triton(q, k_cache, v_cache, meta, scale)
-    for i, n in enumerate(meta.context_lens.tolist()):
-        last = meta.block_tables[i, (n - 1) // 16]
-        k_cache[last, n % 16 or 16:] = 1e4
-        v_cache[last, n % 16 or 16:] = 1e4
-    unused = sorted(set(range(k_cache.shape[0])) - set(meta.block_tables[meta.block_tables > 0].tolist()) - {0})
-    assert unused
-    k_cache[unused] = 1e4
-    v_cache[unused] = 1e4
+    poison_unread_slots(k_cache, v_cache, meta)
     torch.testing.assert_close(decode_attention_triton(q, k_cache, v_cache, meta, scale), before)
 
 
