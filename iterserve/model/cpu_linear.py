@@ -9,14 +9,17 @@ Measured on this 2-core AVX512-BF16/AMX machine:
   bf16). torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, the one gpt-fast uses) reads a
   quarter of that, but loses to bf16 once a step carries more than about 8 rows; so such a layer
   keeps both and picks per step.
-
+- Where AVX512-VNNI exists, our own Q4_1 kernel (iterserve/csrc/cpu_kernels.cpp) takes the
+  int4 twin's place: the 120 projections of one row in 3.1 vs 6.7 ms, 8.9 vs 12.7 at 8 rows (Zen 4,
+  `kernel_options.py linears`).
 - The LM head (49152 x 576 here) is the largest single matrix of a small model's step. Its twin
-  is GGUF's Q8_0 (int8 with a float scale per 32 inputs; iterserve/csrc/cpu_kernels.cpp): 0.70 vs
-  1.24 ms at 1 row, 0.86 vs 1.28 at 4, slower from 8 (Zen 4, `kernel_options.py lm-head`).
+  is GGUF's Q8_0 (int8 with a float scale per 32 inputs; iterserve/csrc/cpu_kernels.cpp): 0.56 vs
+  1.21 ms at 1 row, 0.89 vs 1.27 at 4, slower from 8 (Zen 4, `kernel_options.py lm-head`).
 
-The 4-bit grid is rebuilt from the float weights by min-max per group of 32 along the input
-dimension. For a checkpoint that was 4-bit already (GGUF Q4_0/Q4_1: the same groups), that
-recovers the checkpoint's own levels; the only new error is bf16 rounding of the scales. Q8_0 is
+The 4-bit grid (`min_max_4bit`, shared by both 4-bit twins) is rebuilt from the float weights by
+min-max per group of 32 along the input dimension. For a checkpoint that was 4-bit already (GGUF
+Q4_0/Q4_1: the same groups), that recovers the checkpoint's own levels; the only new error is the
+rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is
 rebuilt the same way (absmax per 32 / 127): from a Q8_0 embedding (the GGUF's) it recovers the
 stored levels, and its logits stay as close to float32 as bf16's (max error 0.0155 vs 0.0166).
 """
@@ -39,17 +42,25 @@ def prepack_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def min_max_4bit(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 4-bit grid both twins use, by min-max per group of the input dimension: (levels 0..15
+    [N, K/group, group] float, scales and mins [N, K/group, 1] float32), w ~= q * scale + min."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scales = (hi - lo).clamp(min=1e-8) / 15
+    return groups.sub(lo).div(scales).round().clamp(0, 15), scales, lo
+
+
 def pack_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float weight -> (packed uint8, scales_and_zeros [K/group, N, 2] bf16), with
     w ~= (q - 8) * scale + zero, q in 0..15 (the layout torch's CPU int4 kernel takes)."""
     n, k = weight.shape
-    groups = weight.float().reshape(-1, group_size)
-    lo, hi = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
-    scales = (hi - lo).clamp(min=1e-8) / 15
-    q = groups.sub(lo).div(scales).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    q, scales, lo = min_max_4bit(weight, group_size)
     zeros = lo + 8 * scales
-    sz = torch.cat([scales.reshape(n, k // group_size, 1), zeros.reshape(n, k // group_size, 1)], 2)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz.transpose(0, 1).contiguous().bfloat16()
+    sz = torch.cat([scales, zeros], 2)  # [N, K/group, 2]
+    return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), 1),
+            sz.transpose(0, 1).contiguous().bfloat16())
 
 
 def pack_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,10 +70,8 @@ def pack_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     n, k = weight.shape
     if k % 64:
         raise ValueError(f"q4_1 packing needs in_features divisible by 64, got {k}")
-    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scales = (hi - lo).clamp(min=1e-8) / 15
-    q = groups.sub(lo).div(scales).round().clamp(0, 15).to(torch.uint8).reshape(n, k // 64, 2, GROUP_SIZE)
+    q, scales, lo = min_max_4bit(weight, GROUP_SIZE)
+    q = q.to(torch.uint8).reshape(n, k // 64, 2, GROUP_SIZE)
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
     return nibbles.contiguous(), scales.reshape(n, -1).half().contiguous(), lo.reshape(n, -1).half().contiguous()
 
