@@ -189,7 +189,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && (ct == at::kFloat || ct == at::kBFloat16),
               "float32 or bfloat16 only");
 #define ISV_CALL(T, C)                                                                                       \
-  decode_attention_impl<T, C>(ptr<T>(q), ptr<C>(k_cache), ptr<C>(v_cache), tables.const_data_ptr<int64_t>(), \
+  decode_attention_impl<T, C>(ptr<T>(q), ptr<C>(k_cache), ptr<C>(v_cache), tp,                              \
                               lp, reinterpret_cast<T*>(out.data_ptr()), B, H, KVH, D, BS, tables.size(1),    \
                               static_cast<float>(scale))
   if (qt == at::kBFloat16 && ct == at::kBFloat16) ISV_CALL(uint16_t, uint16_t);
@@ -205,6 +205,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kRanges = 16;  // a GEMM's output rows, split for the work pool
 
+#if defined(__AVX512F__)
+// Asks for `bytes` from p into cache, a 64-byte line at a time.
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+#endif
+
 // ---- Q8_0 GEMM: out[m, n] = sum_k x[m, k] * w[n, k] * scale[n, k / 32] --------------------------------
 // MB rows of x share each weight group as it is widened to float; the accumulators stay 32 wide
 // until the end of the row, as in llama.cpp's Q8_0 dot. On AVX-512 written with intrinsics (the
@@ -218,9 +225,9 @@ void q8_0_rows(const float* x, int64_t K, const int8_t* w, const float* scales, 
     const int8_t* wr = w + n * K;
     const float* sr = scales + n * groups;
 #if defined(__AVX512F__)
-    const int64_t ahead = std::min(n + kPrefetchRows, N - 1);  // as in q4_rows
-    for (int64_t off = 0; off < K; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w + ahead * K + off), _MM_HINT_T0);
-    for (int64_t off = 0; off < groups; off += 16) _mm_prefetch(reinterpret_cast<const char*>(scales + ahead * groups + off), _MM_HINT_T0);
+    const int64_t ahead = std::min(n + kPrefetchRows, N - 1);
+    prefetch(w + ahead * K, K);
+    prefetch(scales + ahead * groups, groups * sizeof(float));
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -301,6 +308,13 @@ at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // then drifted ~4x further from float32 than with bf16 activations.)
 // Layout, made by pack_q4_1 (cpu_linear.py): qs [N, K/2] uint8, chunk c's byte i = q[64c+i] | q[64c+32+i] << 4;
 // d and m [N, K/32] float16 (GGUF's own types).
+// the instructions q4_rows's fast path needs; q4_gemm_is_vectorised() reports it to Python
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ISV_Q4_VNNI 1
+#else
+#define ISV_Q4_VNNI 0
+#endif
+
 struct Q4Rows {  // quantised activation rows
   const int16_t* xq;  // [M, K]
   const float* dx;    // [M]: one scale a row
@@ -313,17 +327,16 @@ template <int MB, typename T>
 void q4_rows(const Q4Rows& a, const uint8_t* qs, const at::Half* d, const at::Half* mn, T* out, int64_t N,
              int64_t n0, int64_t n1) {
   const int64_t K = a.K, chunks = K / 64, blocks = K / 32;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if ISV_Q4_VNNI
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qr = qs + n * (K / 2);
     const at::Half* dr = d + n * blocks;
     const at::Half* mr = mn + n * blocks;
-    // a row is a few hundred bytes: ask for one kPrefetchRows ahead, or the loads wait on memory
     const int64_t ahead = std::min(n + kPrefetchRows, N - 1);
-    for (int64_t off = 0; off < K / 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(qs + ahead * (K / 2) + off), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(d + ahead * blocks), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mn + ahead * blocks), _MM_HINT_T0);
+    prefetch(qs + ahead * (K / 2), K / 2);
+    prefetch(d + ahead * blocks, blocks * sizeof(at::Half));
+    prefetch(mn + ahead * blocks, blocks * sizeof(at::Half));
     float mins[MB] = {};
     for (int64_t b = 0; b < blocks; ++b) {
       const float mb = static_cast<float>(mr[b]);
@@ -422,13 +435,7 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   return out;
 }
 
-bool q4_gemm_is_vectorised() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool q4_gemm_is_vectorised() { return ISV_Q4_VNNI; }
 
 }  // namespace
 
