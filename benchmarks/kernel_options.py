@@ -8,12 +8,13 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
     python benchmarks/kernel_options.py attention --batch 1 4 8 16 --context 100 500
 
 - linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
-  the weight prepacked (what steps of more than 8 rows use), torch's int4 kernel, our Q4_1 kernel
-  (iterserve/csrc: what steps of <= 8 rows use where it is vectorised), and, with --inductor-woq,
+  the weight prepacked (what steps use where our bf16 kernel is not vectorised), torch's int4
+  kernel, our Q4_1 kernel (iterserve/csrc: what steps of <= 4 rows use where it is vectorised),
+  our tiled bf16 kernel (what larger steps use where AVX512-BF16 exists), and, with --inductor-woq,
   inductor's C++/AMX template for the int4 op (max-autotune, frozen weights; one shape, gate-up,
   hot in cache: it needs a compiled graph per weight).
-- lm-head: the 49152 x 576 head in bf16 against an int8 per-channel twin (_weight_int8pack_mm)
-  and our Q8_0 kernel (the GGUF's layout: int8 weights, a float scale per 32), with the error of
+- lm-head: the 49152 x 576 head in bf16 (oneDNN and ours) against an int8 per-channel twin
+  (_weight_int8pack_mm) and our Q8_0 kernel (the GGUF's layout: int8 weights, a float scale per 32), with the error of
   each against float32; --numerics loads the embedded model and compares bf16 and int8 with float32
   logits on a few prompts.
 - attention: one layer's decode attention per call: the torch path (block gather + SDPA) against
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 
 from iterserve.model.attention import DecodeMetadata, decode_attention  # noqa: E402
 from iterserve.model.cpu_kernels import decode_attention_cpu, load_cpu_kernels  # noqa: E402
-from iterserve.model.cpu_linear import GROUP_SIZE, pack_int4, pack_q4_1  # noqa: E402
+from iterserve.model.cpu_linear import GROUP_SIZE, pack_bf16, pack_int4, pack_q4_1  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SHAPES = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -60,25 +61,29 @@ def linears(args) -> None:
         for n, k in SHAPES:
             w = torch.randn(n, k) * 0.02
             layers.append((k, torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), pack_int4(w),
-                           pack_q4_1(w) if kernels else None))
+                           pack_q4_1(w) if kernels else None, pack_bf16(w) if kernels else None, n))
     for m in args.rows:
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
 
         def bf16() -> None:
-            for k, packed, _, _ in layers:
+            for k, packed, *_ in layers:
                 torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
 
         def int4() -> None:
-            for k, _, (q, sz), _ in layers:
+            for k, _, (q, sz), *_ in layers:
                 torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], q, GROUP_SIZE, sz)
 
         def q4_1() -> None:
-            for k, _, _, q4 in layers:
+            for k, _, _, q4, *_ in layers:
                 kernels.q4_gemm(xs[k], *q4)
+
+        def bf16_ours() -> None:
+            for k, *_, wb, n in layers:
+                kernels.bf16_gemm(xs[k], wb, n)
 
         line = f"rows {m:3d}: bf16 prepacked {best_ms(bf16):6.2f} ms   torch int4 {best_ms(int4):6.2f} ms"
         if kernels:
-            line += f"   ours Q4_1 {best_ms(q4_1):6.2f} ms"
+            line += f"   ours Q4_1 {best_ms(q4_1):6.2f} ms   ours bf16 {best_ms(bf16_ours):6.2f} ms"
         print(line + f"   (all {len(layers)} projections)", flush=True)
     if args.inductor_woq:
         inductor_woq(args.rows)
@@ -134,11 +139,13 @@ class Head(NamedTuple):
     q8: torch.Tensor  # Q8_0: int8 [N, K] and a scale per 32
     q8_scales: torch.Tensor
     weight: torch.Tensor  # float32, dequantised: the reference
+    tiled: torch.Tensor  # bf16 for our kernel
 
 
 def make_head() -> Head:
     q, d, w = q8_0(torch.randn(VOCAB, HIDDEN) * 0.05)
-    return Head(torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *int8_twin(w), q, d, w)
+    return Head(torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16), *int8_twin(w), q, d, w,
+                pack_bf16(w.bfloat16()))
 
 
 def lm_head(args) -> None:
@@ -157,6 +164,9 @@ def lm_head(args) -> None:
         def q8(h: Head) -> torch.Tensor:
             return kernels.q8_0_gemm(x, h.q8, h.q8_scales)
 
+        def bf16_ours(h: Head) -> torch.Tensor:
+            return kernels.bf16_gemm(x, h.tiled, VOCAB)
+
         def per_call(kernel) -> float:
             return best_ms(lambda: [kernel(h) for h in heads]) / len(heads)
 
@@ -164,7 +174,7 @@ def lm_head(args) -> None:
         if kernels:
             ref = x.float() @ heads[0].weight.t()
             err_q8, err_bf = ((kernel(heads[0]).float() - ref).abs().max() for kernel in (q8, bf16))
-            line += f"   ours Q8_0 {per_call(q8):5.2f} ms   (max error vs float32: Q8_0 {err_q8:.4f}, bf16 {err_bf:.4f})"
+            line += f"   ours bf16 {per_call(bf16_ours):5.2f} ms   ours Q8_0 {per_call(q8):5.2f} ms   (max error vs float32: Q8_0 {err_q8:.4f}, bf16 {err_bf:.4f})"
         print(line + "   per head call", flush=True)
     if args.numerics:
         head_numerics()

@@ -52,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA and on CPUs with native bf16: AVX512-BF16 or AMX; float32 on other CPUs), float32, bfloat16, float16")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     g.add_argument("--quantization", choices=["auto", "none", "int4"], default=d.quantization,
-                   help="int4: keep a 4-bit copy of each projection for steps of <= 8 tokens and a Q8_0 "
+                   help="int4: keep a 4-bit copy of each projection for steps of <= 4 tokens (8 where iterserve's bf16 "
+                        "GEMM is not vectorised) and a Q8_0 "
                         "copy of the LM head for <= 4 (CPU bf16; about 2.5x faster single-stream decoding). auto (default): only when the checkpoint "
                         "is a 4-bit GGUF already, so no new rounding; none: bf16/float32 weights only")
     g.add_argument("--compile", action="store_true",

@@ -83,7 +83,8 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
-    # weight-only int4 twin of each projection for steps of <= 8 tokens, and a Q8_0 twin of the LM head
+    # weight-only int4 twin of each projection for steps of <= 4 tokens (8 without our bf16 GEMM:
+    # cpu_linear.four_bit_max_tokens), and a Q8_0 twin of the LM head
     # for <= 4 sampled rows (CPU, bf16): auto = when the checkpoint is 4-bit already (GGUF Q4_0/Q4_1,
     # whose embedding is Q8_0 or coarser), so it adds no new rounding of the weights
     quantization: Literal["auto", "none", "int4"] = "auto"

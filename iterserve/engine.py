@@ -24,7 +24,8 @@ from iterserve.core.scheduler import Scheduler, SchedulerBase
 from iterserve.core.static import StaticScheduler
 from iterserve.model.loader import is_four_bit_checkpoint, load_model
 from iterserve.model.cpu_kernels import load_cpu_kernels
-from iterserve.model.cpu_linear import int4_kernel_available, optimize_cpu_linears, prepack_available
+from iterserve.model.cpu_linear import (bf16_linears_available, four_bit_max_tokens, int4_kernel_available,
+                                        optimize_cpu_linears, tiled_bf16_available)
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
 from iterserve.runner import ModelRunner, kv_bytes_per_block
 from iterserve.sampling import SamplingParams
@@ -90,7 +91,6 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
-INT4_MAX_TOKENS = 8  # above this the bf16 GEMM is as fast (see model/cpu_linear.py)
 Q8_HEAD_MAX_TOKENS = 4  # sampled rows; the Q8_0 LM head loses to bf16 from 8 (model/cpu_linear.py)
 
 
@@ -140,20 +140,21 @@ class LLMEngine:
         self.start_time = time.monotonic()
 
     def _optimize_cpu_linears(self, model, src) -> None:
-        """On CPU in bf16: weights prepacked for oneDNN, and (quantization) a 4-bit twin of the
-        projections and a Q8_0 twin of the LM head for steps of few tokens, where decoding is bound
+        """On CPU in bf16: weights laid out once for a bf16 GEMM (ours, or oneDNN's), and
+        (quantization) a 4-bit twin of the projections and a Q8_0 twin of the LM head for steps of few tokens, where decoding is bound
         by reading weights (see model/cpu_linear.py). The head's twin needs the C++ CPU kernels."""
         q = self.config.quantization
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not prepack_available():
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not bf16_linears_available():
             if q == "int4":
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
             return
         use_int4 = q == "int4" or (q == "auto" and int4_kernel_available() and is_four_bit_checkpoint(src))
-        self.int4_max_tokens = INT4_MAX_TOKENS if use_int4 else 0
+        self.int4_max_tokens = four_bit_max_tokens() if use_int4 else 0
         q8_head = Q8_HEAD_MAX_TOKENS if use_int4 and load_cpu_kernels() is not None else 0
         n = optimize_cpu_linears(model, self.int4_max_tokens, q8_head)
-        log.info("CPU bf16: %d projections prepacked%s%s", n,
-                 f", int4 twin for steps of <= {INT4_MAX_TOKENS} tokens" if use_int4 else "",
+        log.info("CPU bf16: %d projections laid out for %s%s%s", n,
+                 "our tiled bf16 GEMM" if tiled_bf16_available() else "oneDNN",
+                 f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
                  f", Q8_0 LM head for <= {q8_head} sampled rows" if q8_head else "")
 
     def _compile_model(self) -> None:

@@ -1,5 +1,5 @@
 """CPU bf16 fast paths (model/cpu_linear.py): prepacked oneDNN weights give the same numbers as
-F.linear; the int4 twin serves only steps of few rows, and on weights that are 4-bit already it
+F.linear, our tiled bf16 GEMM the float32 product rounded to bf16; the int4 twin serves only steps of few rows, and on weights that are 4-bit already it
 reproduces them up to bf16 rounding of the scales; on the embedded model the whole bf16 path
 (prepacked + int4 decode) stays within a stated tolerance of float32."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch import nn
 from iterserve.config import EngineConfig
 from iterserve.engine import LLM, LLMEngine
 from iterserve.model.cpu_kernels import load_cpu_kernels
-from iterserve.model.cpu_linear import (CpuLinear, int4_kernel_available, optimize_cpu_linears, pack_q8_0,
-                                        prepack_available)
+from iterserve.model.cpu_linear import (CpuLinear, int4_kernel_available, optimize_cpu_linears, pack_bf16,
+                                        pack_q8_0, prepack_available, tiled_bf16_available)
 from iterserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (prepack_available() and int4_kernel_available()),
@@ -35,10 +35,44 @@ def on_4bit_grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
 def test_prepacked_equals_f_linear_at_every_row_count():
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=True).bfloat16()
-    fast = CpuLinear(lin, keep_weight=True)
+    fast = CpuLinear(lin, keep_weight=True, layout="onednn")
     for rows in (1, 2, 7, 16, 33, 300):
         x = torch.randn(rows, 64).bfloat16()
         assert torch.equal(fast(x), F.linear(x, lin.weight, lin.bias)), rows
+
+
+needs_tiled = pytest.mark.skipif(not tiled_bf16_available(), reason="our bf16 GEMM is not vectorised here")
+
+
+@needs_tiled
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 576), (7, 30), (49, 1536)])
+def test_tiled_bf16_gemm_is_the_float32_product_rounded_once(n, k):
+    """Every row-tile shape (1-24 rows against one output tile, 8-row tiles against three past 24
+    rows) and ragged output tiles: float32 accumulation, one rounding to bf16 at the end."""
+    torch.manual_seed(n + k)
+    lin = nn.Linear(k, n, bias=True).bfloat16()
+    fast = CpuLinear(lin, layout="tiled")
+    assert fast.packed_weight.shape == (-(-n // 16), k // 2, 16, 2)
+    for rows in (1, 3, 8, 13, 16, 24, 25, 40, 97):
+        x = torch.randn(rows, k).bfloat16()
+        ref = x.float() @ lin.weight.float().t()
+        out = fast(x).float() - lin.bias.float()
+        # bf16 output rounding (2^-9 relative) plus float32 summation order; bias added in bf16
+        torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=2e-2, msg=f"rows {rows}")
+    with pytest.raises(ValueError, match="layout"):
+        CpuLinear(lin, layout="mkl")
+
+
+@needs_tiled
+def test_tiled_bf16_gemm_rejects_a_wrong_weight():
+    kernels = load_cpu_kernels()
+    w = pack_bf16(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="pack_bf16"):
+        kernels.bf16_gemm(torch.randn(2, 62).bfloat16(), w, 32)  # K mismatch
+    with pytest.raises(RuntimeError, match="pack_bf16"):
+        kernels.bf16_gemm(torch.randn(2, 64).bfloat16(), w, 40)  # N needs 3 tiles
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.bf16_gemm(torch.randn(2, 64), w, 32)
 
 
 @pytest.mark.parametrize("twin", ["int4", "q4_1"])
@@ -57,11 +91,11 @@ def test_4bit_twin_only_for_small_steps_and_exact_on_a_4bit_grid(twin):
         # the grid is recovered; what is left is bf16 rounding of scales/zeros and of the output
         assert (out - ref).abs().max().item() < 0.02 * ref.abs().max().item(), rows
     x = torch.randn(5, 128).bfloat16()  # above the threshold: the bf16 weight, bit for bit
-    assert torch.equal(fast(x), F.linear(x, lin.weight))
+    assert torch.equal(fast(x), CpuLinear(lin, layout=fast.layout)(x))
     # off the grid the twin is visibly a different (rounded) weight: the dispatch is real
     lin2 = nn.Linear(128, 96, bias=False).bfloat16()
     x = torch.randn(4, 128).bfloat16()
-    assert not torch.equal(CpuLinear(lin2, twin, 4)(x), F.linear(x, lin2.weight))
+    assert not torch.equal(CpuLinear(lin2, twin, 4)(x), CpuLinear(lin2)(x))
 
 
 def on_q8_grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -88,10 +122,10 @@ def test_q8_0_twin_only_for_small_steps_and_exact_on_a_q8_grid():
         # exact weights, float32 accumulation: only the output's rounding to bf16 is left
         torch.testing.assert_close(fast(x).float(), ref, rtol=2 ** -8, atol=1e-5)
     x = torch.randn(5, 96).bfloat16()  # above the threshold: the bf16 weight, bit for bit
-    assert torch.equal(fast(x), F.linear(x, lin.weight))
+    assert torch.equal(fast(x), CpuLinear(lin, layout=fast.layout)(x))
     lin2 = nn.Linear(96, 200, bias=False).bfloat16()  # off the grid the twin is a rounded weight
     x = torch.randn(2, 96).bfloat16()
-    assert not torch.equal(CpuLinear(lin2, "q8_0", 4)(x), F.linear(x, lin2.weight))
+    assert not torch.equal(CpuLinear(lin2, "q8_0", 4)(x), CpuLinear(lin2)(x))
     with pytest.raises(ValueError, match="twin"):
         CpuLinear(lin2, "q3_k", 4)
 
@@ -119,12 +153,14 @@ def test_int4_needs_bf16_cpu(tiny_model_dir):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled):
+@pytest.mark.parametrize("compiled,copies", [(False, 1), (True, 1), (False, 8)], ids=["eager", "compiled", "batch8"])
+def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled, copies):
     """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps,
     Q8_0 LM head for steps of <= 4 rows, the C++ decode attention) against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
     GEMMs) and then 48 single-token steps (int4 GEMMs, Q8_0 head). Compiled (--compile), inductor fuses the
-    elementwise ops and rounds to bf16 in other places than eager does: the same bounds hold."""
+    elementwise ops and rounds to bf16 in other places than eager does: the same bounds hold. batch8:
+    8 copies of the sequence share every step, so decoding runs the bf16 GEMMs (ours where
+    vectorised) and the bf16 head instead of the twins."""
     eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB"))
     assert eng.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
     if load_cpu_kernels() is not None:  # and its head is Q8_0: the head's twin too
@@ -139,14 +175,14 @@ def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled):
     full = prompt + ref
     want = sequence_logits(smol_loaded, full)[len(prompt) - 1: -1].log_softmax(-1)  # fp32, [48, vocab]
     loaded = (eng.model, eng.model_config, eng.tokenizer)
-    runner = new_runner(loaded, num_blocks=16)
-    req = make_request("bf16", full)
-    got = [run_step(runner, [(req, len(prompt))])[0]]
-    got += [run_step(runner, [(req, 1)])[0] for _ in range(len(ref) - 1)]
+    runner = new_runner(loaded, num_blocks=8 * copies)
+    reqs = [make_request(f"bf16-{i}", full) for i in range(copies)]
+    got = [run_step(runner, [(r, len(prompt)) for r in reqs])[0]]
+    got += [run_step(runner, [(r, 1) for r in reqs])[0] for _ in range(len(ref) - 1)]
     got = torch.stack(got).float().log_softmax(-1)
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     ref_lp_diff = (got[torch.arange(len(ref)), ref] - want[torch.arange(len(ref)), ref]).abs()
-    print(f"bf16+int4{' compiled' if compiled else ''} vs float32: top-1 agreement {top1:.3f}, |logprob diff| of the fp32 greedy token: "
+    print(f"bf16+int4{' compiled' if compiled else ''} x{copies} vs float32: top-1 agreement {top1:.3f}, |logprob diff| of the fp32 greedy token: "
           f"mean {ref_lp_diff.mean():.3f}, max {ref_lp_diff.max():.3f}")
     assert top1 >= 0.85
     assert ref_lp_diff.mean().item() < 0.1
