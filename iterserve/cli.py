@@ -46,7 +46,15 @@ def apply_omp_wait(choice: str) -> None:
             os.environ[key] = value
 
 
+ENGINE_ENV_HELP = (
+    "Environment (CPU kernels, iterserve/csrc, built on first use): ITERSERVE_CPU_KERNELS=0 turns them "
+    "all off (torch and oneDNN paths); ITERSERVE_BF16_GEMM=auto|tiled|onednn picks the bf16 projections' "
+    "GEMM (auto: ours where AVX512-BF16 exists and the CPU has no AMX); ITERSERVE_DECODE_ATTENTION="
+    "torch|cpu|triton forces the decode attention backend.")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = f"{p.epilog} {ENGINE_ENV_HELP}" if p.epilog else ENGINE_ENV_HELP
     d = EngineConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA and on CPUs with native bf16: AVX512-BF16 or AMX; float32 on other CPUs), float32, bfloat16, float16")

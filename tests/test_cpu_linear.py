@@ -64,6 +64,20 @@ def test_tiled_bf16_gemm_is_the_float32_product_rounded_once(n, k):
 
 
 @needs_tiled
+def test_bf16_gemm_switch(monkeypatch):
+    """ITERSERVE_BF16_GEMM picks the layout at construction; a typo is an error, not a silent default."""
+    lin = nn.Linear(64, 32, bias=False).bfloat16()
+    monkeypatch.setenv("ITERSERVE_BF16_GEMM", "onednn")
+    assert CpuLinear(lin).layout == "onednn"
+    monkeypatch.setenv("ITERSERVE_BF16_GEMM", "tiled")
+    assert CpuLinear(lin).layout == "tiled"
+    assert CpuLinear(nn.Linear(63, 32).bfloat16()).layout == "onednn"  # odd in_features: no input pairs
+    monkeypatch.setenv("ITERSERVE_BF16_GEMM", "fast")
+    with pytest.raises(ValueError, match="ITERSERVE_BF16_GEMM"):
+        CpuLinear(lin)
+
+
+@needs_tiled
 def test_tiled_bf16_gemm_rejects_a_wrong_weight():
     kernels = load_cpu_kernels()
     w = pack_bf16(torch.randn(32, 64).bfloat16())

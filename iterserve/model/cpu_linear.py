@@ -112,10 +112,23 @@ def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
 LAYOUTS = ("tiled", "onednn")  # our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight
 
 
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
 def tiled_bf16_available() -> bool:
-    """Whether our bf16 GEMM built with AVX512-BF16 (else oneDNN's is faster) and is not turned off
-    (ITERSERVE_BF16_GEMM=onednn: read when a model's linears are laid out, at load)."""
-    if os.environ.get("ITERSERVE_BF16_GEMM", "tiled") == "onednn":
+    """Whether the projections take our bf16 GEMM: it built with AVX512-BF16 (else oneDNN's is
+    faster), and ITERSERVE_BF16_GEMM (read when a model's linears are laid out, at load) is `tiled`,
+    or `auto` (default) on a CPU without AMX: oneDNN runs bf16 on AMX tiles, and ours was measured
+    only against oneDNN's AVX-512 path (Zen 4), so AMX hosts keep oneDNN unless told otherwise."""
+    choice = os.environ.get("ITERSERVE_BF16_GEMM", "auto")
+    if choice not in ("auto", "tiled", "onednn"):
+        raise ValueError(f"ITERSERVE_BF16_GEMM={choice!r}: use auto, tiled or onednn")
+    if choice == "onednn" or (choice == "auto" and cpu_has_amx()):
         return False
     kernels = load_cpu_kernels()
     return kernels is not None and kernels.bf16_gemm_is_vectorised()
