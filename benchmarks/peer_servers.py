@@ -25,19 +25,12 @@ from pathlib import Path
 
 from iterserve.bench.launcher import ServerProcess, free_port
 from iterserve.bench.workload import one_line
+from iterserve.cpu_info import cpu_flags
 
 PEER_KINDS = ("llamacpp", "vllm")
 KINDS = ("iterserve", *PEER_KINDS)
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_tile" in line for line in f)
-    except OSError:
-        return False
-
-
 # Settings of ours a peer's start script inherits; a variable already in the environment wins.
-PEER_ENV_DEFAULTS: dict[str, dict[str, str]] = {"llamacpp": {"LLAMA_ARG_REPACK": "0"} if _cpu_has_amx() else {},
+PEER_ENV_DEFAULTS: dict[str, dict[str, str]] = {"llamacpp": {"LLAMA_ARG_REPACK": "0"} if "amx_tile" in cpu_flags() else {},
                                                 "vllm": {}}
 # The start scripts' settings (see each script), recorded with the results when set.
 PEER_SETTINGS = {"llamacpp": ("NP", "CTX", "THREADS"),

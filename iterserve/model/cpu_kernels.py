@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from iterserve.cpu_info import cpu_flags_line
+
 if TYPE_CHECKING:
     from iterserve.model.attention import DecodeMetadata
 
@@ -36,12 +38,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 def _build_tag() -> str:
     """A short hash of what -march=native sees and of every file in csrc/: a build made on another CPU
     or from other sources is never loaded (torch's own check looks at the .cpp only, not headers)."""
-    key = platform.machine().encode()
-    try:
-        with open("/proc/cpuinfo") as f:
-            key += next((line for line in f if line.startswith(("flags", "Features"))), "").encode()
-    except OSError:
-        pass
+    key = platform.machine().encode() + cpu_flags_line().encode()
     for path in sorted(CSRC.iterdir()):
         key += path.name.encode() + path.read_bytes()
     return hashlib.sha1(key).hexdigest()[:12]

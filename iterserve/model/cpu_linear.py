@@ -40,6 +40,7 @@ import os
 import torch
 from torch import nn
 
+from iterserve.cpu_info import cpu_flags
 from iterserve.model.cpu_kernels import load_cpu_kernels
 
 GROUP_SIZE = 32
@@ -112,14 +113,6 @@ def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
 LAYOUTS = ("tiled", "onednn")  # our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight
 
 
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        return False
-
-
 def tiled_bf16_available() -> bool:
     """Whether the projections take our bf16 GEMM: it built with AVX512-BF16 (else oneDNN's is
     faster), and ITERSERVE_BF16_GEMM (read when a model's linears are laid out, at load) is `tiled`,
@@ -128,7 +121,7 @@ def tiled_bf16_available() -> bool:
     choice = os.environ.get("ITERSERVE_BF16_GEMM", "auto")
     if choice not in ("auto", "tiled", "onednn"):
         raise ValueError(f"ITERSERVE_BF16_GEMM={choice!r}: use auto, tiled or onednn")
-    if choice == "onednn" or (choice == "auto" and cpu_has_amx()):
+    if choice == "onednn" or (choice == "auto" and "amx_bf16" in cpu_flags()):
         return False
     kernels = load_cpu_kernels()
     return kernels is not None and kernels.bf16_gemm_is_vectorised()
