@@ -72,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="continuous: iteration-level scheduling (default); static: fill-or-timeout batches "
                         "that run to their slowest member, for comparison")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help="most sequences in one step (continuous batching); default 16, as in the seed's case")
+                   help="most sequences in one step (continuous batching); default 16, as in docs/seed-case.md")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step; longer prompts are prefilled in chunks")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,

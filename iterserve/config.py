@@ -78,7 +78,7 @@ def parse_size(text: str | int) -> int:
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs besides the weights. Defaults follow the seed's case."""
+    """Everything the engine needs besides the weights. Defaults follow the chat bot case in docs/seed-case.md."""
 
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32
@@ -92,17 +92,17 @@ class EngineConfig:
     compile: bool = False
     # scheduling
     batching: Literal["continuous", "static"] = "continuous"
-    max_num_seqs: int = 16  # seed's case: --max-num-seqs=16
+    max_num_seqs: int = 16  # docs/seed-case.md: --max-num-seqs=16
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits longer prompts)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    max_batch_size: int = 8  # static batching only (seed's case: max_batch_size=8)
+    max_batch_size: int = 8  # static batching only (docs/seed-case.md: max_batch_size=8)
     batch_timeout_ms: float = 100.0  # static batching: start a partial batch after this wait
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the memory budget (tests of preemption)
     kv_cache_memory: str = "1GiB"  # CPU budget for KV blocks
     gpu_memory_utilization: float = 0.9
-    # limits (seed's case: input <= 1024, output <= 256)
+    # limits (docs/seed-case.md: input <= 1024, output <= 256)
     max_model_len: int | None = None  # default: min(model's max positions, 4096)
     max_input_len: int | None = None
     max_output_len: int | None = None

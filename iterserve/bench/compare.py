@@ -3,15 +3,16 @@
 Starts `iterserve serve` twice on the model (continuous batching with --max-num-seqs 16, then
 static batching with --max-batch-size 8; every other engine flag the same), replays the identical
 workload against each with the load client while polling the engine's step records, then prints
-the seed's table (utilisation, mean / p95 latency, queue time, throughput and the change) and
-writes under --out: static.json and continuous.json (every request and every engine step),
-compare.json (the table's numbers) and PNG plots: utilisation and batch size over time, latency
-CDFs, queue time by arrival, KV usage.
+the table of the chat bot case in docs/seed-case.md (utilisation, mean / p95 latency, queue time,
+throughput and the change) and writes under --out: static.json and continuous.json (every request
+and every engine step), compare.json (the table's numbers) and PNG plots: utilisation and batch
+size over time, latency CDFs, queue time by arrival, KV usage.
 
-The default workload is bursty Poisson traffic shaped like the seed's (a base rate with bursts at
-6x it), its average rate set to --load of the continuous server's capacity as one calibration
-batch measures it, so that on any machine static batching is saturated and continuous batching
-kept busy; on the embedded model and a 2-core CPU the whole command takes a few minutes.
+The default workload is bursty Poisson traffic shaped like the chat bot case's (docs/seed-case.md):
+a base rate with bursts at 6x it, its average rate set to --load of the continuous server's
+capacity as one calibration batch measures it, so that on any machine static batching is saturated
+and continuous batching kept busy; on the embedded model and a 2-core CPU the whole command takes a
+few minutes.
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prom
                                       describe_workload, one_line, workload_from_args)
 from iterserve.config import EngineConfig
 
-# The default traffic: the seed's shape (a base Poisson rate with bursts to 6x it, see seed_shape)
+# The default traffic: the chat bot case's shape (docs/seed-case.md; a base Poisson rate with bursts
+# to 6x it, see seed_shape)
 # at an average rate that loads the continuous server to --load of the capacity measured by a
 # calibration batch, so that static batching is saturated and continuous batching well used on any
-# machine. Lengths are within the seed's limits (input <= 1024, output <= 256) but short, because a
+# machine. Lengths are within the case's limits (input <= 1024, output <= 256) but short, because a
 # CPU prefills slowly and a few minutes must hold several bursts; outputs vary widely, as chat
 # answers do, which is what a static batch pays for in padding.
 WORKLOAD_DEFAULTS: dict[str, Any] = dict(
@@ -52,7 +54,7 @@ WORKLOAD_DEFAULTS: dict[str, Any] = dict(
     input_len=(16, 64), output_len=(8, 96), max_input_len=1024, max_output_len=256,
 )
 DEFAULT_LOAD = 0.85
-SEED_PEAK_OVER_BASE = 6.0  # the seed: 300 ms mean gap (3.3 req/s), peaks of 20 req/s
+SEED_PEAK_OVER_BASE = 6.0  # docs/seed-case.md: 300 ms mean gap (3.3 req/s), peaks of 20 req/s
 BURST_DUTY = 0.2  # share of the time in bursts
 BURST_CYCLES = 3  # bursts in a default run
 CALIBRATION_OUTPUT = 16
@@ -144,8 +146,8 @@ def calibrate(base_url: str, batch: int, mean_in: float, mean_out: float, tokeni
 
 
 def seed_shape(base_rate: float, num_requests: int) -> dict[str, float]:
-    """The seed's burst pattern around `base_rate`: bursts at 6x it for a fifth of the time, the
-    period set so that the run spans BURST_CYCLES bursts."""
+    """The chat bot case's burst pattern (docs/seed-case.md) around `base_rate`: bursts at 6x it for
+    a fifth of the time, the period set so that the run spans BURST_CYCLES bursts."""
     mean = base_rate * mean_over_base()
     every = num_requests / (BURST_CYCLES * mean)
     return {"peak_rate": SEED_PEAK_OVER_BASE * base_rate, "burst_every": every, "burst_len": BURST_DUTY * every}
@@ -340,7 +342,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     compare_help = {
         "workload": "arrival process (default: trace when --trace is given, else bursty)",
         "rate": "requests/s; the base rate for bursty (default: sized by --load)",
-        "peak_rate": "bursty: rate inside bursts (default: 6x the base rate, as in the seed)",
+        "peak_rate": "bursty: rate inside bursts (default: 6x the base rate, as in docs/seed-case.md)",
         "burst_every": f"bursty: a burst starts every S seconds (default: {BURST_CYCLES} bursts per run)",
         "burst_len": f"bursty: each burst lasts S seconds (default: {BURST_DUTY:g} of the period)",
         "time_scale": "trace: arrival = (t - t0) * SCALE (default: sized by --load)",

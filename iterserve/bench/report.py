@@ -16,7 +16,7 @@ from iterserve.bench.timeline import Timeline
 MODES = ("static", "continuous")
 COLORS = {"static": "tab:orange", "continuous": "tab:blue"}
 
-# the seed's targets for continuous vs static
+# targets for continuous vs static, from the chat bot case's changes (docs/seed-case.md)
 TARGET_THROUGHPUT_RATIO = 2.0
 TARGET_P95_REDUCTION = 0.40
 TARGET_QUEUE_REDUCTION = 0.90
@@ -125,7 +125,7 @@ def change(row: Row, static: float | None, cont: float | None) -> str:
 
 
 def target_met(key: str, static: dict[str, Any], cont: dict[str, Any]) -> bool | None:
-    """Whether the seed's target for this row holds; None where the row has no target or no data."""
+    """Whether this row's target (docs/seed-case.md) holds; None where it has no target or no data."""
     s, c = static.get(key), cont.get(key)
     if key == "utilisation":
         return None if c is None else c >= TARGET_UTILISATION
@@ -153,7 +153,8 @@ def comparison(static: ModeRun, cont: ModeRun) -> dict[str, Any]:
 
 
 def markdown_table(static: ModeRun, cont: ModeRun) -> str:
-    """The seed's table, side by side, as Markdown (readable in a terminal, pasteable in docs)."""
+    """The chat bot case's table (docs/seed-case.md), side by side, as Markdown (readable in a
+    terminal, pasteable in docs)."""
     ms, mc = static.metrics(), cont.metrics()
     lines = ["| metric | static | continuous | change | target |", "|---|---:|---:|---:|---|"]
     for row in ROWS:

@@ -1,8 +1,8 @@
 """`iterserve tune`: replay one workload against iterserve for every config in a grid, pick the best.
 
-The seed's closing advice: max-num-seqs and block size are best chosen by replaying one's own
-traffic. For each (max-num-seqs, block-size[, max-num-batched-tokens]) this starts a fresh server,
-sends a short warm-up, replays the same requests at the same arrival times, and reads the
+The advice that closes the chat bot case of docs/seed-case.md: max-num-seqs and block size are best
+chosen by replaying one's own traffic. For each (max-num-seqs, block-size[, max-num-batched-tokens])
+this starts a fresh server, sends a short warm-up, replays the same requests at the same arrival times, and reads the
 server's per-step records (/v1/scheduler) for KV usage and internal fragmentation. It reports
 throughput, goodput under the SLOs, latency, queue time and KV figures per config, names the best
 config that meets the SLOs, and says why (the trade-offs in `explain`). A time budget bounds the
@@ -33,7 +33,7 @@ from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts, describe_workload,
                                       workload_from_args)
 
-DEFAULT_SLO = "e2e_p95=2s"  # the seed's case
+DEFAULT_SLO = "e2e_p95=2s"  # the chat bot case's goal (docs/seed-case.md)
 WARMUP_TOKENS = 8
 REQUEST_KEYS = ("index", "scheduled_s", "input_len", "max_tokens", "success", "ttft_s", "tpot_s", "e2e_s",
                 "queue_time_s", "output_tokens")

@@ -24,7 +24,7 @@ import numpy as np
 
 LenSpec = int | tuple[int, int]
 DEFAULT_NUM_REQUESTS = 200
-SEED_RATE = 1 / 0.300  # the seed scenario: one request every 300 ms on average, peaks of 20/s
+SEED_RATE = 1 / 0.300  # docs/seed-case.md: one request every 300 ms on average, peaks of 20/s
 
 
 class WorkloadError(ValueError):
@@ -75,9 +75,9 @@ def bursty(num_requests: int, base_rate: float = SEED_RATE, peak_rate: float = 2
            **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
     """Poisson at `base_rate` with bursts at `peak_rate` during [k*burst_every_s, +burst_len_s).
 
-    The defaults are the seed scenario (300 ms mean gap, peaks of 20 req/s). Built by thinning:
-    draw candidates at the peak rate and keep each with probability rate(t)/peak, which gives an
-    exact non-homogeneous Poisson process.
+    The defaults are the chat bot case's traffic (docs/seed-case.md: 300 ms mean gap, peaks of
+    20 req/s). Built by thinning: draw candidates at the peak rate and keep each with probability
+    rate(t)/peak, which gives an exact non-homogeneous Poisson process.
     """
     rng = _rng(seed)
     n = _count(num_requests)
