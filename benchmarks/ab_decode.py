@@ -23,9 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from decode_speed import run  # noqa: E402  (sibling script)
 
-from iterserve.engine import LLM  # noqa: E402
-from iterserve.model.cpu_kernels import load_cpu_kernels  # noqa: E402
-from iterserve.model.decode_backend import select_decode_attention  # noqa: E402
+from iterserve.llm import LLM  # noqa: E402
 
 
 def decode_ms_per_step(llm: LLM, batch: int, tokens: int, prompt_len: int) -> float:
@@ -33,12 +31,11 @@ def decode_ms_per_step(llm: LLM, batch: int, tokens: int, prompt_len: int) -> fl
 
 
 def use_env(env: dict[str, str]) -> None:
-    """Sets one configuration's environment (undoing the previous one's) and re-selects backends."""
+    """Sets one configuration's environment (undoing the previous one's); the next EngineConfig
+    takes its kernel switches' defaults from it."""
     for key in ALL_ENV_KEYS - env.keys():
         os.environ.pop(key, None)
     os.environ.update(env)
-    load_cpu_kernels.cache_clear()
-    select_decode_attention.cache_clear()
 
 
 ALL_ENV_KEYS: set[str] = set()

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from iterserve.engine import LLM  # noqa: E402
+from iterserve.llm import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
 
 

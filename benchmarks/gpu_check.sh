@@ -117,7 +117,7 @@ step "nvidia-smi" 20 nvidia-smi || OTHER_FAILED=1
 step "torch.cuda" 60 "$PY" - <<'EOF' || exit 1
 import importlib.util
 import torch
-from iterserve.model.decode_backend import select_decode_attention
+from iterserve.attention.selector import select_attention_backend
 assert torch.cuda.is_available(), "torch sees no CUDA device"
 p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
@@ -126,8 +126,8 @@ print(f"{p.name}: compute capability {p.major}.{p.minor}, {p.multi_processor_cou
 for mod in ("triton",):
     spec = importlib.util.find_spec(mod)
     print(f"{mod}: {__import__(mod).__version__ if spec else 'not installed'}")
-fn = select_decode_attention(torch.device("cuda"))
-print(f"decode attention on cuda: {fn.__module__}.{fn.__name__}")
+backend = select_attention_backend("auto", torch.device("cuda"))
+print(f"decode attention on cuda: {backend.name} ({type(backend).__name__})")
 EOF
 
 # ---- 3. equality -----------------------------------------------------------------------------------

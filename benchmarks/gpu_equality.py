@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from iterserve.engine import LLM  # noqa: E402
+from iterserve.llm import LLM  # noqa: E402
 from iterserve.model.loader import resolve_model  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
 

@@ -34,9 +34,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from iterserve.model.attention import DecodeMetadata, decode_attention  # noqa: E402
-from iterserve.model.cpu_kernels import decode_attention_cpu, load_cpu_kernels  # noqa: E402
-from iterserve.model.cpu_linear import GROUP_SIZE, pack_bf16, pack_int4, pack_q4_1  # noqa: E402
+from iterserve.attention.cpu_backend import CpuKernelAttentionBackend  # noqa: E402
+from iterserve.attention.metadata import DecodeMetadata  # noqa: E402
+from iterserve.attention.torch_attention import decode_attention  # noqa: E402
+from iterserve.platform.cpu_kernels import load_cpu_kernels  # noqa: E402
+from iterserve.platform.cpu_linear import GROUP_SIZE, pack_bf16, pack_int4, pack_q4_1  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SHAPES = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -181,7 +183,7 @@ def lm_head(args) -> None:
 
 
 def head_numerics() -> None:
-    from iterserve.engine import LLM
+    from iterserve.llm import LLM
     from iterserve.sampling import SamplingParams
 
     llm = LLM("smollm2-135m", dtype="float32")
@@ -216,7 +218,7 @@ def attention(args) -> None:
             q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16)
             line = f"context {ctx:4d} batch {b:3d}: torch (gather + SDPA) {best_ms(lambda: decode_attention(q, k_cache, v_cache, meta, 0.125), rounds=7, inner=200) * 1e3:6.0f} us"
             if kernels:
-                line += f"   ours {best_ms(lambda: decode_attention_cpu(q, k_cache, v_cache, meta, 0.125), rounds=7, inner=200) * 1e3:6.0f} us"
+                line += f"   ours {best_ms(lambda: CpuKernelAttentionBackend(load_cpu_kernels()).decode(q, k_cache, v_cache, meta, 0.125), rounds=7, inner=200) * 1e3:6.0f} us"
             print(line + "   per layer", flush=True)
 
 

@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from iterserve.bench.workload import RequestSpec, all_at_once, build_prompts  # noqa: E402
-from iterserve.engine import LLM  # noqa: E402
+from iterserve.llm import LLM  # noqa: E402
 from iterserve.model.loader import load_tokenizer, resolve_model  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
 

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from decode_speed import start_decode_batch  # noqa: E402  (sibling script)
 
-from iterserve.engine import LLM  # noqa: E402
+from iterserve.llm import LLM  # noqa: E402
 
 BUCKETS = {
     # iterserve::cpu_linear's and ::paged_attention's self time is our C++ kernels (iterserve/csrc,

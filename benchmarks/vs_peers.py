@@ -291,7 +291,7 @@ def markdown(lines: Sequence[Sequence[str]]) -> str:
 def engine_flags(args: Sequence[str]) -> tuple[str, dict[str, Any]]:
     """An iterserve variant's `serve` flags as (dtype, other EngineConfig fields that differ from
     the defaults), for the in-process engine; server-only flags are ignored."""
-    from iterserve.cli import add_engine_args
+    from iterserve.engine_args import add_engine_args
     from iterserve.config import EngineConfig
 
     parser = argparse.ArgumentParser(add_help=False)

@@ -1,13 +1,29 @@
-"""Configuration dataclasses: what the model is, and how the engine schedules it.
+"""Configuration dataclasses: what the model is, and how the engine schedules and computes it.
 
 Flag names follow vLLM's where the concept is the same (max_num_seqs, block_size, ...), so that a
-user's existing knobs mean the same thing here.
+user's existing knobs mean the same thing here. `EngineConfig` holds every switch that changes what
+the engine computes or how; the few that an environment variable may also set (to switch a kernel
+in a benchmark or a test without touching its flags) take their default from it, once, when the
+config is made.
 """
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+DECODE_ATTENTION_CHOICES = ("auto", "torch", "cpu", "triton")  # attention/selector.py's backends
+BF16_GEMM_CHOICES = ("auto", "tiled", "onednn")  # platform/cpu_linear.py's layouts
+ENV_DEFAULTS = {  # EngineConfig field -> the environment variable its default comes from
+    "cpu_kernels": "ITERSERVE_CPU_KERNELS",
+    "bf16_gemm": "ITERSERVE_BF16_GEMM",
+    "decode_attention": "ITERSERVE_DECODE_ATTENTION",
+}
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(ENV_DEFAULTS[name]) or default
 
 
 @dataclass
@@ -90,19 +106,27 @@ class EngineConfig:
     quantization: Literal["auto", "none", "int4"] = "auto"
     # torch.compile the decoder stack (inductor): faster steps after a one-off compilation at startup
     compile: bool = False
+    # kernels (defaults from the environment: ENV_DEFAULTS). cpu_kernels: load iterserve's C++ CPU
+    # kernels (off: torch and oneDNN paths only); bf16_gemm: the CPU bf16 projections' GEMM (auto:
+    # ours where AVX512-BF16 exists and the CPU has no AMX, else oneDNN's); decode_attention: the
+    # decode attention backend (auto: Triton on CUDA, the C++ kernel on CPU, else torch)
+    cpu_kernels: bool = field(default_factory=lambda: _env("cpu_kernels", "1") != "0")
+    bf16_gemm: Literal["auto", "tiled", "onednn"] = field(default_factory=lambda: _env("bf16_gemm", "auto"))
+    decode_attention: Literal["auto", "torch", "cpu", "triton"] = field(
+        default_factory=lambda: _env("decode_attention", "auto"))
     # scheduling
     batching: Literal["continuous", "static"] = "continuous"
-    max_num_seqs: int = 16  # docs/seed-case.md: --max-num-seqs=16
+    max_num_seqs: int = 16  # docs/seed-case.md
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits longer prompts)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    max_batch_size: int = 8  # static batching only (docs/seed-case.md: max_batch_size=8)
+    max_batch_size: int = 8  # static batching only (docs/seed-case.md)
     batch_timeout_ms: float = 100.0  # static batching: start a partial batch after this wait
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides the memory budget (tests of preemption)
     kv_cache_memory: str = "1GiB"  # CPU budget for KV blocks
     gpu_memory_utilization: float = 0.9
-    # limits (docs/seed-case.md: input <= 1024, output <= 256)
+    # limits
     max_model_len: int | None = None  # default: min(model's max positions, 4096)
     max_input_len: int | None = None
     max_output_len: int | None = None
@@ -117,6 +141,10 @@ class EngineConfig:
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be 'auto', 'none' or 'int4', got {self.quantization!r}")
+        for name, choices in (("bf16_gemm", BF16_GEMM_CHOICES), ("decode_attention", DECODE_ATTENTION_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} (--{name.replace('_', '-')}, default from "
+                                 f"{ENV_DEFAULTS[name]}): use one of {', '.join(choices)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.block_size not in (1, 8, 16, 32, 64, 128):

@@ -1,33 +1,33 @@
-"""LLMEngine (add_request / abort_request / step) and the offline `LLM.generate` API.
+"""LLMEngine: add_request / abort_request / step (the offline `LLM` API is in llm.py).
 
 One step: the scheduler picks what to compute, the runner computes it and samples, then the engine
 appends tokens, checks stop conditions, and hands finished requests back to the scheduler, which
-frees their blocks at once (continuous) or at the end of the batch (static). Every step leaves a
-StepRecord: the one measurement that feeds the scheduling log, metrics and utilisation timelines.
+releases them with their blocks at once or later (static batching holds them until the batch
+ends). Every step leaves a StepRecord: the one measurement that feeds the scheduling log, metrics
+and utilisation timelines. Device-specific set-up (dtype, kernels, weight layouts, KV sizing) is
+the platform's (platform/selector.py), chosen once here.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from iterserve.config import EngineConfig, parse_size
+from iterserve.config import EngineConfig
 from iterserve.core.block_pool import BlockPool
-from iterserve.core.scheduler import Scheduler, SchedulerBase
-from iterserve.core.static import StaticScheduler
-from iterserve.cpu_info import cpu_flags
-from iterserve.model.loader import is_four_bit_checkpoint, load_model
-from iterserve.model.cpu_kernels import load_cpu_kernels
-from iterserve.model.cpu_linear import (bf16_linears_available, four_bit_max_tokens, int4_kernel_available,
-                                        optimize_cpu_linears, tiled_bf16_available)
+from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
+from iterserve.core.selector import build_scheduler
+from iterserve.model.loader import load_model
+from iterserve.platform.base import kv_bytes_per_block
+from iterserve.platform.selector import get_platform
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
-from iterserve.runner import ModelRunner, kv_bytes_per_block
+from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
 
 log = logging.getLogger("iterserve.engine")
@@ -39,7 +39,7 @@ class StepRecord:
     step: int
     start: float  # time.monotonic()
     duration: float  # seconds spent in the forward pass and sampling
-    batch_size: int  # sequences computed this step (static: includes padding members)
+    batch_size: int  # sequences computed this step, padding members included
     num_padding: int
     num_running: int
     num_waiting: int
@@ -63,50 +63,23 @@ class StepRecord:
         return line
 
 
-@functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """bfloat16 GEMMs beat float32 only with native bf16 instructions (AVX512-BF16 or AMX): here a
-    batch-16 decode step ran 2.3x faster in bf16; without them torch emulates bf16 and is slower."""
-    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
-
-
-def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    dev = config.device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(dev)
-    names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-    if config.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
-    elif config.dtype in names:
-        dtype = names[config.dtype]
-    else:
-        raise ValueError(f"unknown dtype {config.dtype!r}: use auto, float32, bfloat16 or float16")
-    return device, dtype
-
-
-Q8_HEAD_MAX_TOKENS = 4  # sampled rows; the Q8_0 LM head loses to bf16 from 8 (model/cpu_linear.py)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
-        """`loaded` = (model, ModelConfig, tokenizer) lets tests share one model between engines."""
+        """`loaded` = (model, ModelConfig, tokenizer) lets tests share one model between engines;
+        such a model keeps its weights' device, dtype and layout."""
         self.config = config
-        self.int4_max_tokens = 0
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device, self.dtype = resolve_device_dtype(config)
         t0 = time.perf_counter()
         if loaded is None:
-            model, mcfg, tokenizer, src = load_model(config.model, self.dtype, str(self.device))
-            self._optimize_cpu_linears(model, src)
+            self.platform = get_platform(config)
+            model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device))
+            self.platform.prepare_model(model, src)
         else:
             model, mcfg, tokenizer = loaded
-            param = next(model.parameters(), None)  # a shared model decides its own device and dtype
-            if param is not None:
-                self.device, self.dtype = param.device, param.dtype
+            param = next(model.parameters(), None)
+            self.platform = get_platform(config, *((param.device, param.dtype) if param is not None else ()))
+        self.device, self.dtype = self.platform.device, self.platform.dtype
         self.model, self.model_config, self.tokenizer = model, mcfg, tokenizer
         self.load_seconds = time.perf_counter() - t0
         self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, 4096)
@@ -115,11 +88,10 @@ class LLMEngine:
                              f"{mcfg.max_position_embeddings} positions")
         self.max_input_len = config.max_input_len or self.max_model_len
         self.max_output_len = config.max_output_len or self.max_model_len
-        num_blocks = self._num_kv_blocks()
+        num_blocks = self.platform.num_kv_blocks(mcfg, self._profile_run)
         self.pool = BlockPool(num_blocks, config.block_size)
-        sched_cls = StaticScheduler if config.batching == "static" else Scheduler
-        self.scheduler: SchedulerBase = sched_cls(config, self.pool, self.max_model_len)
-        self.runner = ModelRunner(model, mcfg, self.pool, self.device, self.dtype)
+        self.scheduler: SchedulerBase = build_scheduler(config, self.pool, self.max_model_len)
+        self.runner = self._new_runner(num_blocks)
         if config.compile:
             self._compile_model()
         fits = num_blocks // self.pool.blocks_for(self.max_model_len)
@@ -135,24 +107,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.start_time = time.monotonic()
 
-    def _optimize_cpu_linears(self, model, src) -> None:
-        """On CPU in bf16: weights laid out once for a bf16 GEMM (ours, or oneDNN's), and
-        (quantization) a 4-bit twin of the projections and a Q8_0 twin of the LM head for steps of few tokens, where decoding is bound
-        by reading weights (see model/cpu_linear.py). The head's twin needs the C++ CPU kernels."""
-        q = self.config.quantization
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not bf16_linears_available():
-            if q == "int4":
-                raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
-            return
-        use_int4 = q == "int4" or (q == "auto" and int4_kernel_available() and is_four_bit_checkpoint(src))
-        self.int4_max_tokens = four_bit_max_tokens() if use_int4 else 0
-        q8_head = Q8_HEAD_MAX_TOKENS if use_int4 and load_cpu_kernels() is not None else 0
-        n = optimize_cpu_linears(model, self.int4_max_tokens, q8_head)
-        log.info("CPU bf16: %d projections laid out for %s%s%s", n,
-                 "our tiled bf16 GEMM" if tiled_bf16_available() else "oneDNN",
-                 f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
-                 f", Q8_0 LM head for <= {q8_head} sampled rows" if q8_head else "")
-
     def _compile_model(self) -> None:
         if not hasattr(self.model, "compile_decoder"):
             raise ValueError(f"compile: {type(self.model).__name__} has no compile_decoder()")
@@ -161,39 +115,22 @@ class LLMEngine:
         self.runner.warm_up()
         log.info("compiled the decoder stack in %.1f s", time.perf_counter() - t0)
 
-    # ---- capacity --------------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
-        cfg, mcfg = self.config, self.model_config
-        per_block = kv_bytes_per_block(mcfg, cfg.block_size, self.dtype)
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if self.device.type == "cuda":
-            return self._profile_cuda_blocks(per_block)
-        return max(1, parse_size(cfg.kv_cache_memory) // per_block)
+    def _new_runner(self, num_blocks: int) -> ModelRunner:
+        return ModelRunner(self.model, self.model_config, num_blocks, self.config.block_size, self.device,
+                           self.dtype, self.platform.attention)
 
-    def _profile_cuda_blocks(self, per_block: int) -> int:
-        """vLLM's recipe: run a warm-up forward at the token budget with a tiny cache, measure the
-        peak, and give what --gpu-memory-utilization leaves to KV blocks."""
-        from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
-
+    def _profile_run(self) -> None:
+        """The largest step the engine schedules (a prefill at the token budget), on a cache of
+        just the blocks it needs: what a platform that measures its memory runs."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        probe_pool = BlockPool(self.config.num_kv_blocks or (n // self.config.block_size + 1),
-                               self.config.block_size)
-        runner = ModelRunner(self.model, self.model_config, probe_pool, self.device, self.dtype)
-        dummy = Request("__profile__", [0] * n, SamplingParams(max_tokens=1, temperature=0))
-        probe_pool.allocate(dummy.request_id, n)
-        torch.cuda.reset_peak_memory_stats()
-        runner.execute(SchedulerOutput([ScheduledRequest(dummy, n)]))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del runner
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        avail = total * self.config.gpu_memory_utilization - peak
-        if avail < per_block:
-            raise RuntimeError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                               f"{self.config.gpu_memory_utilization} (peak {peak / 2**30:.1f} GiB)")
-        return int(avail // per_block)
+        self._new_runner(n // self.config.block_size + 1).profile_run(n)
+
+    def resolved_config(self) -> dict[str, Any]:
+        """The switches as this engine resolved them (device, dtype, kernels, limits, KV blocks):
+        what /v1/scheduler reports next to the EngineConfig."""
+        return {**self.platform.resolved(), "max_model_len": self.max_model_len,
+                "max_input_len": self.max_input_len, "max_output_len": self.max_output_len,
+                "num_kv_blocks": self.pool.num_blocks}
 
     # ---- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
@@ -257,8 +194,20 @@ class LLMEngine:
         self._release(released or [], time.monotonic(), self._pending, finished_ids=None)
         return True
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Aborts every request; returns their final outputs (and any not yet returned)."""
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def next_deadline(self) -> float | None:
+        """When an engine whose last step did nothing may have work again without a new request
+        (time.monotonic()), or None; the scheduler says (a static batch's timeout)."""
+        return self.scheduler.next_deadline()
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -274,11 +223,8 @@ class LLMEngine:
         finished: list[tuple[str, int]] = []
         for res in results:
             req = res.scheduled.request
-            if res.scheduled.padding:
-                req.num_computed_tokens += 1
-                continue
             req.num_computed_tokens += res.scheduled.num_tokens
-            if res.token_id is None:
+            if res.token_id is None or req.is_finished:  # mid-prompt chunk, or a member held after it stopped
                 continue
             req.append_token(res.token_id, now)
             if res.logprob is not None:
@@ -292,7 +238,7 @@ class LLMEngine:
                 continue
             req.status = status
             released = self.scheduler.finish(req)
-            if not any(r is req for r, _ in released):  # static: held until its batch ends
+            if not any(r is req for r, _ in released):  # held by the scheduler (until its batch ends)
                 outputs.append(self._output(req, [res.token_id], res.logprob, finished=False))
             else:
                 req.times.finished = now
@@ -319,12 +265,12 @@ class LLMEngine:
             output_text=req.output_text,
         )
 
-    def _record(self, sched, duration: float, finished, now: float) -> None:
+    def _record(self, sched: SchedulerOutput, duration: float, finished, now: float) -> None:
         self.step_count += 1
         usage = self.pool.usage()
         rec = StepRecord(
             step=self.step_count, start=now - duration, duration=duration,
-            batch_size=len(sched.scheduled), num_padding=sum(s.padding for s in sched.scheduled),
+            batch_size=len(sched.scheduled), num_padding=sched.num_padding,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             prefill_tokens=sched.num_prefill_tokens, decode_tokens=sched.num_decode_tokens,
             kv_used_blocks=usage.used_blocks, kv_total_blocks=usage.total_blocks,
@@ -338,56 +284,3 @@ class LLMEngine:
             sched_log.debug(rec.log_line())
         for fn in self.step_listeners:
             fn(rec)
-
-
-@dataclass
-class CompletionResult:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    times: object
-    logprobs: list = field(default_factory=list)
-
-
-class LLM:
-    """Offline batch generation: `LLM(model="smollm2-135m").generate(prompts, params)`."""
-
-    def __init__(self, model: str = "smollm2-135m", loaded=None, config: EngineConfig | None = None,
-                 **engine_kwargs) -> None:
-        self.engine = LLMEngine(config or EngineConfig(model=model, **engine_kwargs), loaded=loaded)
-
-    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priorities: list[int] | None = None) -> list[CompletionResult]:
-        """Each prompt is a string, a list of token ids, or {"messages": [...]} for chat."""
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = []
-        for i, (p, sp) in enumerate(zip(prompts, params_list)):
-            kw = {"priority": priorities[i]} if priorities else {}
-            if isinstance(p, dict):
-                req = self.engine.add_request(params=sp, messages=p["messages"], **kw)
-            elif isinstance(p, list):
-                req = self.engine.add_request(params=sp, prompt_token_ids=p, **kw)
-            else:
-                req = self.engine.add_request(p, sp, **kw)
-            ids.append(req.request_id)
-        return self.run_until_done(ids, use_tqdm)
-
-    def run_until_done(self, ids: list[str], use_tqdm: bool = False) -> list[CompletionResult]:
-        from tqdm.auto import tqdm
-
-        reqs = {i: self.engine.requests[i] for i in ids}
-        done: dict[str, CompletionResult] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in reqs:
-                    r = reqs[out.request_id]
-                    done[out.request_id] = CompletionResult(
-                        r.request_id, r.output_text, list(r.output_token_ids), r.finish_reason,
-                        r.num_prompt_tokens, r.num_output_tokens, r.times, r.logprobs)
-                    bar.update(1)
-        bar.close()
-        return [done[i] for i in ids]

@@ -106,6 +106,15 @@ class Request:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Token ids start .. start + n - 1 of prompt + output, without concatenating the whole."""
+        p = len(self.prompt_token_ids)
+        if start + n <= p:
+            return self.prompt_token_ids[start:start + n]
+        if start >= p:
+            return self.output_token_ids[start - p:start - p + n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:start + n - p]
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -1,27 +1,28 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
 
-It owns the device, the KV cache tensors and the sampler: the one place where CPU and CUDA differ.
+It owns the KV cache tensors and the sampler. Everything it needs about a step comes in the
+scheduler's output (each request's block table, start position and input ids), so it never reads
+the block pool; the device, dtype and attention backend come from the platform, chosen once when
+the engine starts.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from iterserve.attention.backend import AttentionBackend
+from iterserve.attention.forward_context import forward_context
+from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.config import ModelConfig
-from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from iterserve.model.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from iterserve.model.decode_backend import select_decode_attention
-from iterserve.sampling import Sampler
+from iterserve.request import Request
+from iterserve.sampling import Sampler, SamplingParams
 
 log = logging.getLogger("iterserve.runner")
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -48,23 +49,23 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, pool: BlockPool,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, attention: AttentionBackend) -> None:
         self.model = model
         self.cfg = cfg
-        self.pool = pool
+        self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        shape = (pool.num_blocks, pool.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.attention = attention
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size)
-        select_decode_attention(device)  # now, not at the first request: on CPU it may build a kernel
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Lays the step out as the attention expects: single-token rows (decodes, and static
-        batching's padding rows) first, then prefill chunks; each group keeps the scheduler's order."""
-        bs = self.pool.block_size
+        """Lays the step out as the attention expects: single-token rows first, then prefill
+        chunks; each group keeps the scheduler's order."""
+        bs = self.block_size
         rows = sorted(range(len(sched.scheduled)), key=lambda i: sched.scheduled[i].num_tokens > 1)
         tokens: list[int] = []
         positions: list[int] = []
@@ -75,17 +76,8 @@ class ModelRunner:
         dec_tables, dec_ctx, pre_tables, pre_q, pre_ctx = [], [], [], [], []
         for i in rows:
             s = sched.scheduled[i]
-            req, n = s.request, s.num_tokens
-            start = req.num_computed_tokens
-            table = self.pool.tables[req.request_id]
-            if s.padding:  # keep computing the finished member's slot, as a static batcher would
-                ids = [req.all_token_ids[-1]]
-                start = min(start, len(table) * bs - 1)  # stay inside its reservation
-            elif n == 1:
-                ids = [req.token_at(start)]
-            else:
-                ids = req.all_token_ids[start:start + n]
-            tokens.extend(ids)
+            n, start, table = s.num_tokens, s.start, s.block_table
+            tokens.extend(s.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
@@ -96,7 +88,7 @@ class ModelRunner:
                 pre_q.append(n)
                 pre_ctx.append(start + n)
             last_index[i] = len(tokens) - 1
-            if s.padding or start + n == req.num_tokens:
+            if s.sample:
                 logits_idx.append(len(tokens) - 1)
                 sampled.append(i)
         dev = self.device
@@ -119,25 +111,45 @@ class ModelRunner:
             last_index=last_index,
         )
 
+    @contextmanager
+    def step_context(self, meta: AttentionMetadata) -> Iterator[None]:
+        """The forward context every layer's attention reads (attention/forward_context.py)."""
+        with forward_context(meta, self.kv_caches, self.attention):
+            yield
+
+    def compute_logits(self, inp: StepInputs, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Runs the model on a prepared step; logits [len(logits_indices), vocab]."""
+        with self.step_context(inp.meta):
+            return self.model(inp.input_ids, inp.positions, logits_indices)
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Runs the model on dummy decode steps of 1 and 2 tokens, so a compiled model compiles
         now, not in the first request's step (torch.compile makes one graph for a single token and
-        one for any larger count). Their K/V go to slot 0 of block 0, which no sequence holds yet
-        and which is rewritten before it is read."""
-        assert not self.pool.tables, "warm_up before any request holds KV blocks"
+        one for any larger count). Call it before any request holds KV blocks: their K/V go to
+        slot 0 of block 0, which is rewritten before it is read."""
         for n in (1, 2):
             def zeros() -> torch.Tensor:  # a new tensor each: aliased inputs would be a guard of their own
                 return torch.zeros(n, dtype=torch.long, device=self.device)
 
             decode = DecodeMetadata(block_tables=zeros().view(n, 1), context_lens=zeros() + 1, max_context_len=1)
             meta = AttentionMetadata(slot_mapping=zeros(), num_decode_tokens=n, decode=decode, prefill=None)
-            self.model(zeros(), zeros(), self.kv_caches, meta, torch.arange(n, device=self.device))
+            with self.step_context(meta):
+                self.model(zeros(), zeros(), torch.arange(n, device=self.device))
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` dummy tokens in blocks 0.., the largest step the engine
+        schedules: what a platform measures to size the KV cache. Needs that many blocks."""
+        dummy = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0))
+        table = list(range(-(-num_tokens // self.block_size)))
+        self.execute(SchedulerOutput([ScheduledRequest(dummy, num_tokens, 0, table, dummy.prompt_token_ids,
+                                                       sample=True)]))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         inp = self.prepare(sched)
-        logits = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, inp.logits_indices)
+        logits = self.compute_logits(inp, inp.logits_indices)
         sampled = inp.sampled
         rows = [sched.scheduled[i] for i in sampled]
         reqs = [s.request for s in rows]

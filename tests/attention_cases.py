@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from iterserve.model.attention import DecodeMetadata
+from iterserve.attention.metadata import DecodeMetadata
 
 CONTEXT_LENS = [1, 15, 16, 17, 100]  # inside, exactly at and just past a block boundary
 HEAD_DIM = 64

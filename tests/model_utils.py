@@ -1,16 +1,19 @@
 """Helpers for the model tests: logits straight from iterserve's model through the runner's own
 batch layout, and greedy references from transformers.
 
-Logits are taken by building the step exactly as the engine does (ModelRunner.prepare turns a
-SchedulerOutput into input ids, positions and AttentionMetadata) and then asking the model for the
-rows we want, instead of only the sampled ones.
+Logits are taken by building the step exactly as the engine does (a scheduler output with each
+request's block table from a BlockPool; ModelRunner.prepare turns it into input ids, positions and
+AttentionMetadata) and then asking the model for the rows we want, instead of only the sampled ones.
 """
 from __future__ import annotations
 
 import torch
 
+from iterserve.attention.selector import select_attention_backend
+from iterserve.config import EngineConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.request import Request
 from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
@@ -31,10 +34,23 @@ CHATS = [
 ]
 
 
-def new_runner(loaded, num_blocks: int = 64, block_size: int = 16) -> ModelRunner:
+class PooledRunner:
+    """A ModelRunner with the block pool that a scheduler would hold for it."""
+
+    def __init__(self, runner: ModelRunner, pool: BlockPool) -> None:
+        self.runner, self.pool = runner, pool
+
+
+def new_runner(loaded, num_blocks: int = 64, block_size: int = 16) -> PooledRunner:
+    """The CPU engine's runner (with the decode attention an EngineConfig picks) over its own pool."""
     model, cfg, _ = loaded
     dtype = next(model.parameters()).dtype
-    return ModelRunner(model, cfg, BlockPool(num_blocks, block_size), torch.device("cpu"), dtype)
+    device = torch.device("cpu")
+    switches = EngineConfig()
+    attention = select_attention_backend(switches.decode_attention, device,
+                                         load_cpu_kernels() if switches.cpu_kernels else None)
+    return PooledRunner(ModelRunner(model, cfg, num_blocks, block_size, device, dtype, attention),
+                        BlockPool(num_blocks, block_size))
 
 
 def make_request(rid: str, token_ids: list[int]) -> Request:
@@ -42,19 +58,22 @@ def make_request(rid: str, token_ids: list[int]) -> Request:
 
 
 @torch.inference_mode()
-def run_step(runner: ModelRunner, items: list[tuple[Request, int]], all_rows: bool = False) -> torch.Tensor:
+def run_step(pr: PooledRunner, items: list[tuple[Request, int]], all_rows: bool = False) -> torch.Tensor:
     """Computes `n` more tokens of each request in ONE step. Returns the logits of each request's
     last token this step ([len(items), vocab]), or of every token (all_rows)."""
+    runner, scheduled = pr.runner, []
     for req, n in items:
-        assert runner.pool.allocate(req.request_id, req.num_computed_tokens + n), "test cache too small"
-    sched = SchedulerOutput([ScheduledRequest(req, n) for req, n in items])
-    inp = runner.prepare(sched)
+        start = req.num_computed_tokens
+        assert pr.pool.allocate(req.request_id, start + n), "test cache too small"
+        scheduled.append(ScheduledRequest(req, n, start, pr.pool.tables[req.request_id], req.token_slice(start, n),
+                                          sample=start + n == req.num_tokens))
+    inp = runner.prepare(SchedulerOutput(scheduled))
     if all_rows:  # every token in the request's own order (prepare puts single-token rows first)
         rows = torch.cat([torch.arange(inp.last_index[i] - n + 1, inp.last_index[i] + 1)
                           for i, (_, n) in enumerate(items)])
     else:
         rows = torch.tensor(inp.last_index)
-    logits = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta, rows)
+    logits = runner.compute_logits(inp, rows)
     for req, n in items:
         req.num_computed_tokens += n
     return logits

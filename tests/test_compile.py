@@ -81,12 +81,13 @@ def test_forward_context_is_per_thread():
     """Two engines stepping in two threads of one process each read their own step's metadata."""
     import threading
 
-    from iterserve.model.forward_context import forward_context, get_forward_context
+    from iterserve.attention.backend import TorchAttentionBackend
+    from iterserve.attention.forward_context import forward_context, get_forward_context
 
     both_open, both_read, seen = threading.Barrier(2, timeout=10), threading.Barrier(2, timeout=10), {}
 
     def step(name: str) -> None:
-        with forward_context(name, []):
+        with forward_context(name, [], TorchAttentionBackend()):
             both_open.wait()  # the two contexts are set at the same time
             seen[name] = get_forward_context().meta
             both_read.wait()

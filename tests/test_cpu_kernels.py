@@ -10,14 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.model.attention import decode_attention
-from iterserve.model.cpu_kernels import decode_attention_cpu, load_cpu_kernels
-from iterserve.model.decode_backend import select_decode_attention
+from iterserve.attention.cpu_backend import CpuKernelAttentionBackend
+from iterserve.attention.selector import select_attention_backend
+from iterserve.attention.torch_attention import decode_attention
+from iterserve.config import EngineConfig
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.selector import get_platform
 
 from attention_cases import CONTEXT_LENS, HEAD_DIM, poison_unread_slots, random_case
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here (see the log)")
+
+
+def decode_attention_cpu(q, k_cache, v_cache, meta, scale):
+    return CpuKernelAttentionBackend(kernels).decode(q, k_cache, v_cache, meta, scale)
 
 
 @pytest.mark.parametrize("head_dim, block_size, group", [(64, 16, 1), (64, 16, 3), (64, 32, 3), (80, 8, 4),
@@ -51,7 +58,7 @@ def test_kernels_called_from_several_threads_at_once():
     split never changes a number)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from iterserve.model.cpu_linear import pack_q4_1, pack_q8_0
+    from iterserve.platform.cpu_linear import pack_q4_1, pack_q8_0
 
     q, k_cache, v_cache, meta = random_case(CONTEXT_LENS * 4, block_size=16, group=3)
     w = torch.randn(300, 128)
@@ -103,7 +110,7 @@ def test_a_forked_child_still_runs_the_kernels():
     child runs each job on its calling thread and gets the parent's numbers."""
     import multiprocessing as mp
 
-    from iterserve.model.cpu_linear import pack_q8_0
+    from iterserve.platform.cpu_linear import pack_q8_0
 
     packed = pack_q8_0(torch.randn(300, 128))
     x = torch.randn(3, 128).bfloat16()
@@ -114,26 +121,27 @@ def test_a_forked_child_still_runs_the_kernels():
 
 
 def test_cpu_selects_the_kernel_and_can_be_turned_off(monkeypatch):
+    """auto takes the kernel on CPU; cpu_kernels=False (ITERSERVE_CPU_KERNELS=0 as its default)
+    keeps the platform from loading the kernels, so attention falls back to torch, and forcing the
+    kernel then is a clear error."""
     monkeypatch.delenv("ITERSERVE_DECODE_ATTENTION", raising=False)
-    select_decode_attention.cache_clear()
-    assert select_decode_attention(torch.device("cpu")) is decode_attention_cpu
+    monkeypatch.delenv("ITERSERVE_CPU_KERNELS", raising=False)
+    cpu = torch.device("cpu")
+    on = get_platform(EngineConfig(device="cpu", dtype="float32"))
+    assert on.attention.name == "cpu" and on.kernels is kernels
+    assert on.resolved()["cpu_kernels"] is True and on.resolved()["decode_attention"] == "cpu"
     monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
-    load_cpu_kernels.cache_clear()
-    select_decode_attention.cache_clear()
-    try:
-        assert load_cpu_kernels() is None
-        assert select_decode_attention(torch.device("cpu")) is decode_attention
-    finally:
-        monkeypatch.delenv("ITERSERVE_CPU_KERNELS")
-        load_cpu_kernels.cache_clear()
-        select_decode_attention.cache_clear()
-    assert load_cpu_kernels() is not None
+    off = get_platform(EngineConfig(device="cpu", dtype="float32"))
+    assert off.kernels is None and off.attention.name == "torch"
+    assert off.resolved()["cpu_kernels"] is False and off.resolved()["decode_attention"] == "torch"
+    with pytest.raises(RuntimeError, match="CPU kernels"):
+        select_attention_backend("cpu", cpu, None)
 
 
 def test_engine_greedy_output_unchanged_with_the_kernel(tiny_loaded, monkeypatch):
     """The tiny model through the whole engine (decodes mixed with prefill chunks, blocks shared
     out by the pool): the same tokens and logprobs with the kernel as with the torch path."""
-    from iterserve.engine import LLM
+    from iterserve.llm import LLM
     from iterserve.sampling import SamplingParams
 
     prompts = [[100 + (37 * i + 11 * j) % 3000 for j in range(5 + 9 * i)] for i in range(4)]
@@ -141,15 +149,11 @@ def test_engine_greedy_output_unchanged_with_the_kernel(tiny_loaded, monkeypatch
 
     def generate(backend: str):
         monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", backend)
-        select_decode_attention.cache_clear()
         llm = LLM(loaded=tiny_loaded, block_size=8, max_num_seqs=4, max_num_batched_tokens=24,
                   kv_cache_memory="8MiB")
         return llm.generate(prompts, params, use_tqdm=False)
 
-    try:
-        want, got = generate("torch"), generate("cpu")
-    finally:
-        select_decode_attention.cache_clear()
+    want, got = generate("torch"), generate("cpu")
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids
         diff = max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs))

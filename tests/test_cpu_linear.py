@@ -1,4 +1,4 @@
-"""CPU bf16 fast paths (model/cpu_linear.py): prepacked oneDNN weights give the same numbers as
+"""CPU bf16 fast paths (platform/cpu_linear.py): prepacked oneDNN weights give the same numbers as
 F.linear, our tiled bf16 GEMM the float32 product rounded to bf16; the int4 twin serves only steps of few rows, and on weights that are 4-bit already it
 reproduces them up to bf16 rounding of the scales; on the embedded model the whole bf16 path
 (prepacked + int4 decode) stays within a stated tolerance of float32."""
@@ -11,10 +11,11 @@ from model_utils import make_request, new_runner, run_step, sequence_logits
 from torch import nn
 
 from iterserve.config import EngineConfig
-from iterserve.engine import LLM, LLMEngine
-from iterserve.model.cpu_kernels import load_cpu_kernels
-from iterserve.model.cpu_linear import (CpuLinear, int4_kernel_available, optimize_cpu_linears, pack_bf16,
-                                        pack_q8_0, prepack_available, tiled_bf16_available)
+from iterserve.engine import LLMEngine
+from iterserve.llm import LLM
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_linear import (CpuLinear, bf16_gemm_layout, int4_kernel_available, optimize_cpu_linears,
+                                           pack_bf16, pack_q8_0, prepack_available, tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (prepack_available() and int4_kernel_available()),
@@ -41,7 +42,8 @@ def test_prepacked_equals_f_linear_at_every_row_count():
         assert torch.equal(fast(x), F.linear(x, lin.weight, lin.bias)), rows
 
 
-needs_tiled = pytest.mark.skipif(not tiled_bf16_available(), reason="our bf16 GEMM is not vectorised here")
+needs_tiled = pytest.mark.skipif(not tiled_gemm_vectorised(load_cpu_kernels()),
+                                 reason="our bf16 GEMM is not vectorised here")
 
 
 @needs_tiled
@@ -65,16 +67,22 @@ def test_tiled_bf16_gemm_is_the_float32_product_rounded_once(n, k):
 
 @needs_tiled
 def test_bf16_gemm_switch(monkeypatch):
-    """ITERSERVE_BF16_GEMM picks the layout at construction; a typo is an error, not a silent default."""
-    lin = nn.Linear(64, 32, bias=False).bfloat16()
+    """EngineConfig.bf16_gemm (default from ITERSERVE_BF16_GEMM) picks the layout of every
+    projection at load; a typo is an error, not a silent default."""
+    kernels = load_cpu_kernels()
     monkeypatch.setenv("ITERSERVE_BF16_GEMM", "onednn")
-    assert CpuLinear(lin).layout == "onednn"
+    assert bf16_gemm_layout(EngineConfig().bf16_gemm, kernels) == "onednn"
     monkeypatch.setenv("ITERSERVE_BF16_GEMM", "tiled")
-    assert CpuLinear(lin).layout == "tiled"
-    assert CpuLinear(nn.Linear(63, 32).bfloat16()).layout == "onednn"  # odd in_features: no input pairs
+    assert bf16_gemm_layout(EngineConfig().bf16_gemm, kernels) == "tiled"
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(64, 32, bias=False).bfloat16(), nn.Linear(63, 32).bfloat16()])
+    assert optimize_cpu_linears(model, "tiled", kernels=kernels) == 2
+    assert [m.layout for m in model.layers] == ["tiled", "onednn"]  # odd in_features: no input pairs
     monkeypatch.setenv("ITERSERVE_BF16_GEMM", "fast")
     with pytest.raises(ValueError, match="ITERSERVE_BF16_GEMM"):
-        CpuLinear(lin)
+        EngineConfig()
+    with pytest.raises(ValueError, match="bf16_gemm"):
+        bf16_gemm_layout("fast", kernels)
 
 
 @needs_tiled
@@ -176,7 +184,7 @@ def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled, co
     8 copies of the sequence share every step, so decoding runs the bf16 GEMMs (ours where
     vectorised) and the bf16 head instead of the twins."""
     eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB"))
-    assert eng.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
+    assert eng.platform.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
     if load_cpu_kernels() is not None:  # and its head is Q8_0: the head's twin too
         assert eng.model.lm_head.twin == "q8_0"
     if compiled:

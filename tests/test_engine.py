@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from iterserve.engine import LLM
+from iterserve.llm import LLM
 from iterserve.request import Request, RequestRejected, RequestStatus
 from iterserve.sampling import SamplingParams
 
@@ -154,7 +154,7 @@ class ScriptedModel(torch.nn.Module):
         self.vocab_size, self.prompt_len = vocab_size, prompt_len
         self.script = torch.tensor(script, dtype=torch.long)
 
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
+    def forward(self, input_ids, positions, logits_indices):
         pos = positions[logits_indices]
         idx = (pos + 1 - self.prompt_len).clamp(0, len(self.script) - 1)
         logits = torch.zeros(len(pos), self.vocab_size)

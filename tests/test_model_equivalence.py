@@ -20,7 +20,7 @@ import torch
 from conftest import TINY_CONFIG
 from model_utils import CHATS, chat_ids, hf_greedy, make_request, new_runner, run_step, sequence_logits
 
-from iterserve.engine import LLM
+from iterserve.llm import LLM
 from iterserve.model.loader import checkpoint_dtype, load_model, resolve_model
 from iterserve.sampling import SamplingParams
 

@@ -15,9 +15,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from iterserve.model.attention import decode_attention  # noqa: E402
-from iterserve.model.decode_backend import select_decode_attention  # noqa: E402
-from iterserve.model.triton_attention import decode_attention_triton  # noqa: E402
+from iterserve.attention.selector import select_attention_backend  # noqa: E402
+from iterserve.attention.torch_attention import decode_attention  # noqa: E402
+from iterserve.attention.triton_backend import decode_attention_triton  # noqa: E402
+from iterserve.config import EngineConfig  # noqa: E402
 
 from attention_cases import CONTEXT_LENS, HEAD_DIM, poison_unread_slots, random_case  # noqa: E402
 
@@ -75,23 +76,24 @@ def test_unread_slots_do_not_leak():
 
 
 def test_selection_honours_the_override(monkeypatch):
+    """The environment variable is EngineConfig.decode_attention's default; the config picks."""
+    cpu = torch.device("cpu")
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "torch")
-    select_decode_attention.cache_clear()
-    assert select_decode_attention(torch.device("cpu")) is decode_attention
-    select_decode_attention.cache_clear()
+    assert select_attention_backend(EngineConfig().decode_attention, cpu).name == "torch"
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "triton")
-    assert select_decode_attention(torch.device("cpu")) is decode_attention_triton
-    select_decode_attention.cache_clear()
+    assert select_attention_backend(EngineConfig().decode_attention, cpu).name == "triton"
+    assert EngineConfig(decode_attention="torch").decode_attention == "torch"  # a given value wins
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "cuda-magic")
     with pytest.raises(ValueError, match="ITERSERVE_DECODE_ATTENTION"):
-        select_decode_attention(torch.device("cpu"))
-    select_decode_attention.cache_clear()
+        EngineConfig()
+    with pytest.raises(ValueError, match="decode_attention"):
+        select_attention_backend("cuda-magic", cpu)
 
 
 def test_engine_greedy_output_unchanged_with_triton_decode(tiny_loaded, monkeypatch):
     """The tiny model through the whole engine (runner-built tables, q sliced from the step's
     batch, decodes mixed with prefill chunks): same tokens and logprobs with either decode path."""
-    from iterserve.engine import LLM
+    from iterserve.llm import LLM
     from iterserve.sampling import SamplingParams
 
     prompts = [[100 + (37 * i + 11 * j) % 3000 for j in range(5 + 9 * i)] for i in range(4)]
@@ -103,12 +105,9 @@ def test_engine_greedy_output_unchanged_with_triton_decode(tiny_loaded, monkeypa
         return llm.generate(prompts, params, use_tqdm=False)
 
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "torch")
-    select_decode_attention.cache_clear()
     want = generate()
     monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "triton")
-    select_decode_attention.cache_clear()
     got = generate()
-    select_decode_attention.cache_clear()
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids
         diff = max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs))

@@ -2,7 +2,7 @@
 prefix that a later request may share.
 
 It knows nothing about models or tensors: a block id indexes the first dimension of every layer's
-cache tensor (see runner.KVCache). Blocks are taken on demand as a request's tokens grow and
+cache tensor (ModelRunner.kv_caches). Blocks are taken on demand as a request's tokens grow and
 released the moment it finishes, is aborted or is preempted.
 
 Prefix caching (vLLM v1's design): a full block whose KV has been computed is registered under its

@@ -6,8 +6,11 @@ sequences, budget and KV blocks allow. When blocks run out it preempts by recomp
 (lowest priority, then newest) gives back all its blocks, keeps its generated tokens, and goes back
 to the waiting queue to be recomputed later with identical output.
 
-The static batcher (core/static.py) implements the same interface; the engine never knows which
-one it drives.
+The static batcher (core/static.py) implements the same interface, and everything that differs
+between the two is declared on it (`SchedulerBase`): when an idle engine should wake up
+(`next_deadline`), whether a finished request is released at once or held (`finish`), and which
+rows are padding (`ScheduledRequest.padding`). The engine, the runner and the server never ask
+which one they drive.
 """
 from __future__ import annotations
 
@@ -22,9 +25,15 @@ from iterserve.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step, with all the runner needs to lay it out (as vLLM v1's
+    scheduler output): the runner reads neither the block pool nor the request's progress."""
     request: Request
     num_tokens: int  # tokens computed for it this step
-    padding: bool = False  # static batching: a finished member that still occupies its slot
+    start: int  # position of the first of them (the tokens before it are in the KV cache)
+    block_table: list[int]  # the request's KV blocks in order (the pool's own list: read it this step)
+    token_ids: list[int]  # the num_tokens input ids
+    sample: bool  # the step reaches the request's last known token: sample the next one
+    padding: bool = False  # static batching: a finished member still computed; its sample is dropped
 
 
 @dataclass
@@ -43,6 +52,10 @@ class SchedulerOutput:
     @property
     def num_decode_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled if s.num_tokens == 1)
+
+    @property
+    def num_padding(self) -> int:
+        return sum(s.padding for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -125,11 +138,24 @@ class SchedulerBase:
         return len(self.running)
 
     def finish(self, req: Request) -> list[tuple[Request, int]]:
-        """The engine saw req stop. Returns the requests released now with the blocks each freed."""
+        """The engine saw req stop. Returns the requests released now with the blocks each freed:
+        req itself at once (continuous), or nothing while its batch runs on (static, which then
+        computes it as padding and releases the whole batch when its last member stops)."""
         raise NotImplementedError
 
     def schedule(self, now: float) -> SchedulerOutput:
         raise NotImplementedError
+
+    def next_deadline(self) -> float | None:
+        """When, with no new request, `schedule` may next have work although the last call had none
+        (time.monotonic()); None: only a new request or a finished step changes anything."""
+        return None
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        """`n` more tokens of `req`, which already holds the blocks for them."""
+        start = req.num_computed_tokens
+        return ScheduledRequest(req, n, start, self.pool.tables[req.request_id], req.token_slice(start, n),
+                                sample=start + n == req.num_tokens)
 
     def max_blocks_per_request(self, req: Request) -> int:
         """Blocks the request could ever need (for rejecting what can never fit)."""
@@ -175,7 +201,7 @@ class Scheduler(SchedulerBase):
                     break
             if req.status is RequestStatus.PREEMPTED:
                 continue
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(self._scheduled(req, n))
             scheduled_ids.add(req.request_id)
             budget -= n
 
@@ -191,7 +217,7 @@ class Scheduler(SchedulerBase):
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(self._scheduled(req, n))
             budget -= n
         return out
 

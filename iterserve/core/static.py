@@ -55,12 +55,20 @@ class StaticScheduler(SchedulerBase):
             self._start_batch(now)
         for req in self.running:
             if req.request_id in self.done:
-                out.scheduled.append(ScheduledRequest(req, 1, padding=True))
+                out.scheduled.append(self._padding(req))
             else:
                 n = req.num_tokens - req.num_computed_tokens
                 self.pool.note_tokens(req.request_id, req.num_computed_tokens + n)  # KV usage figures
-                out.scheduled.append(ScheduledRequest(req, n))
+                out.scheduled.append(self._scheduled(req, n))
         return out
+
+    def _padding(self, req: Request) -> ScheduledRequest:
+        """A finished member keeps being computed, as a static batcher would: its last token again,
+        at its next position (kept inside its reservation), sampled and dropped."""
+        table = self.pool.tables[req.request_id]
+        start = min(req.num_computed_tokens, len(table) * self.pool.block_size - 1)
+        return ScheduledRequest(req, 1, start, table, [req.token_at(req.num_tokens - 1)], sample=True,
+                                padding=True)
 
     def finish(self, req: Request) -> list[tuple[Request, int]]:
         if req not in self.running:
@@ -74,7 +82,7 @@ class StaticScheduler(SchedulerBase):
         return released
 
     def next_deadline(self) -> float | None:
-        """When a partial batch will time out (so an idle engine loop knows how long to sleep)."""
+        """When a partial batch will time out (so an idle engine knows how long to sleep)."""
         if self.running or not self.waiting:
             return None
         return min(r.times.arrival for r in self.waiting) + self.config.batch_timeout_ms / 1000.0

@@ -1,5 +1,5 @@
 // CPU kernels for the parts of a decode step where torch's own kernels leave time on the table.
-// Built on first use by iterserve/model/cpu_kernels.py (torch.utils.cpp_extension, -O3
+// Built on first use by iterserve/platform/cpu_kernels.py (torch.utils.cpp_extension, -O3
 // -march=native); the engine falls back to its torch path when the build is not possible.
 //
 // paged_decode_attention: one query row per sequence against its blocks, read in place.

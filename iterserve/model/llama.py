@@ -1,8 +1,10 @@
 """A Llama-family decoder in plain PyTorch, shaped for continuous batching.
 
 The forward pass takes a flat batch of tokens (prefill chunks and decodes of many sequences,
-concatenated) with per-token positions and the step's AttentionMetadata; there is no batch
-dimension and no padding. QKV and gate/up projections are fused into one matmul each.
+concatenated) with per-token positions; there is no batch dimension and no padding. Attention goes
+through one op, `paged_attention`, which finds the step's metadata, KV caches and backend in the
+forward context that the runner sets (attention/forward_context.py). QKV and gate/up projections
+are fused into one matmul each.
 Parameter names follow Hugging Face's, except for the fused `qkv_proj` and `gate_up_proj`, which
 `load_weights` fills from the separate q/k/v and gate/up tensors.
 """
@@ -16,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.attention.paged_attention import paged_attention
 from iterserve.config import ModelConfig
-from iterserve.model.attention import AttentionMetadata
-from iterserve.model.forward_context import forward_context
 
 
 class RMSNorm(nn.Module):
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # one RoPE call for both
         v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
-        out = torch.ops.iterserve.paged_attention(q, k, v, self.layer_idx, self.scale)
+        out = paged_attention(q, k, v, self.layer_idx, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -153,11 +154,10 @@ class LlamaForCausalLM(nn.Module):
         self._compiled_stack = None  # set by compile_decoder()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns logits [len(logits_indices), vocab] for the flat tokens that get sampled."""
-        with forward_context(meta, kv_caches):
-            x = (self._compiled_stack or self.decoder_stack)(input_ids, positions)
+        """Returns logits [len(logits_indices), vocab] for the flat tokens that get sampled. Call it
+        inside the step's forward_context (ModelRunner does)."""
+        x = (self._compiled_stack or self.decoder_stack)(input_ids, positions)
         return self.lm_head(self.norm(x[logits_indices])).float()
 
     def decoder_stack(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -172,16 +172,15 @@ class LlamaForCausalLM(nn.Module):
     def compile_decoder(self) -> None:
         """Compiles `decoder_stack` with inductor, dynamic in the step's token count: norms, RoPE,
         SiLU, residual adds and casts fuse into a few kernels per layer; projections and attention
-        stay opaque ops. Compilation happens at the first calls (see runner.warm_up)."""
-        # no guards on the parameters (hundreds of id checks per call, ~1.5 ms here): they never
-        # change after loading. No size asserts either: the graph checks every input's and opaque
-        # op output's shape on each call (~580 checks, ~0.5 ms per step here); the ops' fake
-        # shapes are covered by tests/test_compile.py instead. The fused kernels run on the calling
-        # thread (cpp.threads 1): each is a few microseconds of work, and waking the OpenMP pool for
-        # it cost more (Zen 4, 2 threads: 16 vs 23 ms per step at batch 4, 28 vs 34-38 at 16).
-        # The parameters go unguarded, and dynamo keeps its graphs on the function's code object: a
-        # code object of its own per model, or a second model in this process would run the first's
-        # graph (its layer count and constants baked in).
+        stay opaque ops. Compilation happens at the first calls (see ModelRunner.warm_up)."""
+        # No guards on the parameters (hundreds of id checks per call): they never change after
+        # loading. No size asserts either: the graph would check every input's and opaque op
+        # output's shape on each call; the ops' fake shapes are covered by tests/test_compile.py
+        # instead. The fused kernels run on the calling thread (cpp.threads 1): each is a few
+        # microseconds of work, and waking the OpenMP pool for it costs more than it saves
+        # (docs/profile.md). The parameters go unguarded, and dynamo keeps its graphs on the
+        # function's code object: a code object of its own per model, or a second model in this
+        # process would run the first's graph (its layer count and constants baked in).
         f = type(self).decoder_stack
         own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         self._compiled_stack = torch.compile(

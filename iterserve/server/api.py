@@ -186,9 +186,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                          "tokens_stored": kv.tokens_stored, "internal_fragmentation": kv.internal_fragmentation},
             "busy_fraction": engine.busy_fraction(), "uptime_s": time.monotonic() - llm.start_time,
             "step": state.step_count, "num_preemptions_total": state.num_preemptions_total,
-            "config": {**asdict(cfg), "max_model_len": llm.max_model_len, "max_input_len": llm.max_input_len,
-                       "max_output_len": llm.max_output_len, "num_kv_blocks": llm.pool.num_blocks,
-                       "served_model_name": settings.served_model_name},
+            "config": {**asdict(cfg), **llm.resolved_config(), "served_model_name": settings.served_model_name},
             "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
         }
 

@@ -5,7 +5,7 @@ for HTTP work (parsing, tokenising, writing sockets). HTTP handlers hand new req
 the thread through a command list; the thread applies them between steps, so an abort takes effect
 within one step. Each step's outputs go back to the event loop in one `call_soon_threadsafe`, which
 puts them on per-request asyncio queues. When there is nothing to do the thread sleeps on a
-condition; under static batching it wakes at the partial batch's deadline.
+condition, until the scheduler's next deadline if it has one (a static batch's timeout).
 """
 from __future__ import annotations
 
@@ -232,7 +232,7 @@ class AsyncEngine:
             return None
         if self._progressed:
             return 0
-        deadline = getattr(self.engine.scheduler, "next_deadline", lambda: None)()
+        deadline = self.engine.next_deadline()
         if deadline is not None:
             return max(1e-4, deadline - time.monotonic())
         return NO_PROGRESS_POLL_S
@@ -265,17 +265,10 @@ class AsyncEngine:
 
     def _drain(self, outputs: list[RequestOutput]) -> None:
         self._draining = True
-        ids = list(self.engine.requests)
-        for rid in ids:
-            self.engine.abort_request(rid)
-        if ids:
-            log.info("aborted %d in-flight request(s) for shutdown", len(ids))
-        # static batching releases aborted members of a running batch only when the batch ends:
-        # step until every aborted request has handed back its final output
-        for _ in range(self.engine.max_model_len + 1):
-            if not self.engine.has_unfinished_requests():
-                break
-            outputs.extend(self.engine.step())
+        n = len(self.engine.requests)
+        outputs.extend(self.engine.abort_all())
+        if n:
+            log.info("aborted %d in-flight request(s) for shutdown", n)
 
     def _fail_all(self, message: str, outputs: list[RequestOutput]) -> None:
         for rid, stream in list(self._streams.items()):
@@ -341,8 +334,9 @@ def warm_up(engine: LLMEngine) -> None:
     while engine.has_unfinished_requests():
         before = engine.step_count
         engine.step()
-        if engine.step_count == before:  # static batching: the partial batch waits for its timeout
-            time.sleep(0.005)
+        if engine.step_count == before:  # nothing schedulable yet: sleep until the scheduler's deadline
+            deadline = engine.next_deadline()
+            time.sleep(NO_PROGRESS_POLL_S if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def _settle(fut: asyncio.Future, error: Exception | None) -> None:

@@ -1,6 +1,6 @@
 """`iterserve serve [MODEL]`: the OpenAI-compatible server.
 
-Flags are the engine's (cli.add_engine_args, named as vLLM names them) plus the server's own. A
+Flags are the engine's (engine_args.add_engine_args, named as vLLM names them) plus the server's own. A
 YAML file given with --config may set the same keys (with dashes or underscores); a flag given on
 the command line wins over the file, the file over the built-in default. SIGINT / SIGTERM stop
 accepting, abort what is in flight (clients get finish_reason "abort"), stop the engine thread and
@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Any
 
-from iterserve.cli import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
+from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 
 DEFAULT_MODEL = "smollm2-135m"
 GRACEFUL_SHUTDOWN_S = 10  # after aborting in-flight requests, how long connections may take to close

@@ -1,6 +1,6 @@
 """A Triton paged-attention decode kernel: one query token per sequence, K/V read in place.
 
-The torch path (`attention.decode_attention`) copies every sequence's blocks into a padded
+The torch path (`torch_attention.decode_attention`) copies every sequence's blocks into a padded
 [B, kv_heads, L, D] tensor before attending; on a GPU that copy costs as much as the attention
 itself. This kernel reads each key and value row straight from the paged cache through the block
 table, once, and keeps a running (online) softmax, so nothing of size B x L is ever materialised.
@@ -10,19 +10,20 @@ kv head (GQA) as the rows of one tile, so each K/V row is loaded once for all of
 BLOCK_N context tokens are gathered through the block table token by token, which makes the tile
 independent of the cache's block size (1 to 128 all work). Scores and the softmax run in float32.
 
-Triton is imported on first use only: this module imports on machines without it. With
+Triton is an optional dependency, imported when the kernel is first defined: this module imports
+on machines without it (`triton_available` says whether the backend can run). With
 TRITON_INTERPRET=1 set before the first call, the same kernel runs on CPU tensors (the tests).
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from iterserve.model.attention import DecodeMetadata
+from iterserve.attention.backend import AttentionBackend
+from iterserve.attention.metadata import DecodeMetadata
 
 BLOCK_N = 32  # context tokens per tile
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
@@ -79,13 +80,17 @@ def _kernel():
     return paged_decode_kernel
 
 
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _pow2_at_least(x: int, floor: int) -> int:
     return max(floor, 1 << (x - 1).bit_length())
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: "DecodeMetadata", scale: float) -> torch.Tensor:
-    """Same contract as `attention.decode_attention`: q [B, heads, D], one query per sequence at
+                            meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """Same contract as `torch_attention.decode_attention`: q [B, heads, D], one query per sequence at
     its last position (already written to the cache) -> [B, heads, D]."""
     B, H, D = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -103,3 +108,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_SIZE=block_size, TILE_N=BLOCK_N,
     )
     return out
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
+               scale: float) -> torch.Tensor:
+        return decode_attention_triton(q, k_cache, v_cache, meta, scale)

@@ -1,47 +1,38 @@
 """Faster CPU matmuls for the projections: bf16 weights laid out once at load for a GEMM kernel,
 and a quantised twin for steps of few tokens (4-bit for the decoder's projections, Q8_0 for the LM
-head).
+head). The CPU platform (platform/cpu.py) decides which of these a model gets; the figures behind
+each threshold are in docs/profile.md, with the commands that measured them
+(`benchmarks/kernel_options.py`).
 
-Measured on the 2-core machines of this project (Zen 4 and Intel AMX hosts):
-- A plain `F.linear` in bf16 lets oneDNN re-lay the weight out for its kernel on every call; with
-  the weight packed once at load (`mkldnn._reorder_linear_weight`, what inductor's freezing pass
-  does), the same GEMMs ran 1.3-1.8x faster at 4-64 rows, with bit-identical results. That is the
-  "onednn" layout, used where our own kernel is not vectorised.
-- Our bf16 GEMM (iterserve/csrc/cpu_kernels.cpp, the "tiled" layout, where AVX512-BF16 exists)
-  beats it at every decode size: the 120 projections at 16 rows in 5.9-6.2 vs 13.5-14.5 ms, at 8
-  rows 5.4 vs 13.2, within 3% at 512 (124 vs 120; Zen 4, `kernel_options.py linears`). At 16 rows
-  that is 34 GB/s of weights, about this machine's memory bandwidth. It runs on the kernels' work
-  pool, whose worker then stays awake between the calls of a step (oneDNN's OpenMP threads sleep
-  between calls under OMP_WAIT_POLICY=PASSIVE). Numbers: float32 accumulation and one rounding to
-  bf16, as oneDNN, but in another order, so not bit-identical to it.
-- A decode step of one or two sequences is bound by reading the weights (~270 MB per token in
-  bf16). torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, the one gpt-fast uses) reads a
-  quarter of that, but loses to bf16 past a few rows; so such a layer keeps both and picks per step
-  (`four_bit_max_tokens`).
-- Where AVX512-VNNI exists, our own Q4_1 kernel (iterserve/csrc/cpu_kernels.cpp) takes the
-  int4 twin's place: the 120 projections of one row in 3.1-3.5 vs 6.7 ms (torch int4) and 4.8-5.2
-  (our bf16); level with our bf16 at 4 rows (5.4 vs 5.5), slower at 8 (8.8 vs 5.5; Zen 4,
-  `kernel_options.py linears`).
-- The LM head (49152 x 576 here) is the largest single matrix of a small model's step. Its twin
-  is GGUF's Q8_0 (int8 with a float scale per 32 inputs; iterserve/csrc/cpu_kernels.cpp): 0.56 vs
-  1.21 ms at 1 row, 0.96 vs 1.2 (our bf16) at 4, slower from 8 (Zen 4, `kernel_options.py lm-head`).
+- Layouts. A plain `F.linear` in bf16 lets oneDNN re-lay the weight out for its kernel on every
+  call; packing it once at load (`mkldnn._reorder_linear_weight`, what inductor's freezing pass
+  does) gives bit-identical results without that cost: the "onednn" layout. Where AVX512-BF16
+  exists, our own bf16 GEMM (iterserve/csrc/cpu_kernels.cpp, the "tiled" layout) is faster still at
+  decode sizes; it runs on the kernels' work pool, whose worker stays awake between the calls of a
+  step. Numbers: float32 accumulation and one rounding to bf16, as oneDNN, but in another order, so
+  not bit-identical to it.
+- 4-bit twin. A decode step of one or two sequences is bound by reading the weights. torch's CPU
+  int4 kernel (`_weight_int4pack_mm_for_cpu`, the one gpt-fast uses) reads a quarter of the bf16
+  bytes, but loses to bf16 past a few rows; so such a layer keeps both and picks per step
+  (`four_bit_max_tokens`). Where AVX512-VNNI exists, our own Q4_1 kernel takes the int4 twin's place.
+- Q8_0 head. The LM head is the largest single matrix of a small model's step. Its twin is GGUF's
+  Q8_0 (int8 with a float scale per 32 inputs), used for steps that sample few rows.
 
 The 4-bit grid (`min_max_4bit`, shared by both 4-bit twins) is rebuilt from the float weights by
 min-max per group of 32 along the input dimension. For a checkpoint that was 4-bit already (GGUF
 Q4_0/Q4_1: the same groups), that recovers the checkpoint's own levels; the only new error is the
-rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is
-rebuilt the same way (absmax per 32 / 127): from a Q8_0 embedding (the GGUF's) it recovers the
-stored levels, and its logits stay as close to float32 as bf16's (max error 0.0155 vs 0.0166).
+rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebuilt the same way
+(absmax per 32 / 127): from a Q8_0 embedding (the GGUF's) it recovers the stored levels.
 """
 from __future__ import annotations
 
-import os
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from iterserve.cpu_info import cpu_flags
-from iterserve.model.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_kernels import load_cpu_kernels
 
 GROUP_SIZE = 32
 TWINS = ("int4", "q4_1", "q8_0")  # torch's int4 kernel; ours (cpu_kernels.cpp) for 4 and 8 bits
@@ -111,45 +102,47 @@ def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
 
 
 LAYOUTS = ("tiled", "onednn")  # our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight
+BF16_GEMM_CHOICES = ("auto", *LAYOUTS)
 
 
-def tiled_bf16_available() -> bool:
-    """Whether the projections take our bf16 GEMM: it built with AVX512-BF16 (else oneDNN's is
-    faster), and ITERSERVE_BF16_GEMM (read when a model's linears are laid out, at load) is `tiled`,
-    or `auto` (default) on a CPU without AMX: oneDNN runs bf16 on AMX tiles, and ours was measured
-    only against oneDNN's AVX-512 path (Zen 4), so AMX hosts keep oneDNN unless told otherwise."""
-    choice = os.environ.get("ITERSERVE_BF16_GEMM", "auto")
-    if choice not in ("auto", "tiled", "onednn"):
-        raise ValueError(f"ITERSERVE_BF16_GEMM={choice!r}: use auto, tiled or onednn")
-    if choice == "onednn" or (choice == "auto" and "amx_bf16" in cpu_flags()):
-        return False
-    kernels = load_cpu_kernels()
+def tiled_gemm_vectorised(kernels: ModuleType | None) -> bool:
+    """Whether our bf16 GEMM built with AVX512-BF16 (elsewhere oneDNN's is faster)."""
     return kernels is not None and kernels.bf16_gemm_is_vectorised()
 
 
-def bf16_linears_available() -> bool:
-    return tiled_bf16_available() or prepack_available()
+def bf16_gemm_layout(choice: str, kernels: ModuleType | None) -> str:
+    """The layout EngineConfig.bf16_gemm asks for on this CPU: `tiled` or `onednn` as given (tiled
+    only where our GEMM is vectorised), or `auto`: ours, except on a CPU with AMX, where oneDNN runs
+    bf16 on AMX tiles and ours was measured only against oneDNN's AVX-512 path, so AMX hosts keep
+    oneDNN unless told otherwise."""
+    if choice not in BF16_GEMM_CHOICES:
+        raise ValueError(f"bf16_gemm={choice!r}: use one of {', '.join(BF16_GEMM_CHOICES)}")
+    if choice == "onednn" or (choice == "auto" and "amx_bf16" in cpu_flags()):
+        return "onednn"
+    return "tiled" if tiled_gemm_vectorised(kernels) else "onednn"
 
 
-def four_bit_max_tokens() -> int:
-    """Rows up to which the 4-bit twin beats the bf16 weight: 4 against our tiled bf16 GEMM (5.4 vs
-    5.5 ms for the 120 projections at 4 rows, 8.8 vs 5.5 at 8), 8 against oneDNN's (8.9 vs 12.8 at 8
-    rows, 16.5 vs 14.4 at 16; Zen 4, `kernel_options.py linears`)."""
-    return 4 if tiled_bf16_available() else 8
+def bf16_linears_available(kernels: ModuleType | None) -> bool:
+    return tiled_gemm_vectorised(kernels) or prepack_available()
+
+
+def four_bit_max_tokens(layout: str) -> int:
+    """Rows up to which the 4-bit twin beats the bf16 weight: 4 against our tiled bf16 GEMM, 8
+    against oneDNN's (docs/profile.md)."""
+    return 4 if layout == "tiled" else 8
 
 
 class CpuLinear(nn.Module):
-    """A bf16 Linear with its weight laid out once for a fast kernel (`layout`: our tiled GEMM where
-    it is vectorised, else oneDNN's prepacked weight), and optionally a quantised twin (`twin`: one
-    of TWINS) used when the step has at most `twin_max_tokens` rows. Keeps no plain copy of a weight
-    it owns alone."""
+    """A bf16 Linear with its weight laid out once for a fast kernel (`layout`: our tiled GEMM, which
+    needs an even in_features and the CPU kernels, or oneDNN's prepacked weight), and optionally a
+    quantised twin (`twin`: one of TWINS) used when the step has at most `twin_max_tokens` rows.
+    Keeps no plain copy of a weight it owns alone."""
 
     def __init__(self, linear: nn.Linear, twin: str | None = None, twin_max_tokens: int = 0,
-                 keep_weight: bool = False, layout: str | None = None) -> None:
+                 keep_weight: bool = False, layout: str = "onednn") -> None:
         super().__init__()
         if twin not in (None, *TWINS):
             raise ValueError(f"twin must be one of {TWINS} or None, got {twin!r}")
-        layout = layout or ("tiled" if tiled_bf16_available() and linear.in_features % 2 == 0 else "onednn")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         w = linear.weight.detach()
@@ -207,34 +200,40 @@ def _cpu_linear_fake(x, packed_weight, layout, out_features, twin_weight, twin_s
     return x.new_empty(x.shape[0], out_features)
 
 
-def four_bit_twin(in_features: int) -> str | None:
+def four_bit_twin(in_features: int, kernels: ModuleType | None) -> str | None:
     """Our Q4 kernel where it is vectorised (AVX512-VNNI) and the shape fits, else torch's int4."""
-    kernels = load_cpu_kernels()
     if kernels is not None and kernels.q4_gemm_is_vectorised() and in_features % 64 == 0:
         return "q4_1"
     return "int4" if in_features % GROUP_SIZE == 0 else None
 
 
-def optimize_cpu_linears(model: nn.Module, int4_max_tokens: int = 0, q8_head_max_tokens: int = 0) -> int:
+def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_tokens: int = 0,
+                         q8_head_max_tokens: int = 0, kernels: ModuleType | None = None) -> int:
     """Swaps the decoder projections (4-bit twin if int4_max_tokens > 0) and the LM head (Q8_0 twin
     if q8_head_max_tokens > 0: 4 bits would round the logits; it keeps its weight, which it shares
-    with the embedding) for CpuLinear. The model must be bf16 on CPU. Returns the number changed."""
-    if not bf16_linears_available():
-        raise RuntimeError("this torch/CPU has no oneDNN bf16 support, and our bf16 kernel did not build")
+    with the embedding) for CpuLinear in `layout` (a linear with an odd in_features takes oneDNN's).
+    `kernels`: the loaded CPU kernels, or None. The model must be bf16 on CPU. Returns the number
+    changed."""
+    if layout == "tiled" and not tiled_gemm_vectorised(kernels):
+        raise RuntimeError("layout tiled needs iterserve's CPU kernels built with AVX512-BF16")
+    if layout == "onednn" and not prepack_available():
+        raise RuntimeError("this torch/CPU has no oneDNN bf16 support")
     if int4_max_tokens and not int4_kernel_available():
         raise RuntimeError("this torch has no CPU int4 kernel (_weight_int4pack_mm_for_cpu)")
-    if q8_head_max_tokens and load_cpu_kernels() is None:
+    if q8_head_max_tokens and kernels is None:
         raise RuntimeError("a Q8_0 LM head needs iterserve's CPU kernels, which did not build (see the log)")
     changed = 0
     for name, mod in list(model.named_modules()):
         if not (isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16
                 and mod.weight.device.type == "cpu"):
             continue
+        lay = layout if mod.in_features % 2 == 0 else "onednn"
         if name.startswith("layers."):
-            new = CpuLinear(mod, four_bit_twin(mod.in_features) if int4_max_tokens else None, int4_max_tokens)
+            twin = four_bit_twin(mod.in_features, kernels) if int4_max_tokens else None
+            new = CpuLinear(mod, twin, int4_max_tokens, layout=lay)
         elif name == "lm_head":
             fits = q8_head_max_tokens and mod.in_features % GROUP_SIZE == 0
-            new = CpuLinear(mod, "q8_0" if fits else None, q8_head_max_tokens, keep_weight=True)
+            new = CpuLinear(mod, "q8_0" if fits else None, q8_head_max_tokens, keep_weight=True, layout=lay)
         else:
             continue
         parent, _, attr = name.rpartition(".")

@@ -1,14 +1,14 @@
 """Builds and loads iterserve's C++ CPU kernels (`iterserve/csrc/cpu_kernels.cpp`).
 
 The build happens on first use, with gcc and ninja (a declared dependency), and is cached by torch
-(TORCH_EXTENSIONS_DIR, by default under ~/.cache): 20-30 s on 2 cores the first time, a fraction of
-a second after. It is compiled for the CPU it runs on (-march=native), so the cache key includes the
-CPU's feature flags, and the sources' contents (torch's own check does not cover headers).
-The engine loads it when its runner is built (model start-up), never at a first request.
+(TORCH_EXTENSIONS_DIR, by default under ~/.cache): the first build takes tens of seconds, later
+loads a fraction of a second. It is compiled for the CPU it runs on (-march=native), so the cache
+key includes the CPU's feature flags, and the sources' contents (torch's own check does not cover
+headers). The CPU platform loads it when the engine starts, never at a first request.
 
 Nothing depends on it being there: when the build fails (no compiler, an unusual platform),
 `load_cpu_kernels()` logs why once and returns None, and callers keep their torch path.
-ITERSERVE_CPU_KERNELS=0 turns the kernels off (to compare, or to step around a broken toolchain).
+EngineConfig.cpu_kernels=False (ITERSERVE_CPU_KERNELS=0) keeps the platform from loading it at all.
 """
 from __future__ import annotations
 
@@ -19,14 +19,10 @@ import os
 import platform
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
-import torch
+from torch.utils.cpp_extension import load
 
 from iterserve.cpu_info import cpu_flags_line
-
-if TYPE_CHECKING:
-    from iterserve.model.attention import DecodeMetadata
 
 log = logging.getLogger("iterserve.kernels")
 
@@ -56,29 +52,14 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
-def enabled() -> bool:
-    return os.environ.get("ITERSERVE_CPU_KERNELS", "1") != "0"
-
-
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None (disabled, or the build failed: logged once)."""
-    if not enabled():
-        log.info("CPU kernels off (ITERSERVE_CPU_KERNELS=0): decode attention uses torch")
-        return None
+    """The compiled module, or None when the build failed (logged once)."""
     try:
-        from torch.utils.cpp_extension import load
-
         _put_ninja_on_path()
-        log.info("loading CPU kernels (built on first use: 20-30 s once)")
+        log.info("loading CPU kernels (built on first use, which takes a while once)")
         return load(name=f"iterserve_cpu_{_build_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
     except Exception as exc:  # no compiler / ninja, or an unsupported platform: keep the torch path
         log.warning("CPU kernels unavailable, using the torch path instead: %s", str(exc).strip()[:500])
         return None
-
-def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: "DecodeMetadata", scale: float) -> torch.Tensor:
-    """`attention.decode_attention`'s contract, with the blocks read in place by the C++ kernel."""
-    kernels = load_cpu_kernels()
-    return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

@@ -1,0 +1,53 @@
+"""The interface every attention backend implements, and the portable torch backend.
+
+A backend computes one layer's paged attention for a step: it writes the step's new K/V into the
+cache, then attends each query to its own sequence's context. Backends differ only in how they run
+the decodes (one query per sequence, the part of a step that reads the whole cache); the prefill
+chunks always take the torch path (SDPA per sequence, already fused on CUDA), so `forward` lives
+here once and a backend overrides `decode` alone.
+
+The platform picks one backend when the engine starts (attention/selector.py); the runner hands it
+to every layer through the forward context. Nothing here knows which device it runs on.
+"""
+from __future__ import annotations
+
+import torch
+
+from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata
+from iterserve.attention.torch_attention import decode_attention, prefill_attention, write_kv
+
+
+class AttentionBackend:
+    """Base class: `forward` for a whole step, `decode` for the decodes (what subclasses supply).
+    `name` is what EngineConfig.decode_attention and the logs call the backend."""
+
+    name: str = ""
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
+               scale: float) -> torch.Tensor:
+        """q: [B, heads, D], one query per sequence at its last position (already written to the
+        cache) -> [B, heads, D]."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Writes this step's k, v [T, kv_heads, D] to the cache, then attends q [T, heads, D]."""
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        d = meta.num_decode_tokens
+        if meta.prefill is None:
+            return self.decode(q, k_cache, v_cache, meta.decode, scale)
+        pre = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill, scale)
+        if meta.decode is None:
+            return pre
+        return torch.cat([self.decode(q[:d], k_cache, v_cache, meta.decode, scale), pre])
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The portable path: gathers each sequence's blocks and runs one masked SDPA (any device)."""
+
+    name = "torch"
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
+               scale: float) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, meta, scale)

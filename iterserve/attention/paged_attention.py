@@ -1,0 +1,32 @@
+"""The one attention op the model calls: `paged_attention(q, k, v, layer, scale)`.
+
+It is a custom torch op (`torch.ops.iterserve.paged_attention`), opaque to torch.compile, that
+takes the step's metadata, caches and backend from the forward context (forward_context.py says
+why), so the compiled decoder never sees them. Importing this module registers the op.
+"""
+from __future__ import annotations
+
+import torch
+
+from iterserve.attention.forward_context import get_forward_context
+
+_lib = torch.library.Library("iterserve", "FRAGMENT")
+_lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+
+
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                        scale: float) -> torch.Tensor:
+    """q [T, heads, D], this step's k and v [T, kv_heads, D] -> [T, heads, D]."""
+    ctx = get_forward_context()
+    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta, scale)
+
+
+_lib.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("iterserve::paged_attention")
+def _paged_attention_fake(q, k, v, layer, scale):
+    return q.new_empty(q.shape)
+
+
+paged_attention = torch.ops.iterserve.paged_attention

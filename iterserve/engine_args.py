@@ -1,0 +1,120 @@
+"""The command-line surface that `iterserve generate` and `iterserve serve` share: the engine flags
+(declared once, named as vLLM names them, each one an EngineConfig field), the OpenMP wait policy
+that must be set before torch loads, and log set-up. Imports neither torch nor the engine, so that
+`--help` is fast and --omp-wait can still take effect.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import fields
+
+from iterserve.config import BF16_GEMM_CHOICES, DECODE_ATTENTION_CHOICES, EngineConfig
+
+# --omp-wait: the environment libgomp reads when torch loads (so it is applied before any torch import)
+OMP_WAIT = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+            "spin": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "200000"}}
+
+
+def apply_omp_wait(choice: str) -> None:
+    """passive only fills what the environment leaves unset (an exported OMP_WAIT_POLICY wins);
+    spin is an explicit request and overrides it."""
+    choice = getattr(choice, "value", choice)  # `serve` wraps defaults it lets a --config file replace
+    if "torch" in sys.modules:  # too late: main() in a process that loaded torch (tests), or a --config file
+        applied = all(os.environ.get(k) == v for k, v in OMP_WAIT[choice].items())
+        if choice != "passive" and not applied:
+            logging.getLogger("iterserve").warning("--omp-wait %s ignored: torch was loaded before it", choice)
+        return
+    for key, value in OMP_WAIT[choice].items():
+        if choice == "passive":
+            os.environ.setdefault(key, value)
+        else:
+            os.environ[key] = value
+
+
+ENGINE_ENV_HELP = (
+    "Environment: ITERSERVE_CPU_KERNELS=0, ITERSERVE_BF16_GEMM and ITERSERVE_DECODE_ATTENTION set the "
+    "defaults of --no-cpu-kernels, --bf16-gemm and --decode-attention (a flag given wins).")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = f"{p.epilog} {ENGINE_ENV_HELP}" if p.epilog else ENGINE_ENV_HELP
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA and on CPUs with native bf16: AVX512-BF16 or AMX; float32 on other CPUs), float32, bfloat16, float16")
+    g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
+    g.add_argument("--quantization", choices=["auto", "none", "int4"], default=d.quantization,
+                   help="int4: keep a 4-bit copy of each projection for steps of <= 4 tokens (8 where iterserve's bf16 "
+                        "GEMM is not vectorised) and a Q8_0 copy of the LM head for <= 4 sampled rows (CPU bf16): "
+                        "decoding few sequences is bound by reading weights, and these read a quarter / half of the "
+                        "bytes. auto (default): only when the checkpoint is a 4-bit GGUF already, so no new "
+                        "rounding; none: bf16/float32 weights only")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers: inductor fuses norms, RoPE, activations and adds, so "
+                        "steps are faster, after a compilation at startup that takes about a minute on a small "
+                        "CPU (less when inductor's on-disk cache has the graphs)")
+    g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=d.cpu_kernels,
+                   help="use iterserve's C++ CPU kernels (decode attention, bf16 / 4-bit / Q8_0 GEMMs; built on "
+                        "first use); --no-cpu-kernels keeps to the torch and oneDNN paths, to compare or to step "
+                        "around a broken compiler (default: on unless ITERSERVE_CPU_KERNELS=0)")
+    g.add_argument("--bf16-gemm", choices=list(BF16_GEMM_CHOICES), default=d.bf16_gemm,
+                   help="the GEMM of the CPU bf16 projections: tiled (ours, where AVX512-BF16 exists), onednn, or "
+                        "auto: ours unless the CPU has AMX, where oneDNN's runs on AMX tiles "
+                        "(default: $ITERSERVE_BF16_GEMM, else auto)")
+    g.add_argument("--decode-attention", choices=list(DECODE_ATTENTION_CHOICES), default=d.decode_attention,
+                   help="decode attention backend: torch (portable), cpu (the C++ kernel), triton (CUDA), or auto: "
+                        "the device's kernel when it is there, else torch (default: $ITERSERVE_DECODE_ATTENTION, "
+                        "else auto)")
+    g.add_argument("--batching", choices=["continuous", "static"], default=d.batching,
+                   help="continuous: iteration-level scheduling (default); static: fill-or-timeout batches "
+                        "that run to their slowest member, for comparison")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most sequences in one step (continuous batching); default 16, as in docs/seed-case.md")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+                   help="fcfs: first come first served; priority: lower 'priority' value first, arrival breaks ties")
+    g.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="static batching: batch size (default 8)")
+    g.add_argument("--batch-timeout", dest="batch_timeout_ms", type=float, default=d.batch_timeout_ms,
+                   help="static batching: ms the oldest request waits before a partial batch starts")
+    g.add_argument("--block-size", type=int, default=d.block_size, choices=[1, 8, 16, 32, 64, 128],
+                   help="tokens per KV cache block (default 16)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="number of KV blocks; overrides the memory budget")
+    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="CPU memory for KV blocks, e.g. 512MiB, 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="CUDA: share of GPU memory for weights, activations and KV blocks (default 0.9)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: min(model, 4096))")
+    g.add_argument("--max-input-len", type=int, default=None, help="reject prompts longer than this many tokens")
+    g.add_argument("--max-output-len", type=int, default=None, help="reject max_tokens above this")
+    g.add_argument("--log-scheduler", action="store_true",
+                   help="log one line per engine step: batch size, tokens, KV blocks, finished/preempted requests")
+    g.add_argument("--threads", dest="num_threads", type=int, default=None, help="torch math threads on CPU")
+    g.add_argument("--omp-wait", choices=sorted(OMP_WAIT), default="passive",
+                   help="how idle OpenMP math threads wait between ops. passive (default): they sleep at "
+                        "once, safe when other processes share the cores. spin: they spin briefly first "
+                        "(OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=200000): faster steps on otherwise idle "
+                        "cores, much slower ones when another process keeps a core busy")
+    g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw.update(overrides)
+    return EngineConfig(**kw)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "filelock", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "filelock", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,58 @@
+"""What the engine asks of the machine it runs on: a device and dtype, an attention backend, the
+model's weights laid out for that machine, and how many KV blocks fit.
+
+One subclass per device kind (platform/cpu.py, platform/cuda.py); platform/selector.py picks one.
+Everything CPU- or CUDA-specific lives behind this interface, so the engine and the runner never
+ask which device they drive.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from iterserve.attention.backend import AttentionBackend
+from iterserve.config import EngineConfig, ModelConfig
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
+    return DTYPES[name]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers: keys and values, block_size tokens each."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class Platform:
+    """A device, its dtype and attention backend, decided once from the EngineConfig."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 attention: AttentionBackend) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.attention = attention
+
+    def prepare_model(self, model: nn.Module, source: Any) -> None:
+        """Lays the loaded weights out for this machine (`source`: the loader's ModelSource)."""
+
+    def num_kv_blocks(self, model_config: ModelConfig, profile_run: Callable[[], None]) -> int:
+        """How many KV blocks of config.block_size the cache gets. `profile_run` runs one forward
+        pass at the step's token budget (for platforms that measure their memory)."""
+        raise NotImplementedError
+
+    def resolved(self) -> dict[str, Any]:
+        """The switches as this platform resolved them ("auto" replaced by what it chose), for
+        /v1/scheduler's config and the benchmarks' JSON."""
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "decode_attention": self.attention.name}
