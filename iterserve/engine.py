@@ -23,7 +23,7 @@ from iterserve.config import EngineConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
-from iterserve.model.loader import load_model
+from iterserve.model.loader import load_model, resolve_model
 from iterserve.platform.base import kv_bytes_per_block
 from iterserve.platform.selector import get_platform
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
@@ -72,6 +72,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
         if loaded is None:
+            resolve_model(config.model)  # a wrong model fails now, before the platform builds kernels
             self.platform = get_platform(config)
             model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device))
             self.platform.prepare_model(model, src)
