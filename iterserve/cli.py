@@ -1,4 +1,4 @@
-"""`iterserve` command line: generate, serve, bench, compare, probe, tune.
+"""`iterserve` command line: generate, serve, bench, compare, probe, tune, profile, simulate, plan.
 
 Sub-commands live next to what they drive (each module has `add_parser(subparsers)`); this file
 wires them up and holds `generate`. The engine flags that `generate` and `serve` share are declared
@@ -14,8 +14,9 @@ import sys
 from iterserve.bench import cli_bench, compare, probe, tune
 from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 from iterserve.server import cli_serve
+from iterserve.sim import cli_sim
 
-SUBCOMMANDS = [cli_serve, cli_bench, compare, probe, tune]
+SUBCOMMANDS = [cli_serve, cli_bench, compare, probe, tune, cli_sim]
 
 
 # ---- generate ------------------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""An analytic (roofline) profile for hardware not at hand: published peaks plus the model's shape.
+
+It is an estimate: real steps reach only part of the peak FLOP/s and bandwidth, and the efficiency
+and per-step overhead used here are assumptions saved in the profile, not measurements. Use it for
+the shape of an answer (which batching wins, roughly how many GPUs), and a measured profile
+(`iterserve profile MODEL` on the machine itself) for numbers to rely on.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from iterserve.config import ModelConfig
+from iterserve.sim.profile import Profile, git_commit, now_iso
+from iterserve.sim.step_model import RooflineStepModel
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    bf16_flops: float  # dense tensor-core peak, FLOP/s (the vendor's datasheet)
+    bandwidth: float  # HBM/GDDR bytes/s (datasheet)
+    memory_bytes: float  # what the driver reports as usable, roughly
+
+
+GIB = 2**30
+GPUS = {g.name: g for g in (
+    GpuSpec("a100-40gb", 312e12, 1555e9, 39.4 * GIB),
+    GpuSpec("a100-80gb", 312e12, 2039e9, 79.2 * GIB),
+    GpuSpec("h100-80gb", 989e12, 3350e9, 79.1 * GIB),
+    GpuSpec("h200", 989e12, 4800e9, 139.8 * GIB),
+    GpuSpec("l4", 121e12, 300e9, 22.0 * GIB),
+)}
+
+# config.json fields of well-known checkpoints (their published configurations)
+MODEL_SHAPES = {
+    "llama-2-7b": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096},
+    "llama-2-13b": {"vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                    "num_attention_heads": 40, "num_key_value_heads": 40, "max_position_embeddings": 4096},
+    "llama-3-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192},
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+                     "tie_word_embeddings": True},
+}
+ACTIVATION_RESERVE_BYTES = 1 * GIB  # peak activations of a 2048-token step, roughly (vLLM profiles it)
+
+
+def model_shape(name_or_path: str) -> tuple[str, ModelConfig]:
+    """A known shape by name, or a Hugging Face config.json (or a folder holding one)."""
+    if name_or_path in MODEL_SHAPES:
+        return name_or_path, ModelConfig.from_hf_dict(MODEL_SHAPES[name_or_path])
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model shape {name_or_path!r}: one of {', '.join(MODEL_SHAPES)}, "
+                         "or a config.json")
+    return path.parent.name, ModelConfig.from_hf_dict(json.loads(path.read_text()))
+
+
+def param_counts(m: ModelConfig) -> tuple[int, int]:
+    """(non-embedding parameters, all parameters) of a Llama-family decoder."""
+    q = m.hidden_size * m.num_heads * m.head_dim
+    kv = 2 * m.hidden_size * m.num_kv_heads * m.head_dim
+    o = m.num_heads * m.head_dim * m.hidden_size
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    layers = m.num_layers * (q + kv + o + mlp)
+    embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    return layers, layers + embed
+
+
+def analytic_profile(gpu: str, shape: str, bytes_per_param: int = 2, gpu_memory_utilization: float = 0.9,
+                     flops_efficiency: float = 0.5, bandwidth_efficiency: float = 0.7,
+                     overhead_s: float = 0.002) -> Profile:
+    if gpu not in GPUS:
+        raise ValueError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS)}")
+    spec = GPUS[gpu]
+    name, m = model_shape(shape)
+    body, total = param_counts(m)
+    weight_bytes = total * bytes_per_param
+    kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * bytes_per_param
+    kv_memory = int(spec.memory_bytes * gpu_memory_utilization - weight_bytes - ACTIVATION_RESERVE_BYTES)
+    if kv_memory < kv_per_token * 16:
+        raise ValueError(f"{name} ({weight_bytes / GIB:.1f} GiB of weights) leaves no KV cache on {gpu}")
+    step = RooflineStepModel(
+        peak_flops=spec.bf16_flops, bandwidth=spec.bandwidth, weight_bytes=float(weight_bytes),
+        params_per_token=2.0 * body, head_flops_per_seq=2.0 * m.vocab_size * m.hidden_size,
+        attn_flops_per_kv=4.0 * m.num_layers * m.num_heads * m.head_dim, kv_bytes_per_token=float(kv_per_token),
+        flops_efficiency=flops_efficiency, bandwidth_efficiency=bandwidth_efficiency, overhead_s=overhead_s,
+        source={"gpu": asdict(spec), "params": total, "non_embedding_params": body})
+    return Profile(
+        kind="analytic", model=name, dtype="bfloat16" if bytes_per_param == 2 else f"{bytes_per_param}-byte",
+        step_model=step, kv_bytes_per_token=kv_per_token,
+        max_model_len=min(m.max_position_embeddings, 4096), kv_memory_bytes=kv_memory, estimate=True,
+        model_shape=asdict(m), engine_flags={"gpu_memory_utilization": gpu_memory_utilization},
+        machine={"gpu": gpu, "peak_bf16_flops": spec.bf16_flops, "bandwidth_bytes_s": spec.bandwidth,
+                 "memory_bytes": spec.memory_bytes},
+        commit=git_commit(), created=now_iso(),
+        note=(f"ESTIMATE: roofline from {gpu}'s published peaks at {flops_efficiency:.0%} of its FLOP/s and "
+              f"{bandwidth_efficiency:.0%} of its bandwidth, plus {overhead_s * 1e3:g} ms per step; "
+              "assumptions, not measurements"))

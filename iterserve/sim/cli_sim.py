@@ -1,0 +1,278 @@
+"""`iterserve profile`, `iterserve simulate`, `iterserve plan`: capacity answers in seconds.
+
+profile  times real engine steps on this machine (or builds a labelled roofline estimate for a GPU
+         not at hand) and saves a step-time model as JSON.
+simulate replays a workload or trace through the engine's real scheduler and block pool, with the
+         forward pass replaced by the profile's step model; writes `bench serve`'s result JSON.
+plan     finds the fewest replicas (and their max-num-seqs) that meet SLOs at a given rate.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from iterserve.bench.client import ClientError, parse_slo, print_table
+from iterserve.bench.compare import write_report
+from iterserve.bench.report import MODES, ModeRun
+from iterserve.bench.tune import slo_met
+from iterserve.bench.workload import (WorkloadError, add_workload_args, describe_workload, one_line,
+                                      workload_from_args)
+from iterserve.config import EngineConfig
+from iterserve.engine_args import add_engine_args, engine_config_from_args
+from iterserve.sim.analytic import GPUS, MODEL_SHAPES, analytic_profile
+from iterserve.sim.profile import Profile
+from iterserve.sim.router import ROUTERS
+
+if TYPE_CHECKING:
+    from iterserve.sim.simulator import SimRun
+
+RECORDS_LIMIT = 200_000  # above this many requests, results keep no per-step or per-token detail
+
+
+# ---------------------------------------------------------------- profile
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.analytic:
+        if args.gpu is None:
+            raise ValueError("--analytic needs --gpu (one of " + ", ".join(GPUS) + ")")
+        prof = analytic_profile(args.gpu, args.model_shape or args.model or "llama-2-7b",
+                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                flops_efficiency=args.flops_efficiency,
+                                bandwidth_efficiency=args.bandwidth_efficiency,
+                                overhead_s=args.overhead_ms / 1e3)
+    else:
+        from iterserve.sim.measure import ProfileGrid, measure_profile  # loads torch and the model
+
+        grid = ProfileGrid()
+        if args.quick:
+            grid = ProfileGrid(decode_batches=[1, 4, 16], context_lens=[128, 512], prefill_chunks=[32, 256],
+                               mixed_decode=[4], mixed_chunks=[64])
+        config = engine_config_from_args(args, model=args.model or "smollm2-135m")
+        prof = measure_profile(config, grid, args.repeats, progress=not args.no_progress)
+    prof.save(args.out)
+    print(prof.describe())
+    if prof.fit:
+        print(f"fit over {prof.fit['points']} steps: mean |error| {prof.fit['mean_abs_rel_err']:.1%}, "
+              f"max {prof.fit['max_abs_rel_err']:.1%}")
+    if prof.note:
+        print(prof.note)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_profile_parser(sub: Any) -> None:
+    p = sub.add_parser("profile", help="measure (or estimate) step times and fit a step-time model for simulate",
+                       description="Times real engine steps over a grid of decode batch sizes, KV context "
+                                   "lengths, prefill chunk sizes and mixed steps, and fits t = c0 + c_seq*seqs + "
+                                   "c_tok*tokens + c_pre*prefill_tokens + c_dkv*decode_kv + c_pkv*prefill_kv "
+                                   "(non-negative least squares on relative error). --analytic instead builds "
+                                   "a roofline estimate from a GPU's published peaks and the model's shape.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model to time (a .gguf, a Hugging Face folder, or smollm2-135m, the default); "
+                        "with --analytic, a known shape name")
+    p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per step shape; the median is kept")
+    p.add_argument("--quick", action="store_true", help="a small grid (a smoke test, not a calibration)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.add_argument_group("analytic (an estimate for hardware not at hand)")
+    a.add_argument("--analytic", action="store_true", help="roofline estimate instead of measuring")
+    a.add_argument("--gpu", choices=sorted(GPUS), help="the GPU's published peaks")
+    a.add_argument("--model-shape", help=f"{', '.join(MODEL_SHAPES)}, or a config.json")
+    a.add_argument("--flops-efficiency", type=float, default=0.5, help="share of peak FLOP/s reached (default 0.5)")
+    a.add_argument("--bandwidth-efficiency", type=float, default=0.7,
+                   help="share of peak memory bandwidth reached (default 0.7)")
+    a.add_argument("--overhead-ms", type=float, default=2.0, help="fixed cost per step (default 2 ms)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_profile)
+
+
+# ---------------------------------------------------------------- simulate
+
+def sim_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    return engine_config_from_args(args, model=getattr(args, "model", None) or "simulated", **overrides)
+
+
+def run_sim(args: argparse.Namespace, profile: Profile, specs: list, config: EngineConfig,
+            replicas: int | None = None, slos: list | None = None) -> SimRun:
+    from iterserve.sim.simulator import simulate  # loads torch (through Request): not at --help time
+
+    big = len(specs) > RECORDS_LIMIT
+    run = simulate(specs, config, profile, replicas or args.replicas, args.router, keep_steps=not big,
+                   keep_itl=not big, slos=slos or [])
+    run.result.meta.update(workload=describe_workload(args), engine=config.__dict__, profile=profile.describe(),
+                           estimate=profile.estimate)
+    return run
+
+
+def _speed_line(run: SimRun) -> str:
+    s = run.stats
+    return (f"simulate: {s['requests']} requests, {s['steps']} steps, {s['simulated_s']:.1f} s simulated in "
+            f"{s['wall_s']:.2f} s wall ({s['speedup']:.0f}x real time, {s['requests_per_wall_s']:.0f} req/s, "
+            f"{s['steps'] / max(s['wall_s'], 1e-9):.0f} steps/s); busy "
+            + ", ".join(f"{b:.0%}" for b in s["busy_fraction"][:8])
+            + (" ..." if len(s["busy_fraction"]) > 8 else ""))
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        profile = Profile.load(args.profile)
+        slos = [parse_slo(t) for t in args.slo]
+        specs = workload_from_args(args)
+        if args.compare_out:
+            runs = {}
+            for mode in MODES:
+                cfg = sim_config(args, batching=mode)
+                run = run_sim(args, profile, specs, cfg, slos=slos)
+                print(_speed_line(run), file=sys.stderr)
+                runs[mode] = ModeRun(mode, run.result.to_dict(), run.timelines[0], [f"--batching {mode}"])
+            meta = {"simulated": True, "profile": profile.describe(), "estimate": profile.estimate,
+                    "workload": describe_workload(args)}
+            print(write_report(runs, Path(args.compare_out), 2.0, meta))
+            return 0
+        run = run_sim(args, profile, specs, sim_config(args), slos=slos)
+    except (WorkloadError, ClientError) as e:
+        raise ValueError(one_line(e)) from None
+    result = run.result
+    result.base_url = f"simulated ({profile.describe()})"
+    print_table(result)
+    print(_speed_line(run), file=sys.stderr)
+    if args.result_json:
+        path = Path(args.result_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = result.to_dict()
+        if args.steps:
+            data["timelines"] = [t.to_dict() for t in run.timelines]
+        path.write_text(json.dumps(data, indent=1))
+    return 0 if result.completed else 1
+
+
+def _sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, metavar="P.json", help="a step profile from `iterserve profile`")
+    p.add_argument("--replicas", type=int, default=1, help="independent engines behind the router (default 1)")
+    p.add_argument("--router", choices=sorted(ROUTERS), default="round-robin",
+                   help="how arrivals are spread over replicas (default round-robin)")
+    p.add_argument("--slo", action="extend", nargs="+", default=[], metavar="SPEC",
+                   help="e.g. ttft=500ms e2e_p95=2s; goodput counts requests meeting all")
+    add_engine_args(p)
+    add_workload_args(p)
+
+
+def add_simulate_parser(sub: Any) -> None:
+    p = sub.add_parser("simulate", conflict_handler="resolve",
+                       help="replay a workload through the real scheduler with a fitted step-time model",
+                       description="Discrete-event simulation of the engine: the real Scheduler / "
+                                   "StaticScheduler and BlockPool decide every step; the profile's step model "
+                                   "says how long it takes. Same workload and engine flags as bench and serve; "
+                                   "--result-json writes bench serve's JSON, --compare-out compare's report.")
+    _sim_args(p)
+    p.add_argument("--result-json", metavar="PATH", help="write bench serve's summary and every request here")
+    p.add_argument("--steps", action="store_true", help="with --result-json: add each replica's step records")
+    p.add_argument("--compare-out", metavar="DIR",
+                   help="simulate static and continuous batching and write compare's table, JSON and plots")
+    p.set_defaults(func=cmd_simulate)
+
+
+# ---------------------------------------------------------------- plan
+
+def rate_specs(args: argparse.Namespace, rate: float) -> list:
+    """The workload offered at `rate` req/s on average (a trace is time-scaled to it)."""
+    ns = copy.copy(args)
+    if (ns.workload or ("trace" if ns.trace else "poisson")) == "trace":
+        ns.time_scale = 1.0
+        base = workload_from_args(ns)
+        span = max(s.arrival_s for s in base)
+        natural = (len(base) - 1) / span if span > 0 else rate
+        ns.time_scale = natural / rate
+    else:
+        ns.rate = rate
+    return workload_from_args(ns)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        profile = Profile.load(args.profile)
+        slos = [parse_slo(t) for t in (args.slo or ["e2e_p95=2s"])]
+        target = args.target_rate * (1.0 + args.margin)
+        specs = rate_specs(args, target)
+    except (WorkloadError, ClientError) as e:
+        raise ValueError(one_line(e)) from None
+    rows = []
+    print(f"plan: {len(specs)} requests at {target:.3g} req/s ({args.target_rate:g} + {args.margin:.0%} margin), "
+          f"SLO {' '.join(s.text for s in slos)}; {profile.describe()}", file=sys.stderr)
+    for seqs in args.seqs_grid:
+        cfg = sim_config(args, max_num_seqs=seqs)
+        ok = lambda n: slo_met(run_sim(args, profile, specs, cfg, n, slos).result)  # noqa: E731
+        lo, hi = 0, 1
+        while not ok(hi):  # doubling, then bisection: O(log N) simulations
+            lo, hi = hi, hi * 2
+            if hi > args.max_replicas:
+                hi = None
+                break
+        if hi is not None:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        rows.append((seqs, hi))
+        print(f"plan: max-num-seqs {seqs}: " + (f"{hi} replicas" if hi else f"> {args.max_replicas} replicas"),
+              file=sys.stderr)
+    feasible = [(n, seqs) for seqs, n in rows if n]
+    if not feasible:
+        print(f"no configuration met the SLO with up to {args.max_replicas} replicas")
+        return 1
+    n, seqs = min(feasible)
+    best = run_sim(args, profile, specs, sim_config(args, max_num_seqs=seqs), n, slos)
+    at_rate = run_sim(args, profile, rate_specs(args, args.target_rate), sim_config(args, max_num_seqs=seqs), n, slos)
+    print(f"| max-num-seqs | replicas needed at {target:.3g} req/s |\n|---:|---:|")
+    for seqs_i, n_i in rows:
+        print(f"| {seqs_i} | {n_i if n_i else '> ' + str(args.max_replicas)} |")
+    print(f"\nplan: {n} replicas x max-num-seqs {seqs} ({args.router}) meet "
+          f"{' '.join(s.text for s in slos)} at {target:.3g} req/s ({args.margin:.0%} above the target "
+          f"{args.target_rate:g} req/s).")
+    for label, run in (("at target + margin", best), ("at the target", at_rate)):
+        s = run.result.summary()
+        slo_text = "; ".join(f"{r['slo']} run value {r.get('run_value_ms') or 0:.0f} ms"
+                             if "run_value_ms" in r else f"{r['slo']} met by {r['requests_met']}/{s['completed']}"
+                             for r in s["slos"])
+        print(f"  {label}: e2e p95 {s['e2e_ms']['p95'] or 0:.0f} ms, TTFT p95 {s['ttft_ms']['p95'] or 0:.0f} ms, "
+              f"busy {sum(run.stats['busy_fraction']) / n:.0%} per replica; {slo_text}")
+    if n > 1:
+        fewer = run_sim(args, profile, specs, sim_config(args, max_num_seqs=seqs), n - 1, slos).result.summary()
+        print(f"  with {n - 1} replicas: e2e p95 {fewer['e2e_ms']['p95'] or 0:.0f} ms (SLO missed)")
+    if profile.estimate:
+        print(f"  note: {profile.note}")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", conflict_handler="resolve",
+                       help="fewest replicas (and their max-num-seqs) meeting SLOs at a rate, by simulation",
+                       description="For each max-num-seqs, finds by simulation the fewest replicas behind the "
+                                   "router that meet every SLO with the workload (or trace, time-scaled) offered "
+                                   "at --target-rate x (1 + --margin).")
+    _sim_args(p)
+    p.add_argument("--target-rate", type=float, required=True, metavar="R", help="requests/s to plan for")
+    p.add_argument("--margin", type=float, default=0.2, help="plan for this much more traffic (default 0.2)")
+    p.add_argument("--seqs-grid", type=_int_list, default=[8, 16, 32, 64], metavar="N,N,...",
+                   help="max-num-seqs values to try (default 8,16,32,64)")
+    p.add_argument("--max-replicas", type=int, default=256, help="give up above this many (default 256)")
+    p.set_defaults(func=cmd_plan, router="least-loaded")
+
+
+def add_parser(sub: Any) -> None:
+    add_profile_parser(sub)
+    add_simulate_parser(sub)
+    add_plan_parser(sub)

@@ -1,0 +1,127 @@
+"""`iterserve profile MODEL`: time real engine steps over a grid of shapes and fit a step model.
+
+Each grid point is one step laid out by hand: some decode rows at a KV context length, and/or one
+prefill chunk (from position 0, or after a context for a later chunk). The engine's own
+`ModelRunner.execute` runs it (attention over the paged cache, the LM head and sampling: what the
+engine times as a step), once to warm up and then `repeats` times; the median is kept. The KV cache
+holds whatever the slots held before: step time does not depend on the values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from iterserve.config import EngineConfig
+from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from iterserve.engine import LLMEngine
+from iterserve.request import Request
+from iterserve.sampling import SamplingParams
+from iterserve.sim.profile import Profile, cpu_machine, git_commit, now_iso
+from iterserve.sim.step_model import LinearStepModel, StepFeatures, step_features
+
+
+@dataclass
+class ProfileGrid:
+    """The step shapes to time. Mixed steps put `mixed_decode` decode rows next to a prefill chunk."""
+
+    decode_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    context_lens: list[int] = field(default_factory=lambda: [128, 512, 1024])
+    prefill_chunks: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])
+    chunk_context: int = 512  # a later chunk of a long prompt: this many tokens already computed
+    mixed_decode: list[int] = field(default_factory=lambda: [4, 15])
+    mixed_chunks: list[int] = field(default_factory=lambda: [64, 512])
+
+    def shapes(self, max_tokens: int, max_len: int) -> list[list[tuple[int, int]]]:
+        """Each step as its rows: (tokens already computed, tokens computed now)."""
+        out: list[list[tuple[int, int]]] = []
+        for ctx in self.context_lens:
+            for b in self.decode_batches:
+                if ctx < max_len and b <= max_tokens:
+                    out.append([(ctx, 1)] * b)
+        for chunk in self.prefill_chunks:
+            if chunk <= min(max_tokens, max_len):
+                out.append([(0, chunk)])
+        later = min(self.prefill_chunks[-1], max_tokens)
+        if self.chunk_context + later <= max_len:
+            out.append([(self.chunk_context, later)])
+        for b in self.mixed_decode:
+            for chunk in self.mixed_chunks:
+                if b + chunk <= max_tokens and chunk < max_len:
+                    out.append([(256, 1)] * b + [(0, chunk)])
+        return out
+
+
+def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], repeats: int, rng: np.random.Generator
+               ) -> tuple[StepFeatures, float] | None:
+    pool, vocab = engine.pool, engine.model_config.vocab_size
+    reqs = []
+    for i, (done, n) in enumerate(rows):
+        ids = rng.integers(0, vocab, done + n).tolist()
+        req = Request(f"profile-{i}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+        req.num_computed_tokens = done
+        reqs.append(req)
+    try:
+        if not all(pool.allocate(r.request_id, r.num_tokens) for r in reqs):
+            return None  # does not fit this cache: skipped
+        sched = SchedulerOutput([ScheduledRequest(r, n, done, pool.tables[r.request_id], r.token_slice(done, n),
+                                                  sample=True) for r, (done, n) in zip(reqs, rows)])
+        engine.runner.execute(sched)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.runner.execute(sched)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return step_features(sched), statistics.median(times)
+    finally:
+        for r in reqs:
+            pool.free(r.request_id)
+
+
+def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repeats: int = 3,
+                    progress: bool = True, seed: int = 0) -> Profile:
+    grid = grid or ProfileGrid()
+    engine = LLMEngine(config)
+    rng = np.random.default_rng(seed)
+    shapes = grid.shapes(config.max_num_batched_tokens, engine.max_model_len)
+    feats: list[StepFeatures] = []
+    secs: list[float] = []
+    t_start = time.perf_counter()
+    for k, rows in enumerate(shapes):
+        got = _time_step(engine, rows, repeats, rng)
+        if got is None:
+            continue
+        feats.append(got[0])
+        secs.append(got[1])
+        if progress:
+            f = got[0]
+            print(f"profile: [{k + 1}/{len(shapes)}] seqs {f.seqs:3d} tokens {f.tokens:5d} (prefill "
+                  f"{f.prefill_tokens:5d}) decode kv {f.decode_kv:6d}: {got[1] * 1e3:8.1f} ms", file=sys.stderr)
+    model = LinearStepModel.fit(feats, secs)
+    pred = np.array([model.predict(f) for f in feats])
+    rel = np.abs(pred - np.array(secs)) / np.array(secs)
+    mcfg = engine.model_config
+    per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * engine.dtype.itemsize
+    machine = {**cpu_machine(), "device": str(engine.device), "torch_threads": torch.get_num_threads(),
+               "torch": torch.__version__}
+    if engine.device.type == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(engine.device)
+    return Profile(
+        kind="measured", model=config.model, dtype=str(engine.dtype).removeprefix("torch."), step_model=model,
+        kv_bytes_per_token=int(per_token), max_model_len=engine.max_model_len,
+        kv_memory_bytes=engine.pool.num_blocks * config.block_size * int(per_token)
+        if engine.device.type == "cuda" else None,
+        model_shape=dataclasses.asdict(mcfg), engine_flags=dataclasses.asdict(config), machine=machine,
+        commit=git_commit(), created=now_iso(),
+        fit={"points": len(secs), "repeats": repeats, "mean_abs_rel_err": float(rel.mean()),
+             "max_abs_rel_err": float(rel.max()), "profiling_s": time.perf_counter() - t_start},
+        samples=[{**dataclasses.asdict(f), "seconds": s} for f, s in zip(feats, secs)],
+        note="measured: median of repeated ModelRunner.execute calls per step shape, fitted by "
+             "non-negative least squares on relative error")

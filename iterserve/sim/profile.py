@@ -1,0 +1,121 @@
+"""A step-time profile: the fitted (or analytic) step model plus what it was measured on.
+
+Saved as JSON so that `simulate`, `tune --simulate` and `plan` can run anywhere from it. The
+machine, model, dtype, engine flags and commit are kept with it, because a step model is only true
+for that combination; an analytic profile says `"estimate": true` and which assumptions it made.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from iterserve.config import EngineConfig, parse_size
+from iterserve.cpu_info import cpu_flags
+from iterserve.sim.step_model import StepTimeModel, model_from_dict
+
+FORMAT = "iterserve-step-profile/1"
+# the flags that decide which CPU kernels a step runs (so two machines' profiles can be told apart)
+RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+@dataclass
+class Profile:
+    kind: str  # "measured" or "analytic"
+    model: str
+    dtype: str
+    step_model: StepTimeModel
+    kv_bytes_per_token: int  # K and V of every layer, for one token
+    max_model_len: int  # the engine's default for this model
+    kv_memory_bytes: int | None = None  # memory for KV blocks; None: the engine flags' --kv-cache-memory
+    estimate: bool = False
+    model_shape: dict[str, Any] = field(default_factory=dict)
+    engine_flags: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
+    commit: str | None = None
+    created: str = ""
+    fit: dict[str, Any] = field(default_factory=dict)  # how well the model fits its own samples
+    samples: list[dict[str, Any]] = field(default_factory=list)  # measured steps: features and seconds
+    note: str = ""
+
+    def num_kv_blocks(self, config: EngineConfig) -> int:
+        """As the engine sizes its cache: --num-kv-blocks, else the memory over the bytes per block."""
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        memory = self.kv_memory_bytes if self.kv_memory_bytes is not None else parse_size(config.kv_cache_memory)
+        return max(1, memory // (self.kv_bytes_per_token * config.block_size))
+
+    def describe(self) -> str:
+        label = "ESTIMATE (analytic roofline)" if self.estimate else "measured"
+        where = self.machine.get("gpu") or self.machine.get("cpu_model") or "?"
+        return f"{self.model} {self.dtype} on {where}: {label}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "kind": self.kind, "estimate": self.estimate, "note": self.note,
+                "model": self.model, "dtype": self.dtype, "model_shape": self.model_shape,
+                "engine_flags": self.engine_flags, "machine": self.machine, "commit": self.commit,
+                "created": self.created, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "max_model_len": self.max_model_len, "kv_memory_bytes": self.kv_memory_bytes,
+                "step_model": self.step_model.to_dict(), "fit": self.fit, "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not an iterserve step profile (format {d.get('format')!r}, want {FORMAT!r})")
+        return cls(kind=d["kind"], model=d["model"], dtype=d["dtype"],
+                   step_model=model_from_dict(d["step_model"]), kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+                   max_model_len=int(d["max_model_len"]), kv_memory_bytes=d.get("kv_memory_bytes"),
+                   estimate=bool(d.get("estimate")), model_shape=d.get("model_shape") or {},
+                   engine_flags=d.get("engine_flags") or {}, machine=d.get("machine") or {},
+                   commit=d.get("commit"), created=d.get("created", ""), fit=d.get("fit") or {},
+                   samples=d.get("samples") or [], note=d.get("note", ""))
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read profile {path}: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"profile {path} is incomplete: missing or bad {e}") from None
+
+
+def cpu_machine() -> dict[str, Any]:
+    """This machine as far as step times care: CPU model, core count, the kernels' flags."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    flags = cpu_flags()
+    return {"cpu_model": model or platform.processor(), "cpus": os.cpu_count(),
+            "cpu_flags": [f for f in RELEVANT_CPU_FLAGS if f in flags], "platform": platform.platform(),
+            "loadavg": os.getloadavg()}
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with -dirty when it has changes), or None outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=here,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -1,0 +1,256 @@
+"""Discrete-event capacity simulator driving the engine's own scheduler and block pool.
+
+Only the forward pass is replaced: each step's duration comes from a step-time model
+(`sim/step_model.py`) evaluated on the very `SchedulerOutput` that the real `Scheduler` or
+`StaticScheduler` produced over a real `BlockPool`. Everything else follows `LLMEngine.step`:
+computed tokens advance, a token is sampled when a request has caught up with its tokens, stop
+conditions are `Request.check_stop_token`, finished requests go back to `scheduler.finish`, which
+frees their blocks at once (continuous) or when the batch ends (static). Preemptions, chunked
+prefill, admission and queueing are therefore the engine's, not a re-implementation of them.
+
+Events, in time order: arrivals (routed to one of `replicas` independent engines by a `Router`),
+ends of steps, and static batching's partial-batch timeouts. Output lengths are the workload's
+(as `bench serve --ignore-eos` forces them); the HTTP layer is not simulated.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from iterserve.bench.client import RequestRecord, RunResult
+from iterserve.bench.timeline import Timeline
+from iterserve.bench.workload import RequestSpec
+from iterserve.config import EngineConfig
+from iterserve.core.block_pool import BlockPool
+from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
+from iterserve.core.selector import build_scheduler
+from iterserve.engine import LLMEngine
+from iterserve.request import Request, RequestRejected
+from iterserve.sampling import SamplingParams
+from iterserve.sim.profile import Profile
+from iterserve.sim.router import ROUTERS, Router
+from iterserve.sim.step_model import step_features
+
+SchedulerFactory = Callable[[EngineConfig, BlockPool, int], SchedulerBase]
+
+
+def prompt_ids(spec: RequestSpec) -> list[int]:
+    """Token ids for a simulated prompt: only the length matters to the scheduler; the first id
+    differs per request so that a block-hash prefix cache sees distinct prompts, as the bench's
+    prompts are (each starts at a different place in its text)."""
+    return [spec.index % 30000 + 1] + [0] * (spec.input_len - 1)
+
+
+class SimEngine:
+    """One engine replica: the real scheduler over a real block pool, on a simulated clock."""
+
+    def __init__(self, config: EngineConfig, profile: Profile, index: int = 0,
+                 make_scheduler: SchedulerFactory = build_scheduler, keep_steps: bool = True) -> None:
+        self.config = config
+        self.index = index
+        self.step_model = profile.step_model
+        self.max_model_len = config.max_model_len or profile.max_model_len
+        self.max_input_len = config.max_input_len or self.max_model_len
+        self.max_output_len = config.max_output_len or self.max_model_len
+        self.pool = BlockPool(profile.num_kv_blocks(config), config.block_size)
+        self.scheduler = make_scheduler(config, self.pool, self.max_model_len)
+        self.in_flight: SchedulerOutput | None = None
+        self.step_start = 0.0
+        self.wake_at: float | None = None  # a pending static-batch timeout
+        self.keep_steps = keep_steps
+        self.steps: list[dict[str, Any]] = []
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.batch_seq_s = 0.0  # sum of batch size x step time (for the mean batch)
+        self.num_preempted = 0
+
+    # the engine's own request checks, on this replica's limits
+    check_limits = LLMEngine.check_limits
+
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    def add(self, spec: RequestSpec, params: SamplingParams) -> Request:
+        """Queues a request as `LLMEngine.add_request` would; raises RequestRejected likewise."""
+        self.check_limits(spec.input_len, params)
+        cfg = self.config
+        if cfg.max_waiting is not None and self.scheduler.num_waiting >= cfg.max_waiting:
+            raise RequestRejected(f"the waiting queue is full ({cfg.max_waiting} requests): retry later", 503)
+        req = Request(f"r{spec.index}", prompt_ids(spec), params, arrival_time=spec.arrival_s)
+        need = self.scheduler.max_blocks_per_request(req)
+        if need > self.pool.num_blocks:
+            raise RequestRejected(f"request needs {need} KV blocks but the whole cache has {self.pool.num_blocks}")
+        self.scheduler.add_request(req)
+        return req
+
+    def start_step(self, now: float) -> float | None:
+        """Schedules the next step at `now`; returns when it ends, or None when there is nothing to do."""
+        sched = self.scheduler.schedule(now)
+        if sched.is_empty:
+            return None
+        duration = self.step_model.predict(step_features(sched))
+        self.in_flight, self.step_start = sched, now
+        self.num_preempted += len(sched.preempted)
+        return now + duration
+
+    def end_step(self, now: float) -> list[Request]:
+        """Applies the step in flight as `LLMEngine.step` does; returns the requests released."""
+        sched, self.in_flight = self.in_flight, None
+        assert sched is not None
+        released: list[Request] = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_tokens
+            if not s.sample or req.is_finished:  # mid-prompt chunk, or a member held after it stopped
+                continue
+            req.append_token(0, now)
+            status = req.check_stop_token(self.max_model_len)
+            if status is None:
+                continue
+            req.status = status
+            for r, _ in self.scheduler.finish(req):
+                r.times.finished = now
+                released.append(r)
+        duration = now - self.step_start
+        self.num_steps += 1
+        self.busy_s += duration
+        batch = len(sched.scheduled)
+        self.batch_seq_s += batch * duration
+        if self.keep_steps:
+            padding = sched.num_padding
+            self.steps.append({
+                "step": self.num_steps, "t": self.step_start, "t_run": self.step_start, "duration": duration,
+                "batch_size": batch, "num_padding": padding, "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting, "prefill_tokens": sched.num_prefill_tokens,
+                "decode_tokens": sched.num_decode_tokens, "kv_used_blocks": self.pool.num_blocks - self.pool.num_free,
+                "kv_total_blocks": self.pool.num_blocks, "kv_tokens": None,
+                "num_preempted": len(sched.preempted), "num_finished": len(released)})
+        return released
+
+    def timeline(self) -> Timeline:
+        cfg = {**self.config.__dict__, "max_model_len": self.max_model_len, "num_kv_blocks": self.pool.num_blocks}
+        return Timeline(self.config.batching, self.steps, [], 0.0, 0.0, cfg)
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclass
+class SimRun:
+    """What a simulation produced: the load client's view (same JSON as `bench serve`) and each
+    replica's engine timeline."""
+
+    result: RunResult
+    timelines: list[Timeline]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _record(spec: RequestSpec, req: Request | None, error: str = "", keep_itl: bool = True) -> RequestRecord:
+    rec = RequestRecord(spec.index, spec.arrival_s, spec.input_len, spec.output_len, sent_at_s=spec.arrival_s)
+    if req is None:
+        rec.error, rec.end_at_s = error, spec.arrival_s
+        return rec
+    t = req.times
+    rec.end_at_s = t.finished
+    rec.e2e_s = t.finished - t.arrival
+    rec.ttft_s = t.ttft
+    rec.queue_time_s = t.queue_time
+    rec.output_tokens = req.num_output_tokens
+    rec.prompt_tokens = req.num_prompt_tokens
+    if rec.output_tokens > 1:
+        rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1)
+    if keep_itl:
+        tt = t.token_times
+        rec.itl_s = [b - a for a, b in zip(tt, tt[1:])]
+    rec.success = True
+    return rec
+
+
+def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profile, replicas: int = 1,
+             router: str | Router = "round-robin", make_scheduler: SchedulerFactory = build_scheduler,
+             keep_steps: bool = True, keep_itl: bool = True, slos: Sequence = ()) -> SimRun:
+    """Runs the workload through `replicas` simulated engines; deterministic for the same inputs."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    if isinstance(router, str):
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
+        router = ROUTERS[router]()
+    wall0 = time.perf_counter()
+    engines = [SimEngine(config, profile, i, make_scheduler, keep_steps) for i in range(replicas)]
+    order = sorted(specs, key=lambda s: (s.arrival_s, s.index))
+    params_for: dict[int, SamplingParams] = {}  # one SamplingParams per output length (they are immutable here)
+    spec_of: dict[str, RequestSpec] = {}
+    records: list[RequestRecord] = []
+    events: list[tuple[float, int, int, bool]] = []  # (time, seq, replica, is_step_end)
+    seq = itertools.count()
+
+    def kick(e: SimEngine, now: float) -> None:
+        """An idle engine starts its next step now, or sets a wake-up for a static batch's timeout."""
+        end = e.start_step(now)
+        if end is not None:
+            heapq.heappush(events, (end, next(seq), e.index, True))
+            return
+        deadline = e.scheduler.next_deadline()
+        if deadline is not None:
+            # 1 ns past it, so the scheduler's own "waited long enough" test sees it passed
+            wake = max(deadline, now) + 1e-9
+            if e.wake_at is None or wake < e.wake_at:
+                e.wake_at = wake
+                heapq.heappush(events, (wake, next(seq), e.index, False))
+
+    i, n = 0, len(order)
+    now = 0.0
+    while i < n or events:
+        if i < n and (not events or order[i].arrival_s <= events[0][0]):
+            spec = order[i]
+            i += 1
+            now = spec.arrival_s
+            e = engines[router.route(spec, engines)]
+            params = params_for.get(spec.output_len)
+            if params is None:
+                params = params_for[spec.output_len] = SamplingParams(max_tokens=spec.output_len, temperature=0.0,
+                                                                      ignore_eos=True)
+            try:
+                req = e.add(spec, params)
+            except RequestRejected as err:
+                records.append(_record(spec, None, f"HTTP {err.status_code}: {err}"))
+                continue
+            spec_of[req.request_id] = spec
+            if e.in_flight is None:
+                kick(e, now)
+            continue
+        now, _, idx, is_step_end = heapq.heappop(events)
+        e = engines[idx]
+        if is_step_end:
+            for req in e.end_step(now):
+                records.append(_record(spec_of.pop(req.request_id), req, keep_itl=keep_itl))
+            kick(e, now)
+        elif e.wake_at == now:  # else stale: a step started (or an earlier wake-up came) meanwhile
+            e.wake_at = None
+            if e.in_flight is None:
+                kick(e, now)
+    for rid, spec in spec_of.items():  # nothing may vanish: say so if the engines stalled
+        records.append(_record(spec, None, f"simulation ended with {rid} unfinished (engine stalled)"))
+    records.sort(key=lambda r: r.index)
+    duration = max((r.end_at_s for r in records if r.end_at_s is not None), default=0.0)
+    wall = time.perf_counter() - wall0
+    stats = {
+        "replicas": replicas, "router": router.name, "wall_s": wall, "requests": n,
+        "steps": sum(e.num_steps for e in engines),
+        "simulated_s": duration, "speedup": duration / wall if wall > 0 else math.inf,
+        "requests_per_wall_s": n / wall if wall > 0 else math.inf,
+        "busy_fraction": [e.busy_s / duration if duration else 0.0 for e in engines],
+        "mean_batch_size": [e.batch_seq_s / e.busy_s if e.busy_s else 0.0 for e in engines],
+        "preemptions": sum(e.num_preempted for e in engines),
+        "num_kv_blocks": engines[0].pool.num_blocks,
+        "profile": profile.describe(), "estimate": profile.estimate,
+    }
+    result = RunResult("simulated", profile.model, "completions", duration, records, list(slos),
+                       meta={"simulated": stats})
+    return SimRun(result, [e.timeline() for e in engines], stats)

@@ -1,0 +1,141 @@
+"""Step-time models: how long one engine step takes, from what the scheduler put in it.
+
+The simulator replaces the forward pass (and sampling) by one of these. Both read the same five
+numbers off a `SchedulerOutput` (`step_features`), so a scheduler change that alters what goes in a
+step alters the predicted time:
+
+- `LinearStepModel` (measured, `iterserve profile MODEL`): least squares, weighted by 1/time so
+  that short decode steps are fitted as closely (in relative terms) as long prefills, over
+  t = c0 + c_seq*seqs + c_tok*tokens + c_pre*prefill_tokens + c_dkv*decode_kv + c_pkv*prefill_kv/1e3.
+  Coefficients the data wants negative are dropped and the rest refitted (a small active-set NNLS),
+  so no extrapolation predicts a step that gets cheaper with more work.
+- `RooflineStepModel` (analytic, `iterserve profile --analytic`): max(FLOPs / achievable FLOP/s,
+  bytes / achievable bandwidth) + a fixed per-step overhead, from a GPU's published peaks and the
+  model's shape. An estimate, labelled so wherever it is written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:  # only a type here: this module (and a profile) loads without torch
+    from iterserve.core.scheduler import SchedulerOutput
+
+FEATURES = ("const", "seqs", "tokens", "prefill_tokens", "decode_kv", "prefill_kv_k")
+
+
+@dataclass
+class StepFeatures:
+    """What one step computes. decode_kv: KV tokens the single-token rows attend to (their context
+    lengths summed); prefill_kv_k: sum over prefill chunks of chunk length x context length, in
+    thousands (their attention is quadratic in the chunk)."""
+
+    seqs: int
+    tokens: int
+    prefill_tokens: int
+    decode_kv: int
+    prefill_kv_k: float
+
+    def row(self) -> list[float]:
+        return [1.0, self.seqs, self.tokens, self.prefill_tokens, self.decode_kv, self.prefill_kv_k]
+
+
+def step_features(sched: SchedulerOutput) -> StepFeatures:
+    """Reads a step before the engine applies it (num_computed_tokens not yet advanced)."""
+    tokens = prefill = decode_kv = 0
+    prefill_kv = 0
+    for s in sched.scheduled:
+        n = s.num_tokens
+        ctx = s.request.num_computed_tokens + n
+        tokens += n
+        if n == 1:
+            decode_kv += ctx
+        else:
+            prefill += n
+            prefill_kv += n * ctx
+    return StepFeatures(len(sched.scheduled), tokens, prefill, decode_kv, prefill_kv / 1e3)
+
+
+class StepTimeModel(Protocol):
+    def predict(self, f: StepFeatures) -> float: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class LinearStepModel:
+    coef: list[float]  # one per FEATURES, seconds per unit
+
+    def predict(self, f: StepFeatures) -> float:
+        c = self.coef
+        return (c[0] + c[1] * f.seqs + c[2] * f.tokens + c[3] * f.prefill_tokens + c[4] * f.decode_kv
+                + c[5] * f.prefill_kv_k)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"form": "linear", "features": list(FEATURES), "coef": list(self.coef),
+                "formula": "t = " + " + ".join(f"c_{n}*{n}" for n in FEATURES)}
+
+    @classmethod
+    def fit(cls, rows: list[StepFeatures], seconds: list[float]) -> "LinearStepModel":
+        """Non-negative least squares on relative error (each row weighted by 1/t)."""
+        if len(rows) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(rows)}")
+        x = np.array([r.row() for r in rows], dtype=float)
+        y = np.asarray(seconds, dtype=float)
+        w = 1.0 / y
+        active = list(range(len(FEATURES)))
+        coef = np.zeros(len(FEATURES))
+        while active:
+            sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            if (sol >= 0).all():
+                coef[:] = 0.0
+                coef[active] = sol
+                break
+            active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
+        return cls([float(c) for c in coef])
+
+
+@dataclass
+class RooflineStepModel:
+    """Per step: FLOPs = 2 x (non-embedding params) x tokens + 2 x vocab x hidden x seqs (LM head of
+    each sampled row) + 4 x layers x heads x head_dim x attended (QK and PV); bytes = the weights
+    once + the K/V read by attention + the K/V written. Achievable rates are the published peaks
+    times `flops_efficiency` / `bandwidth_efficiency` (assumptions, saved with the profile)."""
+
+    peak_flops: float  # FLOP/s at the profile's dtype
+    bandwidth: float  # bytes/s
+    weight_bytes: float
+    params_per_token: float  # 2 x non-embedding parameters: FLOPs per token
+    head_flops_per_seq: float  # 2 x vocab x hidden
+    attn_flops_per_kv: float  # 4 x layers x heads x head_dim: FLOPs per (query token, key token)
+    kv_bytes_per_token: float
+    flops_efficiency: float = 0.5
+    bandwidth_efficiency: float = 0.7
+    overhead_s: float = 0.002  # scheduling, launches, sampling: per step, whatever is in it
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def predict(self, f: StepFeatures) -> float:
+        attended = f.decode_kv + f.prefill_kv_k * 1e3
+        flops = (self.params_per_token * f.tokens + self.head_flops_per_seq * f.seqs
+                 + self.attn_flops_per_kv * attended)
+        kv_read = f.decode_kv + f.prefill_tokens  # prefill chunks read their context once per chunk
+        moved = self.weight_bytes + self.kv_bytes_per_token * (kv_read + f.tokens)
+        return max(flops / (self.peak_flops * self.flops_efficiency),
+                   moved / (self.bandwidth * self.bandwidth_efficiency)) + self.overhead_s
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {"form": "roofline", **d}
+
+
+def model_from_dict(d: dict[str, Any]) -> StepTimeModel:
+    form = d.get("form")
+    if form == "linear":
+        if list(d.get("features", [])) != list(FEATURES):
+            raise ValueError(f"linear step model: features {d.get('features')} differ from {list(FEATURES)}")
+        return LinearStepModel([float(c) for c in d["coef"]])
+    if form == "roofline":
+        return RooflineStepModel(**{k: v for k, v in d.items() if k != "form"})
+    raise ValueError(f"unknown step model form {form!r} (linear or roofline)")

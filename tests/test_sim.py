@@ -1,0 +1,159 @@
+"""The capacity simulator: it drives the engine's real scheduler classes, is deterministic, and its
+profiles (measured on a tiny model, or analytic) survive a JSON round trip."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from iterserve.bench.workload import bursty, poisson
+from iterserve.cli import main
+from iterserve.config import EngineConfig
+from iterserve.core.scheduler import Scheduler, WaitingQueue
+from iterserve.core.static import StaticScheduler
+from iterserve.sim.analytic import analytic_profile
+from iterserve.sim.measure import ProfileGrid, measure_profile
+from iterserve.sim.profile import Profile
+from iterserve.sim.simulator import simulate
+from iterserve.sim.step_model import FEATURES, LinearStepModel, StepFeatures
+
+
+def linear_profile(coef=(0.004, 0.0002, 0.00002, 0.0, 1e-7, 0.0), **kw) -> Profile:
+    return Profile(kind="measured", model="test", dtype="float32", step_model=LinearStepModel(list(coef)),
+                   kv_bytes_per_token=1024, max_model_len=2048, **kw)
+
+
+def outcome(run) -> dict:
+    """Everything simulated, without the wall-clock figures of the run itself."""
+    d = run.result.to_dict()
+    return {"summary": d["summary"], "records": d["records"]}
+
+
+def workload(n=300, rate=20.0, seed=1):
+    return poisson(n, rate, seed=seed, input_len=(16, 512), output_len=(8, 128))
+
+
+def test_simulate_drives_the_real_scheduler_classes(monkeypatch):
+    specs, prof = workload(), linear_profile()
+    base = simulate(specs, EngineConfig(max_num_seqs=8), prof)
+    calls = []
+    original = Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", lambda self, now: calls.append(now) or original(self, now))
+    again = simulate(specs, EngineConfig(max_num_seqs=8), prof)
+    assert len(calls) >= again.stats["steps"] > 0
+    assert outcome(again) == outcome(base)
+    # a change in the scheduler's code shows in the simulated result: serve the newest first (LIFO)
+    monkeypatch.setattr(WaitingQueue, "key", lambda self, req: (-req.times.arrival, req.request_id))
+    lifo = simulate(specs, EngineConfig(max_num_seqs=8), prof).result.summary()
+    fifo = base.result.summary()
+    assert lifo["completed"] == fifo["completed"] == len(specs)
+    assert lifo["queue_time_ms"]["p99"] > 1.5 * fifo["queue_time_ms"]["p99"]
+
+
+def test_static_scheduler_is_driven_and_partial_batches_time_out(monkeypatch):
+    started = []
+    original = StaticScheduler._start_batch
+    monkeypatch.setattr(StaticScheduler, "_start_batch", lambda self, now: started.append(now) or original(self, now))
+    specs = poisson(20, 1.0, seed=0, input_len=32, output_len=(4, 40))  # sparse: partial batches
+    run = simulate(specs, EngineConfig(batching="static", max_batch_size=8, batch_timeout_ms=100.0),
+                   linear_profile())
+    s = run.result.summary()
+    assert s["completed"] == 20 and s["failed"] == 0
+    assert started
+    # a lone request waits out the batch timeout before its batch starts
+    assert s["queue_time_ms"]["median"] == pytest.approx(100.0, abs=1.0)
+    # finished members are padding until their batch's slowest one ends
+    assert any(step["num_padding"] for step in run.timelines[0].steps)
+
+
+def test_continuous_beats_static_on_bursty_traffic():
+    specs = bursty(400, base_rate=2.0, peak_rate=20.0, seed=3, input_len=(16, 512), output_len=(8, 256))
+    prof = analytic_profile("a100-80gb", "llama-2-7b")
+    res = {m: simulate(specs, EngineConfig(batching=m, max_num_seqs=16, max_batch_size=8, max_model_len=2048),
+                       prof).result.summary() for m in ("static", "continuous")}
+    assert res["continuous"]["e2e_ms"]["mean"] < res["static"]["e2e_ms"]["mean"]
+    assert res["continuous"]["queue_time_ms"]["mean"] < res["static"]["queue_time_ms"]["mean"]
+
+
+def test_deterministic_with_a_seed():
+    prof = linear_profile()
+    one = simulate(workload(seed=5), EngineConfig(max_num_seqs=4), prof, replicas=3, router="least-loaded")
+    two = simulate(workload(seed=5), EngineConfig(max_num_seqs=4), prof, replicas=3, router="least-loaded")
+    other = simulate(workload(seed=6), EngineConfig(max_num_seqs=4), prof, replicas=3, router="least-loaded")
+    assert outcome(one) == outcome(two)
+    assert [t.steps for t in one.timelines] == [t.steps for t in two.timelines]
+    assert outcome(one)["records"] != outcome(other)["records"]
+
+
+def test_preemption_and_rejection_are_the_engines():
+    prof = linear_profile()
+    specs = poisson(40, 50.0, seed=2, input_len=(64, 256), output_len=(64, 200))
+    run = simulate(specs, EngineConfig(max_num_seqs=16, num_kv_blocks=40, block_size=16), prof)
+    assert run.stats["preemptions"] > 0
+    assert run.result.summary()["completed"] == 40
+    too_long = poisson(3, 1.0, seed=0, input_len=4000, output_len=8)
+    rejected = simulate(too_long, EngineConfig(), prof).result
+    assert rejected.failed == 3 and "max_input_len" in rejected.records[0].error
+
+
+def test_more_replicas_more_capacity():
+    prof, specs = linear_profile(), workload(n=400, rate=60.0)
+    one = simulate(specs, EngineConfig(max_num_seqs=8), prof).result.summary()
+    four = simulate(specs, EngineConfig(max_num_seqs=8), prof, replicas=4, router="least-loaded").result.summary()
+    assert four["e2e_ms"]["p95"] < one["e2e_ms"]["p95"]
+    assert four["duration_s"] < one["duration_s"]
+
+
+def test_linear_fit_recovers_its_coefficients():
+    true = LinearStepModel([0.003, 0.0001, 0.00002, 0.00001, 2e-7, 1e-6])
+    rows = [StepFeatures(b + (p > 0), b + p, p, b * c, p * (p + c) / 1e3)
+            for b in (1, 4, 16) for c in (100, 1000) for p in (0, 64, 512)]
+    fit = LinearStepModel.fit(rows, [true.predict(r) for r in rows])
+    assert fit.coef == pytest.approx(true.coef, rel=1e-6, abs=1e-12)
+    assert len(fit.coef) == len(FEATURES)
+
+
+def test_analytic_profile_is_a_labelled_roofline():
+    prof = analytic_profile("a100-80gb", "llama-2-7b")
+    assert prof.estimate and "ESTIMATE" in prof.note
+    decode16 = prof.step_model.predict(StepFeatures(16, 16, 0, 16 * 512, 0.0))
+    # memory-bound: ~13.5 GB of weights at 70% of 2.04 TB/s, plus 2 ms
+    assert 0.009 < decode16 < 0.015
+    prefill = prof.step_model.predict(StepFeatures(1, 1024, 1024, 0, 1024 * 1024 / 1e3))
+    assert prefill > 3 * decode16  # compute-bound
+    back = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert back.step_model.predict(StepFeatures(16, 16, 0, 8192, 0.0)) == decode16
+    assert back.num_kv_blocks(EngineConfig(block_size=16)) == prof.num_kv_blocks(EngineConfig(block_size=16))
+
+
+def test_tiny_model_profile_round_trips_through_json(tiny_model_dir, tmp_path):
+    grid = ProfileGrid(decode_batches=[1, 4], context_lens=[32, 96], prefill_chunks=[16, 64], chunk_context=32,
+                       mixed_decode=[2], mixed_chunks=[16])
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="16MiB")
+    prof = measure_profile(cfg, grid, repeats=1, progress=False)
+    assert prof.kind == "measured" and not prof.estimate
+    assert prof.fit["points"] == len(prof.samples) >= 8
+    assert prof.machine["cpu_model"] is not None and prof.engine_flags["model"] == str(tiny_model_dir)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = Profile.load(path)
+    assert back.to_dict() == json.loads(json.dumps(prof.to_dict()))  # tuples come back as lists
+    f = StepFeatures(4, 4, 0, 400, 0.0)
+    assert back.step_model.predict(f) == prof.step_model.predict(f) > 0
+    with pytest.raises(ValueError, match="not an iterserve step profile"):
+        Profile.from_dict({"format": "other"})
+
+
+def test_simulate_cli_writes_bench_serve_json(tmp_path, capsys):
+    prof_path, out = tmp_path / "a100.json", tmp_path / "sim.json"
+    assert main(["profile", "--analytic", "--gpu", "a100-80gb", "--model-shape", "llama-2-7b",
+                 "--out", str(prof_path)]) == 0
+    assert main(["simulate", "--profile", str(prof_path), "--workload", "poisson", "--rate", "4",
+                 "--num-requests", "50", "--input-len", "16:256", "--output-len", "8:64",
+                 "--slo", "e2e_p95=2s", "--result-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) >= {"base_url", "model", "endpoint", "meta", "summary", "records"}
+    assert data["summary"]["completed"] == 50 and len(data["records"]) == 50
+    assert data["meta"]["simulated"]["estimate"] is True
+    assert main(["simulate", "--profile", str(tmp_path / "missing.json"), "--num-requests", "5"]) == 2
+    assert "cannot read profile" in capsys.readouterr().err
