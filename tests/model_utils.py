@@ -18,21 +18,6 @@ from iterserve.request import Request
 from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
 
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a haiku about the ocean."}],
-    [{"role": "user", "content": "Explain photosynthesis in two sentences."}],
-    [{"role": "user", "content": "List three prime numbers greater than 50."}],
-    [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
-    [{"role": "user", "content": "What is 17 times 23?"}],
-    [{"role": "system", "content": "You are a pirate. Answer like one."},
-     {"role": "user", "content": "Describe your ship."}],
-    [{"role": "user", "content": "Who wrote Pride and Prejudice?"},
-     {"role": "assistant", "content": "Jane Austen wrote Pride and Prejudice."},
-     {"role": "user", "content": "Name another novel by her."}],
-    [{"role": "user", "content": "Give me one tip for writing clean Python code."}],
-]
-
 
 class PooledRunner:
     """A ModelRunner with the block pool that a scheduler would hold for it."""

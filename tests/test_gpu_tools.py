@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from iterserve.bench import gpu_equality
+from iterserve.bench.random_llama import PRESETS, write_random_llama
 
-import gpu_equality  # noqa: E402
-from random_llama import PRESETS, write_random_llama  # noqa: E402
-
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
 
 
 def test_gpu_check_script_parses():

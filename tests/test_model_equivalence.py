@@ -18,11 +18,12 @@ import shutil
 import pytest
 import torch
 from conftest import TINY_CONFIG
-from model_utils import CHATS, chat_ids, hf_greedy, make_request, new_runner, run_step, sequence_logits
+from model_utils import chat_ids, hf_greedy, make_request, new_runner, run_step, sequence_logits
 
 from iterserve.llm import LLM
 from iterserve.model.loader import checkpoint_dtype, load_model, resolve_model
 from iterserve.sampling import SamplingParams
+from iterserve.testing import CHATS
 
 NEW_TOKENS = 64
 LONG_CHAT = [{"role": "user", "content": "Summarise this text. " + " ".join(

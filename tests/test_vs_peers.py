@@ -1,17 +1,11 @@
-"""benchmarks/vs_peers.py's pure logic: system lists, plans, metrics and the ratio table (no servers)."""
+"""vs_peers' pure logic (iterserve.bench.vs_peers, run by benchmarks/vs_peers.py): system lists, plans, metrics and the ratio table (no servers)."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import vs_peers as vp  # noqa: E402
-from peer_servers import PeerInstall  # noqa: E402
-
-from iterserve.bench.client import RequestRecord  # noqa: E402
+from iterserve.bench import vs_peers as vp
+from iterserve.bench.client import RequestRecord
+from iterserve.bench.peers import PeerInstall
 
 
 def test_variant_labels():
