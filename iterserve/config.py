@@ -123,6 +123,8 @@ class EngineConfig:
     batch_timeout_ms: float = 100.0  # static batching: start a partial batch after this wait
     # KV cache
     block_size: int = 16
+    # prefix caching: None = on with continuous batching, off with static (contiguous, unshared KV)
+    enable_prefix_caching: bool | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget (tests of preemption)
     kv_cache_memory: str = "1GiB"  # CPU budget for KV blocks
     gpu_memory_utilization: float = 0.9
@@ -157,6 +159,15 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         parse_size(self.kv_cache_memory)
+        if self.enable_prefix_caching and self.batching == "static":
+            raise ValueError("prefix caching shares KV blocks between requests; static batching keeps "
+                             "contiguous, unshared KV per sequence: drop --enable-prefix-caching or use "
+                             "--batching continuous")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the block pool shares cached prefixes (the resolved default)."""
+        return self.batching == "continuous" and self.enable_prefix_caching is not False
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -50,12 +50,17 @@ class StepRecord:
     kv_tokens: int
     preempted: list[str] = field(default_factory=list)
     finished: list[tuple[str, int]] = field(default_factory=list)  # (request id, blocks freed)
+    admitted: list[tuple[str, int]] = field(default_factory=list)  # (request id, prefix-cache hit tokens)
+    prefix_cache_queries: int = 0  # tokens looked up at this step's admissions
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
     def log_line(self) -> str:
         line = (f"step {self.step} | running {self.num_running} waiting {self.num_waiting} "
                 f"batch {self.batch_size}" + (f" (padding {self.num_padding})" if self.num_padding else "")
                 + f" | prefill {self.prefill_tokens} decode {self.decode_tokens} tok"
                 f" | kv {self.kv_used_blocks}/{self.kv_total_blocks} blocks | {self.duration * 1e3:.1f} ms")
+        for rid, cached in self.admitted:
+            line += f" | admitted {rid} cached {cached} tok"
         for rid in self.preempted:
             line += f" | preempted {rid}"
         for rid, freed in self.finished:
@@ -90,7 +95,7 @@ class LLMEngine:
         self.max_input_len = config.max_input_len or self.max_model_len
         self.max_output_len = config.max_output_len or self.max_model_len
         num_blocks = self.platform.num_kv_blocks(mcfg, self._profile_run)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.prefix_caching)
         self.scheduler: SchedulerBase = build_scheduler(config, self.pool, self.max_model_len)
         self.runner = self._new_runner(num_blocks)
         if config.compile:
@@ -106,6 +111,7 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._pending: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._ids = itertools.count()
+        self._prefix_cache_seen = (0, 0)  # the scheduler's counters at the last StepRecord
         self.start_time = time.monotonic()
 
     def _compile_model(self) -> None:
@@ -131,7 +137,7 @@ class LLMEngine:
         what /v1/scheduler reports next to the EngineConfig."""
         return {**self.platform.resolved(), "max_model_len": self.max_model_len,
                 "max_input_len": self.max_input_len, "max_output_len": self.max_output_len,
-                "num_kv_blocks": self.pool.num_blocks}
+                "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching}
 
     # ---- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
@@ -150,8 +156,11 @@ class LLMEngine:
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     messages: list[dict] | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
-        """Validates and queues a request; raises RequestRejected with a clear reason."""
+                    arrival_time: float | None = None, prefix_leader: Request | None = None) -> Request:
+        """Validates and queues a request; raises RequestRejected with a clear reason.
+
+        prefix_leader: parallel sampling's first sequence, whose prompt blocks this one (same
+        prompt) waits for and shares instead of computing them again."""
         params = params or SamplingParams()
         if prompt_token_ids is None:
             prompt_token_ids = self.encode_prompt(prompt, messages)
@@ -167,6 +176,7 @@ class LLMEngine:
                                   status_code=503)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                       priority=priority, arrival_time=arrival_time, prompt=prompt)
+        req.prefix_leader = prefix_leader
         need = self.scheduler.max_blocks_per_request(req)
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has "
@@ -269,6 +279,9 @@ class LLMEngine:
     def _record(self, sched: SchedulerOutput, duration: float, finished, now: float) -> None:
         self.step_count += 1
         usage = self.pool.usage()
+        queries, hits = self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
+        prev_queries, prev_hits = self._prefix_cache_seen
+        self._prefix_cache_seen = (queries, hits)
         rec = StepRecord(
             step=self.step_count, start=now - duration, duration=duration,
             batch_size=len(sched.scheduled), num_padding=sched.num_padding,
@@ -277,6 +290,8 @@ class LLMEngine:
             kv_used_blocks=usage.used_blocks, kv_total_blocks=usage.total_blocks,
             kv_tokens=usage.tokens_stored,
             preempted=[r.request_id for r in sched.preempted], finished=finished,
+            admitted=list(sched.admitted), prefix_cache_queries=queries - prev_queries,
+            prefix_cache_hits=hits - prev_hits,
         )
         self.records.append(rec)
         if self.config.log_scheduler:

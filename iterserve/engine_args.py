@@ -81,6 +81,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="static batching: ms the oldest request waits before a partial batch starts")
     g.add_argument("--block-size", type=int, default=d.block_size, choices=[1, 8, 16, 32, 64, 128],
                    help="tokens per KV cache block (default 16)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the KV of a repeated prompt prefix (system prompt, chat history) between "
+                        "requests: full blocks are looked up by a hash of their tokens and kept, "
+                        "evictable, after their request ends. Default: on with continuous batching; "
+                        "static batching keeps its contiguous, unshared KV (it is the baseline) and "
+                        "refuses it")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="number of KV blocks; overrides the memory budget")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="CPU memory for KV blocks, e.g. 512MiB, 2GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
@@ -89,7 +95,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-input-len", type=int, default=None, help="reject prompts longer than this many tokens")
     g.add_argument("--max-output-len", type=int, default=None, help="reject max_tokens above this")
     g.add_argument("--log-scheduler", action="store_true",
-                   help="log one line per engine step: batch size, tokens, KV blocks, finished/preempted requests")
+                   help="log one line per engine step: batch size, tokens, KV blocks, admitted requests "
+                        "with their prefix-cache hit tokens, finished/preempted requests")
     g.add_argument("--threads", dest="num_threads", type=int, default=None, help="torch math threads on CPU")
     g.add_argument("--omp-wait", choices=sorted(OMP_WAIT), default="passive",
                    help="how idle OpenMP math threads wait between ops. passive (default): they sleep at "

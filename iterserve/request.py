@@ -72,6 +72,14 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # prefix caching: the hashes of its full blocks (grown as it generates), the tokens its
+        # latest admission found cached, the tokens it had computed when last preempted
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = 0
+        self.num_computed_before_preemption = 0
+        # parallel sampling (n > 1): a sibling waits for its leader's prompt to be cached, then
+        # shares those blocks (only the last, partial block is computed again per sibling)
+        self.prefix_leader: Request | None = None
         self.stop_reason: str | int | None = None
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
         self.logprobs: list = []

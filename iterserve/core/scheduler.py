@@ -6,6 +6,16 @@ sequences, budget and KV blocks allow. When blocks run out it preempts by recomp
 (lowest priority, then newest) gives back all its blocks, keeps its generated tokens, and goes back
 to the waiting queue to be recomputed later with identical output.
 
+Prefix caching: on admission (and re-admission after preemption) the longest run of the request's
+full blocks already in the pool's cache is shared by reference, and its computed tokens start
+after them; at least the last token is always computed (its logits give the next token). Blocks
+are registered in the cache once their KV is computed, i.e. at the step after they were scheduled.
+
+No preemption thrash: a prefill chunk that does not fit in the free blocks shrinks to what fits
+instead of preempting (it preempts only a request the policy ranks below itself, and only when not
+even one token fits); a request that was preempted is re-admitted only when all the blocks it needs
+to reach its next token are free, not one chunk's worth that the next step would take back.
+
 The static batcher (core/static.py) implements the same interface, and everything that differs
 between the two is declared on it (`SchedulerBase`): when an idle engine should wake up
 (`next_deadline`), whether a finished request is released at once or held (`finish`), and which
@@ -19,6 +29,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from iterserve.config import EngineConfig
+from iterserve.core.block_hash import hash_block_chain
 from iterserve.core.block_pool import BlockPool
 from iterserve.request import Request, RequestStatus
 
@@ -40,6 +51,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[tuple[str, int]] = field(default_factory=list)  # (request id, prefix-cache hit tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +118,9 @@ class SchedulerBase:
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption (cache misses)
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions (vLLM's name)
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -124,6 +139,22 @@ class SchedulerBase:
 
     def _drop_running(self, req: Request) -> int:
         self.running.remove(req)
+        return self._free_blocks(req)
+
+    def _update_block_hashes(self, req: Request) -> list[bytes]:
+        """Extends the request's hash chain over its full blocks (prompt and generated tokens)."""
+        if self.pool.enable_caching and len(req.block_hashes) < req.num_tokens // self.pool.block_size:
+            req.block_hashes = hash_block_chain(req.all_token_ids, self.pool.block_size,
+                                                parent_hashes=req.block_hashes)
+        return req.block_hashes
+
+    def _cache_computed(self, req: Request) -> None:
+        """Registers the request's blocks whose KV is computed, so others can share them."""
+        if self.pool.enable_caching:
+            self.pool.cache_blocks(req.request_id, self._update_block_hashes(req), req.num_computed_tokens)
+
+    def _free_blocks(self, req: Request) -> int:
+        self._cache_computed(req)  # what it computed stays reusable after it leaves
         return self.pool.free(req.request_id)
 
     def has_unfinished(self) -> bool:
@@ -166,23 +197,35 @@ class Scheduler(SchedulerBase):
     """Continuous batching: membership of the batch is decided anew at every step."""
 
     def _victim(self, candidates: list[Request]) -> Request:
+        return max(candidates, key=self._rank)
+
+    def _rank(self, req: Request) -> tuple:
+        """Higher ranks are preempted first: lowest priority (policy 'priority'), then newest."""
         if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.times.arrival))
-        return max(candidates, key=lambda r: r.times.arrival)
+            return (req.priority, req.times.arrival, req.request_id)
+        return (req.times.arrival, req.request_id)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.pool.free(req.request_id)
+        self._free_blocks(req)
         req.status = RequestStatus.PREEMPTED
+        req.num_computed_before_preemption = req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.push(req)
         out.preempted.append(req)
 
+    def _fit(self, req: Request) -> int:
+        """Tokens the request can compute now without taking blocks from anyone."""
+        have = len(self.pool.tables.get(req.request_id, ()))
+        return (have + self.pool.num_free) * self.pool.block_size - req.num_computed_tokens
+
     def schedule(self, now: float) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
+        for req in self.running:  # last step's KV is written: share its full blocks from now on
+            self._cache_computed(req)
         budget = cfg.max_num_batched_tokens
         # decodes first, then prefill chunks; stable, so arrival order holds within each group
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -193,6 +236,17 @@ class Scheduler(SchedulerBase):
             if req not in self.running:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1:  # a prefill chunk shrinks to the free blocks rather than preempting
+                n = min(n, self._fit(req))
+                while n < 1:
+                    lower = [r for r in self.running if r.request_id not in scheduled_ids
+                             and r is not req and self._rank(r) > self._rank(req)]
+                    if not lower:
+                        break
+                    self._preempt(self._victim(lower), out)
+                    n = min(req.num_tokens - req.num_computed_tokens, budget, self._fit(req))
+                if n < 1:
+                    continue  # waits for blocks; those ranked above it keep going
             while not self.pool.allocate(req.request_id, req.num_computed_tokens + n):
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
                 victim = self._victim(candidates)
@@ -206,20 +260,47 @@ class Scheduler(SchedulerBase):
             budget -= n
 
         # admit waiting requests (not in a step that had to preempt: memory is tight)
-        while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
-               and not out.preempted):
-            req = self.waiting.peek()
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.pool.allocate(req.request_id, req.num_computed_tokens + n):
+        if not out.preempted:
+            self._admit(now, budget, out)
+        return out
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """A parallel-sampling sibling waits until its leader's prompt blocks are cached."""
+        lead = req.prefix_leader
+        return (self.pool.enable_caching and lead is not None and lead.status is RequestStatus.RUNNING
+                and lead.num_computed_tokens < lead.num_prompt_tokens)
+
+    def _admit(self, now: float, budget: int, out: SchedulerOutput) -> None:
+        cfg, bs = self.config, self.pool.block_size
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            if self._waits_for_leader(req):
+                continue
+            hashes = self._update_block_hashes(req)
+            cached = self.pool.find_cached_prefix(hashes[: (req.num_tokens - 1) // bs])
+            num_cached = len(cached) * bs
+            n = min(req.num_tokens - num_cached, budget)
+            # a preempted request takes all the blocks it needs to reach its next token at once
+            # (or waits for them): one chunk's worth would be taken back by the next step
+            reserve = req.num_tokens + 1 if req.num_preemptions else num_cached + n
+            if not self.pool.allocate(req.request_id, reserve, cached):
                 break  # head of line waits for blocks: keeps the policy's order fair
-            self.waiting.pop()
+            self.waiting.remove(req.request_id)
             req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
+            if self.pool.enable_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
+            if req.num_preemptions:
+                self.num_recomputed_tokens += max(0, req.num_computed_before_preemption - num_cached)
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
+            out.admitted.append((req.request_id, num_cached))
             budget -= n
-        return out
 
     def finish(self, req: Request) -> list[tuple[Request, int]]:
         return [(req, self._drop_running(req))] if req in self.running else [(req, 0)]

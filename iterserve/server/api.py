@@ -80,7 +80,8 @@ def step_dict(rec: StepRecord, start_time: float) -> dict:
             "num_padding": rec.num_padding, "num_running": rec.num_running, "num_waiting": rec.num_waiting,
             "prefill_tokens": rec.prefill_tokens, "decode_tokens": rec.decode_tokens,
             "kv_used_blocks": rec.kv_used_blocks, "kv_total_blocks": rec.kv_total_blocks, "kv_tokens": rec.kv_tokens,
-            "num_preempted": len(rec.preempted), "num_finished": len(rec.finished)}
+            "num_preempted": len(rec.preempted), "num_finished": len(rec.finished),
+            "admitted": [{"request_id": rid, "cached_tokens": n} for rid, n in rec.admitted]}
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -186,6 +187,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                          "tokens_stored": kv.tokens_stored, "internal_fragmentation": kv.internal_fragmentation},
             "busy_fraction": engine.busy_fraction(), "uptime_s": time.monotonic() - llm.start_time,
             "step": state.step_count, "num_preemptions_total": state.num_preemptions_total,
+            "num_recomputed_tokens_total": state.num_recomputed_tokens,
+            "prefix_cache": {"enabled": llm.pool.enable_caching, "queries": state.prefix_cache_queries,
+                             "hits": state.prefix_cache_hits, "hit_rate": state.prefix_cache_hit_rate,
+                             "cached_free_blocks": kv.cached_free_blocks},
             "config": {**asdict(cfg), **llm.resolved_config(), "served_model_name": settings.served_model_name},
             "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
         }

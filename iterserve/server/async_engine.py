@@ -36,6 +36,13 @@ class EngineState:
     kv: BlockUsage
     step_count: int
     num_preemptions_total: int
+    num_recomputed_tokens: int = 0  # tokens computed again after preemptions
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (vLLM's name)
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
 
 class RequestStream:
@@ -296,7 +303,10 @@ class AsyncEngine:
         sched = self.engine.scheduler
         return EngineState(running=sched.num_running, waiting=sched.num_waiting,
                            kv=self.engine.pool.usage(), step_count=self.engine.step_count,
-                           num_preemptions_total=sched.num_preemptions_total)
+                           num_preemptions_total=sched.num_preemptions_total,
+                           num_recomputed_tokens=sched.num_recomputed_tokens,
+                           prefix_cache_queries=sched.prefix_cache_queries,
+                           prefix_cache_hits=sched.prefix_cache_hits)
 
     def _on_step(self, rec: StepRecord) -> None:
         with self._lock:

@@ -41,6 +41,11 @@ class ServerMetrics:
         gauge("engine_busy_fraction", f"Share of the last {engine.busy_window_s:.0f} s spent in engine steps.",
               engine.busy_fraction)
         self.preemptions = counter("num_preemptions", "Preemptions (recompute) since start.")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prefix cache queries, in tokens (prompt tokens looked up at admission).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (found cached).")
+        gauge("num_recomputed_tokens", "Tokens computed again after preemptions since start.",
+              lambda: engine.state.num_recomputed_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.steps = counter("engine_steps", "Engine steps (forward passes) since start.")
@@ -63,6 +68,9 @@ class ServerMetrics:
         self.step_time.observe(rec.duration)
         if rec.preempted:
             self.preemptions.inc(len(rec.preempted))
+        if rec.prefix_cache_queries:
+            self.prefix_cache_queries.inc(rec.prefix_cache_queries)
+            self.prefix_cache_hits.inc(rec.prefix_cache_hits)
 
     def on_finish(self, out: RequestOutput) -> None:
         t = out.times
