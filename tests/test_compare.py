@@ -219,9 +219,10 @@ def test_a_model_that_does_not_load(capsys, tmp_path):
 # ---------------------------------------------------------------- end to end, real servers
 
 def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
-    out = tmp_path / "cmp"
+    out, raw = tmp_path / "cmp", tmp_path / "raw"
     # the default path: a calibration batch sizes the bursty load
-    rc = cli.main(["compare", "--model", str(tiny_model_dir), "--out", str(out), "--num-requests", "12",
+    rc = cli.main(["compare", "--model", str(tiny_model_dir), "--out", str(out), "--raw-dir", str(raw),
+                   "--num-requests", "12",
                    "--input-len", "8:32", "--output-len", "4:24", "--max-batch-size", "4", "--max-num-seqs", "8",
                    "--load", "0.8", "--window", "0.5", "--no-progress"])
     captured = capsys.readouterr()
@@ -233,10 +234,15 @@ def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
         assert (out / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((out / "compare.json").read_text())
     assert summary["workload"]["kind"] == "bursty" and summary["table"] in table
+    # the summary says where and what ran; the raw records stay out of --out
+    assert summary["raw_dir"] == str(raw) and summary["host"]["cores"] >= 1 and summary["date"]
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".json") == ["compare.json"]
+    assert (out / "compare.json").stat().st_size < 20_000
+    assert sorted(p.name for p in (raw / "logs").iterdir()) == ["server-continuous.log", "server-static.log"]
     cal = summary["calibration"]
     assert 1 <= cal["batch"] <= 8 and cal["capacity_req_s"] > 0
     assert summary["workload"]["base_rate"] * 2 == pytest.approx(0.8 * cal["capacity_req_s"])
-    runs = {m: json.loads((out / f"{m}.json").read_text()) for m in ("static", "continuous")}
+    runs = {m: json.loads((raw / f"{m}.json").read_text()) for m in ("static", "continuous")}
     for mode, run in runs.items():
         assert run["timeline"]["batching"] == mode
         assert run["result"]["summary"]["completed"] == 12
@@ -252,3 +258,8 @@ def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     assert sum(s["num_padding"] for s in static_steps) > 0
     assert not any(s["num_padding"] for s in runs["continuous"]["timeline"]["steps"])
     assert "--batching static" in " ".join(runs["static"]["server_flags"])
+    # --replot redraws the same table from the raw records that compare.json points to
+    (out / "latency_cdf.png").unlink()
+    assert cli.main(["compare", "--replot", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == table.strip()
+    assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"

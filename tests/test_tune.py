@@ -69,11 +69,11 @@ def test_budget_skips_remaining_configs(monkeypatch):
 def test_tune_2x2_on_tiny_model_end_to_end(tiny_model_dir, tmp_path, capsys):
     from iterserve.cli import main
 
-    out = tmp_path / "tune"
+    out, raw = tmp_path / "tune", tmp_path / "raw"
     rc = main(["tune", "--model", str(tiny_model_dir), "--max-num-seqs", "2,4", "--block-size", "8,16",
                "--server-args", "--kv-cache-memory 64MiB", "--workload", "constant", "--rate", "20",
                "--num-requests", "8", "--input-len", "24", "--output-len", "12:40", "--slo", "e2e_p95=5s",
-               "--run-grace", "60", "--out", str(out), "--no-progress"])
+               "--run-grace", "60", "--out", str(out), "--raw-dir", str(raw), "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads((out / "tune.json").read_text())
@@ -94,7 +94,13 @@ def test_tune_2x2_on_tiny_model_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert "| max-num-seqs |" in text and "best:" in text
     assert (out / "tune.md").read_text().count("\n|") >= 5
     assert (out / "heatmap.png").stat().st_size > 10_000
-    assert len(list((out / "logs").glob("*.log"))) == 4
+    assert len(list((raw / "logs").glob("*.log"))) == 4
+    # the summary has no per-request records; the raw file has all of them, and says where it ran
+    assert all("requests" not in r for r in report["results"]) and report["raw_dir"] == str(raw)
+    assert report["host"]["cores"] >= 1 and report["date"]
+    full = json.loads((raw / "tune.json").read_text())
+    assert [len(r["requests"]) for r in full["results"]] == [8] * 4
+    assert [r["summary"] for r in full["results"]] == [r["summary"] for r in report["results"]]
 
 
 def test_config_result_round_trips_through_json():

@@ -4,9 +4,11 @@ Starts `iterserve serve` twice on the model (continuous batching with --max-num-
 static batching with --max-batch-size 8; every other engine flag the same), replays the identical
 workload against each with the load client while polling the engine's step records, then prints
 the table of the chat bot case in docs/seed-case.md (utilisation, mean / p95 latency, queue time,
-throughput and the change) and writes under --out: static.json and continuous.json (every request
-and every engine step), compare.json (the table's numbers) and PNG plots: utilisation and batch
-size over time, latency CDFs, queue time by arrival, KV usage.
+throughput and the change) and writes under --out a summary, compare.json (the table, its numbers,
+the workload, the calibration, host, commit and command), and PNG plots: utilisation and batch size
+over time, latency CDFs, queue time by arrival, KV usage. The raw records, static.json and
+continuous.json (every request and every engine step), and the server logs go to --raw-dir (a new
+folder under runs/ by default), from which --replot redraws the report.
 
 The default workload is bursty Poisson traffic shaped like the chat bot case's (docs/seed-case.md):
 a base rate with bursts at 6x it, its average rate set to --load of the continuous server's
@@ -20,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import datetime
 import json
 import os
 import shlex
@@ -37,6 +38,7 @@ import httpx
 from iterserve.bench.client import ClientError, RunResult, run_load
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.report import MODES, ModeRun, comparison, markdown_table, write_plots
+from iterserve.bench.summary import default_raw_dir, run_info, write_json
 from iterserve.bench.timeline import SchedulerPoller, Timeline
 from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts,
                                       describe_workload, one_line, workload_from_args)
@@ -194,14 +196,14 @@ def size_load(args: argparse.Namespace, mean_rate: float, provisional: Sequence[
 # ---------------------------------------------------------------- running the two servers
 
 @contextlib.contextmanager
-def serving(mode: str, args: argparse.Namespace, out: Path) -> Iterator[str]:
+def serving(mode: str, args: argparse.Namespace, raw_dir: Path) -> Iterator[str]:
     """The base URL of an iterserve for `mode`: the one given, or one started here."""
     url = getattr(args, f"{mode}_url")
     if url:
         yield url
         return
     flags = server_flags(mode, args)
-    srv = ServerProcess([args.model, *flags], log_path=out / "logs" / f"server-{mode}.log")
+    srv = ServerProcess([args.model, *flags], log_path=raw_dir / "logs" / f"server-{mode}.log")
     print(f"compare: {mode}: starting iterserve serve {shlex.join([args.model, *flags])}", file=sys.stderr)
     try:
         srv.start()
@@ -237,12 +239,12 @@ def _tokenizer(model: str) -> Any:
         return None
 
 
-def run_both(args: argparse.Namespace, out: Path, meta: dict[str, Any]) -> dict[str, ModeRun]:
+def run_both(args: argparse.Namespace, raw_dir: Path, meta: dict[str, Any]) -> dict[str, ModeRun]:
     """Continuous first (it sizes the default load), then static, on the identical workload."""
     provisional = provisional_workload(args)
     tokenizer = _tokenizer(args.model)
     runs: dict[str, ModeRun] = {}
-    with serving("continuous", args, out) as url:
+    with serving("continuous", args, raw_dir) as url:
         if needs_calibration(args):
             cal = calibrate(url, args.max_num_seqs, statistics.mean(s.input_len for s in provisional),
                             statistics.mean(s.output_len for s in provisional), tokenizer)
@@ -257,27 +259,29 @@ def run_both(args: argparse.Namespace, out: Path, meta: dict[str, Any]) -> dict[
         build_prompts(specs, tokenizer)
         meta.update(workload=describe_workload(args), num_requests=len(specs))
         runs["continuous"] = run_mode("continuous", url, args, specs)
-    with serving("static", args, out) as url:
+    with serving("static", args, raw_dir) as url:
         runs["static"] = run_mode("static", url, args, specs)
     return {mode: runs[mode] for mode in MODES}
 
 
-def write_report(runs: dict[str, ModeRun], out: Path, window_s: float, meta: dict[str, Any]) -> str:
-    """Writes the JSON files and plots; returns the table."""
-    out.mkdir(parents=True, exist_ok=True)
+def write_raw(runs: dict[str, ModeRun], raw_dir: Path) -> None:
+    """Every request and engine step of each mode, for --replot and later analysis (not for git)."""
     for mode, run in runs.items():
-        (out / f"{mode}.json").write_text(json.dumps(run.to_dict(), separators=(",", ":")))
+        write_json(raw_dir / f"{mode}.json", run.to_dict(), compact=True)
+
+
+def write_report(runs: dict[str, ModeRun], out: Path, window_s: float, meta: dict[str, Any]) -> str:
+    """Writes the summary (compare.json) and the plots; returns the table."""
     table = markdown_table(runs["static"], runs["continuous"])
-    summary = {**meta, **comparison(runs["static"], runs["continuous"]), "table": table}
-    (out / "compare.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "compare.json", {**meta, **comparison(runs["static"], runs["continuous"]), "table": table})
     write_plots(runs, out, window_s)
     return table
 
 
-def load_runs(out: Path) -> dict[str, ModeRun]:
+def load_runs(raw_dir: Path) -> dict[str, ModeRun]:
     runs = {}
     for mode in MODES:
-        path = out / f"{mode}.json"
+        path = raw_dir / f"{mode}.json"
         try:
             runs[mode] = ModeRun.from_dict(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError) as e:
@@ -290,9 +294,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.window <= 0:
         raise ValueError("--window must be > 0")
     if args.replot:
-        runs = load_runs(out)
         meta = json.loads((out / "compare.json").read_text()) if (out / "compare.json").exists() else {}
         meta = {k: v for k, v in meta.items() if k not in ("static", "continuous", "rows", "table")}
+        raw_dir = Path(args.raw_dir or meta.get("raw_dir") or out)
+        runs = load_runs(raw_dir)
     else:
         args.workload = args.workload or ("trace" if args.trace else "bursty")
         if args.load <= 0:
@@ -302,16 +307,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
             from iterserve.model.loader import resolve_model
 
             resolve_model(args.model)
-        meta = {"command": shlex.join(["iterserve", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else None,
-                "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "model": args.model, "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
+        command = ["iterserve", *sys.argv[1:]] if sys.argv[1:2] == ["compare"] else None  # None: called in-process
+        raw_dir = Path(args.raw_dir) if args.raw_dir else default_raw_dir("compare")
+        meta = {**run_info(command), "model": args.model, "raw_dir": str(raw_dir)}
         try:
-            runs = run_both(args, out, meta)
+            runs = run_both(args, raw_dir, meta)
         except ClientError as e:
             raise ValueError(one_line(e)) from None
+        write_raw(runs, raw_dir)
     table = write_report(runs, out, args.window, meta)
     print(table)
-    print(f"compare: wrote {out}/{{static,continuous,compare}}.json and plots", file=sys.stderr)
+    print(f"compare: wrote {out}/compare.json and plots; raw records in {raw_dir}", file=sys.stderr)
     return 0 if all(r.summary["completed"] for r in runs.values()) else 1
 
 
@@ -321,7 +327,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m",
                    help="a .gguf file, a Hugging Face folder, or smollm2-135m (default)")
     p.add_argument("--out", default="compare-results", metavar="DIR",
-                   help="writes static.json, continuous.json, compare.json, the plots, and server logs in logs/")
+                   help="writes the summary compare.json and the plots here")
+    p.add_argument("--raw-dir", metavar="DIR",
+                   help="writes static.json and continuous.json (every request and engine step) and the server "
+                        "logs here (default: a new folder under runs/); with --replot, reads them from here "
+                        "(default: the folder compare.json names)")
     p.add_argument("--max-batch-size", type=int, default=8, help="static batching: batch size (default 8)")
     p.add_argument("--batch-timeout", type=float, default=EngineConfig().batch_timeout_ms, metavar="MS",
                    help="static batching: the oldest request's wait before a partial batch starts")

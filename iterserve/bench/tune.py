@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import json
 import os
 import random
 import shlex
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from iterserve.bench.client import ClientError, RunResult, Slo, parse_slo, run_load
 from iterserve.bench.launcher import ServerProcess
+from iterserve.bench.summary import default_raw_dir, run_info, write_json
 from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts, describe_workload,
                                       workload_from_args)
 
@@ -115,15 +115,17 @@ class ConfigResult:
         value = self.summary.get(key)
         return float(value) if isinstance(value, (int, float)) else None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"config": dataclasses.asdict(self.point), "status": self.status, "detail": self.detail,
-                "slo_met": self.slo_met, "wall_s": self.wall_s, "load_avg": self.load_avg,
-                "kv": dataclasses.asdict(self.kv), "summary": self.summary, "requests": self.requests}
+    def to_dict(self, with_requests: bool = True) -> dict[str, Any]:
+        """Everything; without the per-request records (`with_requests=False`) for the summary."""
+        d = {"config": dataclasses.asdict(self.point), "status": self.status, "detail": self.detail,
+             "slo_met": self.slo_met, "wall_s": self.wall_s, "load_avg": self.load_avg,
+             "kv": dataclasses.asdict(self.kv), "summary": self.summary}
+        return {**d, "requests": self.requests} if with_requests else d
 
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ConfigResult":
-        """Reads back one entry of tune.json (e.g. to redraw the heat-map)."""
+        """Reads back one entry of tune.json, summary or raw (e.g. to redraw the heat-map)."""
         return cls(GridPoint(**d["config"]), d["status"], d.get("detail", ""), d.get("summary") or {},
                    KvStats(**d.get("kv") or {}), d.get("slo_met", False), d.get("wall_s", 0.0),
                    d.get("load_avg"), d.get("requests") or [])
@@ -369,12 +371,12 @@ class Sweep:
     skipped_for_budget: int = 0
     conclusion: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, with_requests: bool = True) -> dict[str, Any]:
         best, met = best_config(self.results)
         return {"model": self.model, "workload": self.workload, "slos": [s.text for s in self.slos],
                 "budget_minutes": self.budget_minutes, "skipped_for_budget": self.skipped_for_budget,
                 "best": dataclasses.asdict(best.point) if best else None, "best_meets_slo": met,
-                "conclusion": self.conclusion, "results": [r.to_dict() for r in self.results]}
+                "conclusion": self.conclusion, "results": [r.to_dict(with_requests) for r in self.results]}
 
 
 def sweep(points: Sequence[GridPoint], model: str, server_args: Sequence[str], specs: Sequence[RequestSpec],
@@ -432,7 +434,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="force each request's output length (default on)")
     p.add_argument("--metric", choices=("goodput", "throughput"), default="goodput", help="heat-map value")
     p.add_argument("--out", default="tune-results", metavar="DIR",
-                   help="writes tune.json, tune.md (table + conclusion), heatmap.png and server logs here")
+                   help="writes the summary tune.json, tune.md (table + conclusion) and heatmap.png here")
+    p.add_argument("--raw-dir", metavar="DIR",
+                   help="writes tune.json with every request of every config, and the server logs, here "
+                        "(default: a new folder under runs/)")
     p.add_argument("--shuffle", action="store_true",
                    help="run the configs in a random order (seeded by --seed), so that a drift in machine "
                         "load does not line up with one axis of the grid")
@@ -467,19 +472,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.shuffle:
         random.Random(args.seed).shuffle(points)
     out = Path(args.out)
+    raw_dir = Path(args.raw_dir) if args.raw_dir else default_raw_dir("tune")
+    command = ["iterserve", *sys.argv[1:]] if sys.argv[1:2] == ["tune"] else None  # None: called in-process
+    info = {**run_info(command), "raw_dir": str(raw_dir)}
     workload = describe_workload(args)
     print(f"tune: {len(points)} configs x {len(specs)} requests "
           f"(last arrival {max(s.arrival_s for s in specs):.1f} s), SLO {', '.join(s.text for s in slos)}",
           file=sys.stderr)
     result = sweep(points, args.model, shlex.split(args.server_args), specs, slos, args.budget_minutes,
-                   args.run_grace, args.endpoint, args.ignore_eos, out / "logs", not args.no_progress, workload)
+                   args.run_grace, args.endpoint, args.ignore_eos, raw_dir / "logs", not args.no_progress, workload)
     table = markdown_table(result.results)
     print(table)
     print()
     for line in result.conclusion:
         print(f"- {line}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune.json").write_text(json.dumps(result.to_dict(), indent=2))
+    write_json(raw_dir / "tune.json", {**info, **result.to_dict()})
+    write_json(out / "tune.json", {**info, **result.to_dict(with_requests=False)})
     (out / "tune.md").write_text(table + "\n\n" + "\n".join(f"- {line}" for line in result.conclusion) + "\n")
     what = workload.get("kind", "")
     if what == "trace":
@@ -487,5 +495,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     title = (f"iterserve tune: {args.metric} over the grid, SLO {', '.join(s.text for s in slos)}; red = best\n"
              f"{Path(args.model).name}, {len(specs)} requests ({what})")
     plot_heatmap(result.results, out / "heatmap.png", args.metric, title)
-    print(f"wrote {out / 'tune.json'}, {out / 'tune.md'}, {out / 'heatmap.png'}", file=sys.stderr)
+    print(f"wrote {out / 'tune.json'}, {out / 'tune.md'}, {out / 'heatmap.png'}; raw records in {raw_dir}",
+          file=sys.stderr)
     return 0 if any(r.status == "ok" for r in result.results) else 1
