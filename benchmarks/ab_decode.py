@@ -10,19 +10,25 @@ measurements, e.g. the decode attention backend:
 
     python benchmarks/ab_decode.py --configs '{"env": {"ITERSERVE_DECODE_ATTENTION": "torch"}}' '{}'
     python benchmarks/ab_decode.py --configs '{"env": {"ITERSERVE_CPU_KERNELS": "0"}}' '{}'   # no C++ kernels
+
+--json writes a summary (the table, each configuration's best ms/step per batch size, host, commit
+and command); the run keeps no per-request records, so there is nothing raw to put under runs/.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from decode_speed import run  # noqa: E402  (sibling script)
 
+from iterserve.bench.summary import run_info, write_json  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
 
 
@@ -52,6 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    info = run_info(["python", "benchmarks/ab_decode.py", *sys.argv[1:]])
     llms, envs = [], []
     for c in args.configs:
         t0 = time.perf_counter()
@@ -70,15 +77,18 @@ def main() -> None:
                 ms = decode_ms_per_step(llm, b, args.tokens, args.prompt_len)
                 best[i, b] = min(best.get((i, b), float("inf")), ms)
     rows = []
+    table = ["| batch | " + " | ".join(args.configs) + " |", "|---:|" + "---:|" * len(args.configs)]
     for b in args.batch:
+        table.append(f"| {b} | " + " | ".join(f"{best[i, b]:.1f} ms ({1e3 * b / best[i, b]:.0f} tok/s)"
+                                             for i in range(len(args.configs))) + " |")
         for i, c in enumerate(args.configs):
             ms = best[i, b]
             rows.append({"config": json.loads(c), "batch": b, "ms_per_step": ms, "tok_s": 1e3 * b / ms,
                          "speedup_vs_first": best[0, b] / ms})
             print(f"batch {b:3d} {c:40s} {ms:7.1f} ms/step {1e3 * b / ms:7.1f} tok/s  x{best[0, b] / ms:.2f}")
+    print("\n".join(table))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_json(Path(args.json), {**info, "args": vars(args), "table": "\n".join(table), "rows": rows})
 
 
 if __name__ == "__main__":

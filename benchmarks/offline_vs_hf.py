@@ -7,14 +7,16 @@ Workload: prompts of 50-500 tokens of real prose (iterserve.bench.workload.build
 lengths uniform in 16-256, greedy, ignore_eos, all submitted at once. transformers runs batches of 8
 in arrival order, left-padded, float32 (and/or bfloat16: --hf-dtype), max_new_tokens = the batch's longest output; only each
 request's own tokens count as useful output (what a static batcher would return to its clients).
-Prints output tokens/s of both and the ratio, and writes the numbers as JSON.
+Prints output tokens/s of both and the ratio, and writes the numbers as a summary (--out: results,
+workload totals, host, commit, command) and every request's lengths and output token ids under
+--raw-dir (default: a new folder under runs/, ignored by git).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,6 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from iterserve.bench.summary import default_raw_dir, run_info, write_json  # noqa: E402
 from iterserve.bench.workload import RequestSpec, all_at_once, build_prompts  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.model.loader import load_tokenizer, resolve_model  # noqa: E402
@@ -104,7 +107,9 @@ def main() -> None:
     ap.add_argument("--hf-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="transformers runs, one per dtype (float32 is what transformers uses by default)")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields for iterserve")
-    ap.add_argument("--out", default="benchmarks/results/offline_vs_hf.json", help="JSON results")
+    ap.add_argument("--out", default="benchmarks/results/offline_vs_hf.json", help="the summary (JSON)")
+    ap.add_argument("--raw-dir", type=Path, help="every request's lengths and output token ids go to "
+                    "offline_vs_hf.json here (default: a new folder under runs/)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,7 +120,8 @@ def main() -> None:
     specs, prompts = make_workload(args.num_requests, args.seed, tokenizer)
     out_lens = [s.output_len for s in specs]
     load = os.getloadavg()[0]
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    info = run_info(["python", "benchmarks/offline_vs_hf.py", *sys.argv[1:]])
+    raw_dir = args.raw_dir or default_raw_dir("offline_vs_hf")
     print(f"{len(prompts)} requests: prompt tokens {sum(map(len, prompts))} "
           f"({min(map(len, prompts))}-{max(map(len, prompts))}), output tokens {sum(out_lens)} "
           f"({min(out_lens)}-{max(out_lens)}); torch threads {torch.get_num_threads()}; load {load:.2f}")
@@ -134,22 +140,23 @@ def main() -> None:
         print(f"ratio iterserve/transformers-{dtype}: {hf['ratio']:.2f}x   (first 16 greedy tokens agree for "
               f"{hf['first16_agree']}/{len(prompts)} requests)", flush=True)
 
+    prompt_lens = [len(p) for p in prompts]
     result = {
-        "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python benchmarks/offline_vs_hf.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "loadavg_1m_at_start": load, "end_loadavg_1m": os.getloadavg()[0],
-                    "python": platform.python_version(), "torch": torch.__version__},
+        **info, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch_threads": torch.get_num_threads(), "loadavg_at_end": list(os.getloadavg()),
+        "raw": str(raw_dir / "offline_vs_hf.json"),
         "workload": {"num_requests": len(prompts), "seed": args.seed,
-                     "prompt_tokens": [len(p) for p in prompts], "output_tokens": out_lens},
+                     "prompt_tokens": {"total": sum(prompt_lens), "min": min(prompt_lens), "max": max(prompt_lens)},
+                     "output_tokens": {"total": sum(out_lens), "min": min(out_lens), "max": max(out_lens)}},
         "iterserve": {k: v for k, v in it.items() if k != "token_ids"},
         "transformers": [{k: v for k, v in hf.items() if k != "token_ids"} for hf in hf_runs],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    raw = {"prompt_tokens": prompt_lens, "output_tokens": out_lens,
+           "token_ids": {"iterserve": it["token_ids"], **{f"transformers-{hf['dtype']}": hf["token_ids"]
+                                                          for hf in hf_runs}}}
+    write_json(raw_dir / "offline_vs_hf.json", raw, compact=True)
+    write_json(Path(args.out), result)
+    print(f"wrote {args.out}; raw records in {raw_dir}")
 
 
 if __name__ == "__main__":

@@ -4,26 +4,25 @@
     .venv/bin/python benchmarks/vs_peers.py --quick --peers iterserve,llamacpp
 
 This script holds what runs things (the servers, the offline comparison of offline_vs_hf.py, the
-report file); the plan, the metrics and the table are in the package, where the tests import them.
+summary and the raw report); the plan, the metrics and the table are in the package, where the
+tests import them.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
-import json
 import os
-import platform
 import shlex
 import sys
-import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
 from iterserve.bench.peers import PeerInstall, System, Unavailable, serving
+from iterserve.bench.summary import default_raw_dir, git_commit, host_info, write_json
 from iterserve.bench.vs_peers import (DEFAULT_PEERS_HOME, TRANSFORMERS, Plan, Report, build_workloads, engine_flags,
-                                      markdown, measure, notes, parse_args, plan_from_args, report_table)
+                                      markdown, measure, notes, parse_args, plan_from_args, report_table,
+                                      summarise)
 
 
 def run_offline(plan: Plan, variants: Sequence[System], model: str, say) -> dict[str, Any]:
@@ -58,24 +57,6 @@ def run_offline(plan: Plan, variants: Sequence[System], model: str, say) -> dict
     return result
 
 
-def machine_info() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
-
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"cpu": fields.get("model name") or platform.processor(), "cores": os.cpu_count(),
-            "isa": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-            "python": platform.python_version(), "torch": version("torch"),
-            "transformers": version("transformers"), "platform": platform.platform()}
-
-
 # ---------------------------------------------------------------- main
 
 def _say(text: str) -> None:
@@ -88,7 +69,7 @@ def run_all(args: argparse.Namespace, report: Report) -> None:
     plan = report.plan
     work = build_workloads(plan, load_tokenizer(resolve_model(args.model)))
     install = PeerInstall(args.peers_dir, Path(os.environ.get("PEERS") or DEFAULT_PEERS_HOME))
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="vs_peers-"))
+    log_dir = args.log_dir or args.raw_dir / "logs"
     for system in args.systems:
         load_before = os.getloadavg()
         _say(f"{system.label}: starting (load {load_before[0]:.2f})")
@@ -111,6 +92,7 @@ def run_all(args: argparse.Namespace, report: Report) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report = Report(plan_from_args(args))
+    args.raw_dir = args.raw_dir or default_raw_dir("vs_peers")
     started, load_start = datetime.now().astimezone().isoformat(timespec="seconds"), os.getloadavg()
     try:
         run_all(args, report)
@@ -122,14 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join([table, *notes(report)]))
     command = ["python", "benchmarks/vs_peers.py", *(sys.argv[1:] if argv is None else argv)]
     result = {"date": started, "finished": datetime.now().astimezone().isoformat(timespec="seconds"),
-              "command": shlex.join(command), "machine": machine_info(),
+              "command": shlex.join(command), "commit": git_commit(), "host": host_info(),
+              "raw": str(args.raw_dir / "vs_peers.json"),
               "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
               "plan": dataclasses.asdict(report.plan), "order": [s.label for s in args.systems],
               "interrupted": report.interrupted, "skipped": report.skipped,
               "table": {"rows": lines, "markdown": table}, "systems": report.systems, "offline": report.offline}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    _say(f"wrote {args.out}")
+    write_json(args.raw_dir / "vs_peers.json", result, compact=True)
+    write_json(args.out, summarise(result))
+    _say(f"wrote {args.out}; raw records in {args.raw_dir}")
     return 1 if report.interrupted or not report.systems else 0
 
 

@@ -96,6 +96,22 @@ def test_notes_name_skipped_systems_and_suspect_workloads():
     assert [line.split(":")[0] for line in lines[1:]] == ["warning llamacpp concurrent", "warning llamacpp poisson"]
 
 
+def test_summary_keeps_every_metric_and_drops_the_per_request_records():
+    recs = [RequestRecord(i, 0.0, 12, 4, ttft_s=0.01, itl_s=[0.1] * 3, output_tokens=4, success=True)
+            for i in range(3)]
+    single = vp.single_metrics(recs)
+    result = {"command": "python benchmarks/vs_peers.py", "table": {"markdown": "| x |"},
+              "systems": {"iterserve": {"kind": "iterserve", "startup_s": 1.0,
+                                        "workloads": {"single": single, "poisson": {"error": "cannot reach"}}}}}
+    summary = vp.summarise(result)
+    kept = summary["systems"]["iterserve"]["workloads"]
+    assert kept["single"] == {k: v for k, v in single.items() if k not in vp.RAW_KEYS}
+    assert kept["single"]["decode_tok_s"] == pytest.approx(10.0) and "records" not in kept["single"]
+    assert kept["poisson"] == {"error": "cannot reach"}
+    assert summary["table"] == result["table"] and summary["systems"]["iterserve"]["startup_s"] == 1.0
+    assert "records" in result["systems"]["iterserve"]["workloads"]["single"]  # the raw report is untouched
+
+
 def test_engine_flags_for_the_offline_engine():
     assert vp.engine_flags(["--dtype", "bfloat16", "--threads", "1", "--max-waiting", "3"]) == \
         ("bfloat16", {"num_threads": 1})

@@ -28,6 +28,10 @@ the table, which the tests import):
     .venv/bin/python benchmarks/vs_peers.py --iterserve-args "" --iterserve-args "--dtype bfloat16" \\
         --peers vllm,iterserve,llamacpp --rate 3 --offline --out benchmarks/results/vs_peers.json
 
+--out gets a summary (the table, every system's metrics and settings, the plan, host, commit and
+command: a few KB, the file to commit); --raw-dir (default: a new folder under runs/, ignored by
+git) gets the same report with every request's record.
+
 --iterserve-args may repeat: each gives one iterserve column (flags of `iterserve serve`), all run
 where "iterserve" stands in --peers. The peers read their settings from the environment (NP,
 THREADS, MAX_NUM_SEQS, VLLM_CPU_OMP_THREADS_BIND, VLLM_EXTRA_ARGS, ...: see the start scripts).
@@ -312,8 +316,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="the peer scripts (default: ../shared/peers from the repo root)")
     ap.add_argument("--startup-timeout", type=float, default=900.0,
                     help="seconds a system may take to answer /health (vLLM needs ~100-140)")
-    ap.add_argument("--log-dir", type=Path, help="iterserve server logs (default: a temporary folder)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_peers.json"))
+    ap.add_argument("--log-dir", type=Path, help="iterserve server logs (default: logs/ in --raw-dir)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_peers.json"),
+                    help="the summary: table, metrics, plan, host, commit, command (default %(default)s)")
+    ap.add_argument("--raw-dir", type=Path, help="the full report with every request's record goes to "
+                    "vs_peers.json here (default: a new folder under runs/)")
     args = ap.parse_args(argv)
     try:
         args.systems = systems_from_args(args.peers, args.iterserve_args)
@@ -346,6 +353,17 @@ def report_table(report: Report, systems: Sequence[System]) -> list[list[str]]:
     ours = [label for label in values if kinds.get(label) == "iterserve"]
     theirs = [label for label in values if kinds.get(label) != "iterserve"]
     return build_table(table_rows(report.plan, report.offline is not None), values, ours, theirs)
+
+
+RAW_KEYS = ("records", "decode_tok_s_each", "ttft_ms_each")  # per-request lists: raw report only
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+    """The report without its per-request records: what goes to --out (and into git)."""
+    systems = {label: {**run, "workloads": {name: {k: v for k, v in w.items() if k not in RAW_KEYS}
+                                            for name, w in run["workloads"].items()}}
+               for label, run in result["systems"].items()}
+    return {**result, "systems": systems}
 
 
 def notes(report: Report) -> list[str]:
