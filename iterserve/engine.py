@@ -29,6 +29,8 @@ from iterserve.platform.selector import get_platform
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
 from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
+from iterserve.structured.manager import StructuredOutputManager
+from iterserve.structured.params import StructuredOutputError
 
 log = logging.getLogger("iterserve.engine")
 sched_log = logging.getLogger("iterserve.scheduler")
@@ -105,6 +107,8 @@ class LLMEngine:
                  num_blocks, config.block_size,
                  num_blocks * kv_bytes_per_block(mcfg, config.block_size, self.dtype) / 2**20,
                  fits, self.max_model_len)
+        self.structured = StructuredOutputManager(tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
+        self._compiling: dict[str, tuple[Request, object]] = {}  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.records: deque[StepRecord] = deque(maxlen=4096)
@@ -181,9 +185,41 @@ class LLMEngine:
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has "
                                   f"{self.pool.num_blocks}: shorten it or raise the KV cache size")
+        bad = [t for t in params.logit_bias or () if t >= self.model_config.vocab_size]
+        if bad:
+            raise RequestRejected(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{self.model_config.vocab_size - 1})")
         self.requests[request_id] = req
+        if params.structured_outputs is not None:
+            future = self.structured.compile(params.structured_outputs)
+            if not future.done():  # the step goes on; the request joins the scheduler when it is ready
+                self._compiling[request_id] = (req, future)
+                return req
+            try:
+                req.grammar = self.structured.new_grammar(future.result())
+            except StructuredOutputError as e:
+                del self.requests[request_id]
+                raise RequestRejected(str(e)) from None
         self.scheduler.add_request(req)
         return req
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Requests whose grammar finished compiling join the scheduler; a failed one ends alone."""
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                req.grammar = self.structured.new_grammar(future.result())
+            except StructuredOutputError as e:
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.times.finished = time.monotonic()
+                self.requests.pop(rid, None)
+                out = self._output(req, [], None, finished=True)
+                out.error = str(e)
+                outputs.append(out)
+                continue
+            self.scheduler.add_request(req)
 
     def check_limits(self, num_prompt: int, params: SamplingParams) -> None:
         if num_prompt == 0:
@@ -200,6 +236,10 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
+        if self._compiling.pop(request_id, None) is not None:
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._release([(req, 0)], time.monotonic(), self._pending, finished_ids=None)
+            return True
         released = self.scheduler.abort_request(request_id)
         req.status = RequestStatus.FINISHED_ABORTED
         self._release(released or [], time.monotonic(), self._pending, finished_ids=None)
@@ -213,7 +253,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
 
     def next_deadline(self) -> float | None:
         """When an engine whose last step did nothing may have work again without a new request
@@ -223,6 +263,8 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self._compiling:
+            self._admit_compiled(outputs)
         now = time.monotonic()
         sched = self.scheduler.schedule(now)
         if sched.is_empty:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from iterserve.sampling import SamplingParams
+from iterserve.structured.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +85,7 @@ class Request:
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
         self.logprobs: list = []
         self.generator: torch.Generator | None = None
+        self.grammar: RequestGrammar | None = None  # set once its structured-output grammar is compiled
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -141,12 +143,17 @@ class Request:
             self.times.first_token = now
         self.times.last_token = now
         self.times.token_times.append(now)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
 
     def check_stop_token(self, max_model_len: int) -> RequestStatus | None:
-        """Stop conditions that need no text: stop ids / EOS, max_tokens, max_model_len."""
+        """Stop conditions that need no text: stop ids / EOS, the grammar's end, max_tokens,
+        max_model_len. A grammar that cannot finish within max_tokens ends with "length", as vLLM's."""
         last = self.output_token_ids[-1]
         if last in self._stop_ids:
             self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and (self.grammar.is_terminated or self.grammar.error):
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH

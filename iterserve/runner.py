@@ -21,6 +21,7 @@ from iterserve.config import ModelConfig
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.request import Request
 from iterserve.sampling import Sampler, SamplingParams
+from iterserve.structured.logits import TokenConstraints
 
 log = logging.getLogger("iterserve.runner")
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size)
+        self.constraints = TokenConstraints(cfg.vocab_size)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Lays the step out as the attention expects: single-token rows first, then prefill
@@ -153,6 +155,9 @@ class ModelRunner:
         sampled = inp.sampled
         rows = [sched.scheduled[i] for i in sampled]
         reqs = [s.request for s in rows]
+        live = [not s.padding for s in rows]  # static batching's padding rows are sampled, never used
+        logits = self.constraints.apply(logits, [r.grammar if ok else None for r, ok in zip(reqs, live)],
+                                        [r.params.logit_bias if ok else None for r, ok in zip(reqs, live)])
         penal = any(r.params.has_penalties for r in reqs)
         sample = self.sampler(
             logits, [r.params for r in reqs],

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from iterserve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +29,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
     n: int = 1
+    # constrained decoding (vLLM's names): the output must match this; None = free text
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +70,11 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > 16:
             bad("at most 16 stop strings")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if not -100.0 <= bias <= 100.0:
+                bad(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
 
     @property
     def greedy(self) -> bool:

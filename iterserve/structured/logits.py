@@ -1,0 +1,42 @@
+"""The step's token constraints on the sampled rows' logits: grammar bitmasks, then logit_bias.
+
+One int32 bitmask for the whole batch (a bit per token, llguidance's layout): constrained rows get
+their grammar's mask, free rows stay all ones, and one in-place kernel applies it. Rows without a
+grammar or a bias are left bit for bit as they were, so a free request batched with constrained
+ones samples exactly what it would alone.
+"""
+from __future__ import annotations
+
+import llguidance.torch
+import torch
+
+from iterserve.structured.grammar import RequestGrammar
+
+
+class TokenConstraints:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._bitmask = llguidance.torch.allocate_token_bitmask(16, vocab_size)
+
+    def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None],
+              logit_biases: list[dict[int, float] | None]) -> torch.Tensor:
+        """Returns float32 logits with the constraints applied (in place when already float32)."""
+        if not any(g is not None for g in grammars) and not any(logit_biases):
+            return logits
+        logits = logits.float()
+        for row, bias in enumerate(logit_biases):
+            if bias:
+                ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+                vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[row].index_add_(0, ids, vals)
+        if any(g is not None for g in grammars):
+            n = logits.shape[0]
+            if self._bitmask.shape[0] < n:
+                self._bitmask = llguidance.torch.allocate_token_bitmask(n, self.vocab_size)
+            mask = self._bitmask[:n]
+            mask.fill_(-1)
+            for row, g in enumerate(grammars):
+                if g is not None:
+                    g.fill_bitmask(mask, row)
+            llguidance.torch.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True))
+        return logits
