@@ -144,14 +144,15 @@ class LLMEngine:
                 "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching}
 
     # ---- requests --------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None,
+                      tools: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer
         if messages is not None:
             if not messages:
                 raise RequestRejected("messages must not be empty")
             if not getattr(tok, "chat_template", None):
                 raise RequestRejected("this model has no chat template: send a plain prompt")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
             return tok.encode(text, add_special_tokens=False)
         if not prompt:
             raise RequestRejected("prompt must not be empty")

@@ -152,10 +152,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ---- requests (event loop side) -----------------------------------------------------------------
-    async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    async def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+                     tools: list[dict] | None = None) -> list[int]:
         """Tokenises off the loop and off the engine thread."""
         try:
-            return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)
+            return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages, tools)
         except UnicodeError as e:  # e.g. a lone surrogate escaped in the JSON
             raise RequestRejected(f"the text cannot be tokenised: {e}") from None
 

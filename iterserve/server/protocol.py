@@ -32,6 +32,29 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(StrictModel):
+    """vLLM's `structured_outputs` extra parameter; give exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: str | dict | None = Field(None, alias="json", description="a JSON schema (object or its JSON text)")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="Lark or GBNF (llama.cpp EBNF) grammar text")
+    json_object: bool | None = None
+
+
 class GenerationRequest(StrictModel):
     """Fields both generation endpoints share; None means "the default"."""
 
@@ -54,6 +77,13 @@ class GenerationRequest(StrictModel):
     priority: Int | None = Field(0, ge=INT64_MIN, le=UINT64_MAX,
                                  description="extension: lower runs first under --scheduling-policy priority")
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = Field(None, description="extension (vLLM)")
+    guided_json: str | dict | None = Field(None, description="extension (vLLM, older name)")
+    guided_regex: str | None = Field(None, description="extension (vLLM, older name)")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM, older name)")
+    guided_grammar: str | None = Field(None, description="extension (vLLM, older name)")
 
 
 class CompletionRequest(GenerationRequest):
@@ -69,10 +99,44 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: which call this result answers
+
+
+class FunctionDef(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -80,6 +144,9 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description='false: tool_choice "required" makes one call')
 
 
 class TokenizeRequest(StrictModel):

@@ -24,6 +24,8 @@ from iterserve.sampling import SamplingParams
 from iterserve.server.async_engine import AsyncEngine, RequestStream
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        GenerationRequest, error_body)
+from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls, prompt_messages, template_has_tools
+from iterserve.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -46,12 +48,36 @@ def usage(out: RequestOutput) -> dict:
             "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
 
 
-def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
-    out = []
-    for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-    return out
+def structured_outputs_from(body: GenerationRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The one output constraint a body asks for, from OpenAI's response_format or vLLM's
+    structured_outputs / guided_* names, and the parameter it came from (for errors)."""
+    found: list[tuple[str, dict]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError("response_format json_schema needs json_schema.schema", param="response_format")
+        found.append(("response_format", {"json": rf.json_schema.schema_}))
+    so = body.structured_outputs
+    if so is not None:
+        given = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                 "json_object": so.json_object or None}
+        found.append(("structured_outputs", {k: v for k, v in given.items() if v is not None}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(body, name) is not None:
+            found.append((name, {key: getattr(body, name)}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise APIError("give one output constraint, not several: " + ", ".join(n for n, _ in found),
+                       param=found[1][0])
+    param, kw = found[0]
+    try:
+        return StructuredOutputsParams(**kw), param
+    except StructuredOutputError as e:
+        raise APIError(f"{param}: {e}", param=param) from None
 
 
 def sse(obj: dict | str) -> str:
@@ -78,7 +104,8 @@ class OpenAIServing:
             raise APIError(f"model {name!r} does not exist; this server serves "
                            f"{self.settings.served_model_name!r}", 404, param="model", code="model_not_found")
 
-    def sampling_params(self, body: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, body: GenerationRequest, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if body.n not in (None, 1):
             raise APIError(f"n must be 1 (iterserve returns one choice per request), got {body.n}", param="n")
         given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -86,9 +113,35 @@ class OpenAIServing:
                                                 "repetition_penalty") if getattr(body, k) is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
-                                  **given)
+                                  structured_outputs=structured, logit_bias=self.logit_bias(body), **given)
         except ValueError as e:
-            raise APIError(str(e)) from None
+            raise APIError(str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
+
+    def logit_bias(self, body: GenerationRequest) -> dict[int, float] | None:
+        if not body.logit_bias:
+            return None
+        vocab = self.llm.model_config.vocab_size
+        out = {}
+        for key, bias in body.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= tok < vocab:
+                raise APIError(f"logit_bias: token id {tok} is outside the vocabulary (0..{vocab - 1})",
+                               param="logit_bias")
+            out[tok] = bias
+        return out
+
+    async def compile_grammar(self, structured: StructuredOutputsParams | None, param: str | None) -> None:
+        """Waits (off the loop and off the engine thread) for the grammar, so that one that cannot
+        compile is a 400 before the request is admitted; the engine then finds it in the cache."""
+        if structured is None:
+            return
+        try:
+            await asyncio.wrap_future(self.llm.structured.compile(structured))
+        except StructuredOutputError as e:
+            raise APIError(f"{param}: {e}", param=param) from None
 
     # ---- endpoints ----------------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, http: Request):
@@ -101,7 +154,9 @@ class OpenAIServing:
         if ids is None:
             ids = await self.engine.encode(prompt=text)
         max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, self.llm.max_output_len)
-        params = self.sampling_params(body, max_tokens, body.logprobs)
+        structured, param = structured_outputs_from(body)
+        params = self.sampling_params(body, max_tokens, body.logprobs, structured)
+        await self.compile_grammar(structured, param)
         return await self._generate(_Format(False, self), body, http, ids, params, arrival)
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
@@ -111,15 +166,29 @@ class OpenAIServing:
             raise APIError("messages must not be empty", param="messages")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
-        ids = await self.encode_chat(body.messages)
+        tools = ToolMode.from_body(body)
+        structured, param = structured_outputs_from(body)
+        forced = tools.structured_outputs()
+        if forced is not None:
+            if structured is not None:
+                raise APIError(f'tool_choice "required" or a named function forces the output; drop {param}',
+                               param=param)
+            structured, param = forced, "tools"
+        ids = await self.encode_chat(body.messages, tools)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(
             1, min(self.llm.max_output_len, self.llm.max_model_len - len(ids)))
-        params = self.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        return await self._generate(_Format(True, self), body, http, ids, params, arrival)
+        params = self.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                      structured)
+        await self.compile_grammar(structured, param)
+        return await self._generate(_Format(True, self, tools if tools.active else None), body, http, ids,
+                                    params, arrival)
 
-    async def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    async def encode_chat(self, messages: list[ChatMessage], tools: ToolMode | None = None) -> list[int]:
+        tools = tools or ToolMode([], "none")
+        native = template_has_tools(getattr(self.llm.tokenizer, "chat_template", None))
         try:
-            return await self.engine.encode(messages=messages_to_dicts(messages))
+            return await self.engine.encode(messages=prompt_messages(messages, tools, native),
+                                            tools=tools.template_tools() if native else None)
         except (ValueError, TypeError, KeyError, IndexError) as e:  # template rejected the conversation
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         except Exception as e:
@@ -188,12 +257,29 @@ class OpenAIServing:
             if fmt.chat:
                 yield sse(fmt.chunk(request_id, created, {"role": "assistant", "content": ""}, None, None) | extra)
             offset = 0
+            calls = ToolCallStream(fmt.tools) if fmt.tools is not None else None
             async for out in stream:
                 if out.error:
                     yield sse(error_body(out.error, 500))
                     break
                 lp, offset = fmt.logprobs(out.new_token_ids, out.new_logprobs, offset)
-                if out.finished:
+                if calls is not None:  # text becomes content and tool-call deltas; the last chunk ends it
+                    deltas = calls.feed(out.text_delta)
+                    made = False
+                    if out.finished:
+                        tail, made = calls.finish()
+                        deltas += tail
+                    for d in deltas:
+                        yield sse(fmt.chunk(request_id, created, d, None, None) | extra)
+                    if lp is not None and not out.finished:
+                        yield sse(fmt.chunk(request_id, created, {}, lp, None) | extra)
+                    if not out.finished:
+                        continue
+                    reason = "tool_calls" if made and out.finish_reason == "stop" else out.finish_reason
+                    yield sse(fmt.chunk(request_id, created, {}, lp, reason) | extra | {"iterserve": timings(out.times)})
+                    if include_usage:
+                        yield sse(fmt.chunk(request_id, created, None, None, None) | {"usage": usage(out)})
+                elif out.finished:
                     chunk = fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, out.finish_reason)
                     yield sse(chunk | extra | {"iterserve": timings(out.times)})
                     if include_usage:
@@ -209,8 +295,9 @@ class OpenAIServing:
 class _Format:
     """What differs between the two endpoints' response shapes."""
 
-    def __init__(self, chat: bool, serving: OpenAIServing) -> None:
+    def __init__(self, chat: bool, serving: OpenAIServing, tools: ToolMode | None = None) -> None:
         self.chat = chat
+        self.tools = tools  # chat with tools offered: the text is parsed into tool calls
         self.model = serving.settings.served_model_name
         self.token_text = serving.token_text
         self.id_prefix = "chatcmpl" if chat else "cmpl"
@@ -230,9 +317,15 @@ class _Format:
         lp = self.logprobs(ids, lps, 0)[0] if want_lp else None
         choice = ({"message": {"role": "assistant", "content": last.output_text}} if self.chat
                   else {"text": last.output_text})
+        reason = last.finish_reason
+        if self.tools is not None:
+            content, calls = parse_tool_calls(last.output_text, self.tools)
+            choice = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
+            if calls and reason == "stop":
+                reason = "tool_calls"
         return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": int(time.time()), "model": self.model,
-                "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": last.finish_reason}],
+                "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": reason}],
                 "usage": usage(last), "iterserve": timings(last.times)}
 
     def logprobs(self, ids: list[int], lps: list, offset: int) -> tuple[dict | None, int]:
