@@ -8,6 +8,7 @@ ones samples exactly what it would alone.
 from __future__ import annotations
 
 import llguidance.torch
+import numpy as np
 import torch
 
 from iterserve.structured.grammar import RequestGrammar
@@ -38,5 +39,20 @@ class TokenConstraints:
             for row, g in enumerate(grammars):
                 if g is not None:
                     g.fill_bitmask(mask, row)
-            llguidance.torch.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True))
+            rows = [row for row, g in enumerate(grammars) if g is not None]
+            apply_bitmask(logits, mask, rows)
         return logits
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Sets the logits of disallowed tokens to -inf in the given rows. numpy unpacks the bits (bit
+    j of int32 word i is token 32 * i + j); llguidance's own kernel is a torch.compile'd function
+    that compiles for seconds at its first call and again for each new batch size."""
+    words = bitmask[rows].numpy()
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+    banned = torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,6 +26,10 @@ from iterserve.structured.grammar import RequestGrammar
 from iterserve.structured.params import StructuredOutputError, StructuredOutputsParams
 
 log = logging.getLogger("iterserve.structured")
+
+# engines that share a tokenizer (tests, benchmarks) share its llguidance twin
+_LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LL_TOKENIZERS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -40,8 +45,8 @@ class StructuredOutputManager:
                  config: StructuredOutputConfig | None = None) -> None:
         self.config = config or StructuredOutputConfig()
         self.vocab_size = vocab_size
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                         eos_token=list(eos_token_ids) or None)
+        self._hf_tokenizer, self._eos_token_ids = hf_tokenizer, list(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iterserve-grammar")
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -64,6 +69,20 @@ class StructuredOutputManager:
 
     def new_grammar(self, prototype: llguidance.LLMatcher) -> RequestGrammar:
         return RequestGrammar(prototype.deep_copy())
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """Built at the first compilation (on the compile thread): it reads the whole vocabulary,
+        about a second here, which an engine that never sees a constraint should not pay."""
+        if self._ll_tokenizer is None:
+            key = (self.vocab_size, tuple(self._eos_token_ids))
+            with _LL_TOKENIZERS_LOCK:
+                known = _LL_TOKENIZERS.setdefault(self._hf_tokenizer, {})
+                if key not in known:
+                    known[key] = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                              eos_token=self._eos_token_ids or None)
+                self._ll_tokenizer = known[key]
+        return self._ll_tokenizer
 
     def _compile(self, key: tuple[str, str]) -> llguidance.LLMatcher:
         fmt, text = key
