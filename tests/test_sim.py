@@ -157,3 +157,15 @@ def test_simulate_cli_writes_bench_serve_json(tmp_path, capsys):
     assert data["meta"]["simulated"]["estimate"] is True
     assert main(["simulate", "--profile", str(tmp_path / "missing.json"), "--num-requests", "5"]) == 2
     assert "cannot read profile" in capsys.readouterr().err
+
+
+def test_sampled_replicas_are_exact_under_round_robin():
+    prof, specs = linear_profile(), workload(n=400, rate=60.0)
+    full = simulate(specs, EngineConfig(max_num_seqs=8), prof, replicas=4)
+    part = simulate(specs, EngineConfig(max_num_seqs=8), prof, replicas=4, sample_replicas=1)
+    by_index = {r.index: r for r in full.result.records}
+    assert len(part.result.records) == 100
+    for r in part.result.records:
+        assert r == by_index[r.index]
+    with pytest.raises(ValueError, match="round-robin"):
+        simulate(specs, EngineConfig(), prof, replicas=4, router="least-loaded", sample_replicas=1)

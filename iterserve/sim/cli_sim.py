@@ -102,7 +102,7 @@ def run_sim(args: argparse.Namespace, profile: Profile, specs: list, config: Eng
 
     big = len(specs) > RECORDS_LIMIT
     run = simulate(specs, config, profile, replicas or args.replicas, args.router, keep_steps=not big,
-                   keep_itl=not big, slos=slos or [])
+                   keep_itl=not big, slos=slos or [], sample_replicas=getattr(args, "sample_replicas", None))
     run.result.meta.update(workload=describe_workload(args), engine=config.__dict__, profile=profile.describe(),
                            estimate=profile.estimate)
     return run
@@ -110,7 +110,9 @@ def run_sim(args: argparse.Namespace, profile: Profile, specs: list, config: Eng
 
 def _speed_line(run: SimRun) -> str:
     s = run.stats
-    return (f"simulate: {s['requests']} requests, {s['steps']} steps, {s['simulated_s']:.1f} s simulated in "
+    return (f"simulate: {s['requests']} requests"
+            + (f" ({s['simulated_replicas']} of {s['replicas']} replicas)" if s['simulated_replicas'] < s['replicas']
+               else "") + f", {s['steps']} steps, {s['simulated_s']:.1f} s simulated in "
             f"{s['wall_s']:.2f} s wall ({s['speedup']:.0f}x real time, {s['requests_per_wall_s']:.0f} req/s, "
             f"{s['steps'] / max(s['wall_s'], 1e-9):.0f} steps/s); busy "
             + ", ".join(f"{b:.0%}" for b in s["busy_fraction"][:8])
@@ -169,6 +171,9 @@ def add_simulate_parser(sub: Any) -> None:
                                    "says how long it takes. Same workload and engine flags as bench and serve; "
                                    "--result-json writes bench serve's JSON, --compare-out compare's report.")
     _sim_args(p)
+    p.add_argument("--sample-replicas", type=int, default=None, metavar="K",
+                   help="with --replicas N and round-robin: simulate only K of them, exactly, with the "
+                        "requests round-robin sends them (the cost is per simulated request)")
     p.add_argument("--result-json", metavar="PATH", help="write bench serve's summary and every request here")
     p.add_argument("--steps", action="store_true", help="with --result-json: add each replica's step records")
     p.add_argument("--compare-out", metavar="DIR",
