@@ -32,6 +32,8 @@ from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.summary import default_raw_dir, run_info, write_json
 from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts, describe_workload,
                                       workload_from_args)
+from iterserve.engine_args import add_engine_args, engine_config_from_args
+from iterserve.sim.profile import Profile
 
 DEFAULT_SLO = "e2e_p95=2s"  # the chat bot case's goal (docs/seed-case.md)
 WARMUP_TOKENS = 8
@@ -409,6 +411,50 @@ def sweep(points: Sequence[GridPoint], model: str, server_args: Sequence[str], s
     return out
 
 
+# ---------------------------------------------------------------- in the simulator first (--simulate)
+
+def simulate_config(point: GridPoint, profile: Profile, server_args: Sequence[str], specs: Sequence[RequestSpec],
+                    slos: Sequence[Slo]) -> ConfigResult:
+    """The config's replay in the capacity simulator (iterserve/sim): the engine's scheduler and
+    block pool, the profile's step times; a ConfigResult like a real replay's."""
+    from iterserve.sim.simulator import simulate  # loads torch (through Request): only when asked for
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    overrides = {"max_num_seqs": point.max_num_seqs, "block_size": point.block_size}
+    if point.max_num_batched_tokens is not None:
+        overrides["max_num_batched_tokens"] = point.max_num_batched_tokens
+    config = engine_config_from_args(parser.parse_args(list(server_args)), **overrides)
+    run = simulate(specs, config, profile, slos=slos)
+    return ConfigResult(point, "ok", "simulated", run.result.summary(), kv_stats(run.timelines[0].steps, point.block_size),
+                        slo_met(run.result), run.stats["wall_s"])
+
+
+def _ranked(results: Sequence[ConfigResult]) -> list[ConfigResult]:
+    """best_config's order: meeting the SLOs first, then goodput, then throughput."""
+    key = lambda r: (r.slo_met, r.metric("goodput") or 0.0, r.metric("throughput") or 0.0)  # noqa: E731
+    return sorted((r for r in results if r.status == "ok"), key=key, reverse=True)
+
+
+def predicted_vs_measured(pairs: Sequence[tuple[ConfigResult, ConfigResult]]) -> str:
+    """Each verified config: the simulator's prediction next to the real replay, and the error."""
+    cols = (("req/s", lambda s: s["request_throughput"]), ("out tok/s", lambda s: s["output_throughput"]),
+            ("e2e mean ms", lambda s: s["e2e_ms"]["mean"]), ("e2e p95 ms", lambda s: s["e2e_ms"]["p95"]),
+            ("TTFT p50 ms", lambda s: s["ttft_ms"]["median"]))
+    head = ["config"] + [f"{name} {kind}" for name, _ in cols for kind in ("sim", "real", "err")] + ["SLO sim/real"]
+    rows = [head, ["---"] * len(head)]
+    for sim, real in pairs:
+        cells = [sim.point.label()]
+        for _, get in cols:
+            p = get(sim.summary) if sim.summary else None
+            m = get(real.summary) if real.status == "ok" else None
+            err = f"{100 * (p - m) / m:+.0f}%" if p is not None and m else "-"
+            cells += ["-" if p is None else f"{p:.1f}", "-" if m is None else f"{m:.1f}", err]
+        cells.append(f"{'met' if sim.slo_met else 'missed'}/{('met' if real.slo_met else 'missed') if real.status == 'ok' else real.status}")
+        rows.append(cells)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
 # ---------------------------------------------------------------- command line
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -441,6 +487,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--shuffle", action="store_true",
                    help="run the configs in a random order (seeded by --seed), so that a drift in machine "
                         "load does not line up with one axis of the grid")
+    p.add_argument("--simulate", metavar="P.json",
+                   help="sweep the grid in the capacity simulator with this step profile (`iterserve profile`), "
+                        "seconds per config, then verify the best --verify configs by real replay")
+    p.add_argument("--verify", type=int, default=3, metavar="N",
+                   help="with --simulate: replay the N best simulated configs for real (default 3; 0: none)")
     p.add_argument("--no-progress", action="store_true")
     add_workload_args(p)
     p.set_defaults(func=cmd_tune)
@@ -479,6 +530,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"tune: {len(points)} configs x {len(specs)} requests "
           f"(last arrival {max(s.arrival_s for s in specs):.1f} s), SLO {', '.join(s.text for s in slos)}",
           file=sys.stderr)
+    if args.simulate:
+        return cmd_tune_simulated(args, points, specs, slos, out, workload)
     result = sweep(points, args.model, shlex.split(args.server_args), specs, slos, args.budget_minutes,
                    args.run_grace, args.endpoint, args.ignore_eos, raw_dir / "logs", not args.no_progress, workload)
     table = markdown_table(result.results)
@@ -498,3 +551,44 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'tune.json'}, {out / 'tune.md'}, {out / 'heatmap.png'}; raw records in {raw_dir}",
           file=sys.stderr)
     return 0 if any(r.status == "ok" for r in result.results) else 1
+
+
+def cmd_tune_simulated(args: argparse.Namespace, points: Sequence[GridPoint], specs: Sequence[RequestSpec],
+                       slos: Sequence[Slo], out: Path, workload: dict[str, Any]) -> int:
+    """The whole grid in the simulator, then the best few replayed for real, side by side."""
+    profile = Profile.load(args.simulate)
+    server_args = shlex.split(args.server_args)
+    t0 = time.perf_counter()
+    simulated = [simulate_config(p, profile, server_args, specs, slos) for p in points]
+    print(f"tune: simulated {len(points)} configs in {time.perf_counter() - t0:.1f} s ({profile.describe()})",
+          file=sys.stderr)
+    table = markdown_table(simulated)
+    print(table)
+    ranked = _ranked(simulated)[:max(args.verify, 0)]
+    pairs = []
+    for sim in ranked:
+        print(f"tune: verifying {sim.point.label()} by real replay", file=sys.stderr)
+        real = run_config(sim.point, args.model, server_args, specs, slos, max(s.arrival_s for s in specs)
+                          + args.run_grace, args.endpoint, args.ignore_eos, out / "logs")
+        pairs.append((sim, real))
+    comparison = predicted_vs_measured(pairs) if pairs else ""
+    best_sim, met = best_config(simulated)
+    measured = [real for _, real in pairs]
+    best_real, real_met = best_config(measured) if measured else (None, False)
+    lines = [f"simulated best: {best_sim.point.label()} ({'meets' if met else 'misses'} the SLOs)"
+             if best_sim else "no simulated configuration completed"]
+    if best_real is not None:
+        lines.append(f"measured best of the {len(measured)} verified: {best_real.point.label()} "
+                     f"({'meets' if real_met else 'misses'} the SLOs)")
+    if comparison:
+        print("\npredicted (sim) vs measured (real):\n" + comparison)
+    for line in lines:
+        print(f"- {line}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(json.dumps({
+        "model": args.model, "workload": workload, "slos": [s.text for s in slos], "profile": args.simulate,
+        "simulated": [r.to_dict() for r in simulated], "verified": [r.to_dict() for r in measured],
+        "conclusion": lines}, indent=2))
+    (out / "tune.md").write_text(table + "\n\n" + comparison + "\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
+    print(f"wrote {out / 'tune.json'}, {out / 'tune.md'}", file=sys.stderr)
+    return 0 if simulated else 1

@@ -124,12 +124,13 @@ class SimEngine:
         self.batch_seq_s += batch * duration
         if self.keep_steps:
             padding = sched.num_padding
+            usage = self.pool.usage()
             self.steps.append({
                 "step": self.num_steps, "t": self.step_start, "t_run": self.step_start, "duration": duration,
                 "batch_size": batch, "num_padding": padding, "num_running": self.scheduler.num_running,
                 "num_waiting": self.scheduler.num_waiting, "prefill_tokens": sched.num_prefill_tokens,
-                "decode_tokens": sched.num_decode_tokens, "kv_used_blocks": self.pool.num_blocks - self.pool.num_free,
-                "kv_total_blocks": self.pool.num_blocks, "kv_tokens": None,
+                "decode_tokens": sched.num_decode_tokens, "kv_used_blocks": usage.used_blocks,
+                "kv_total_blocks": usage.total_blocks, "kv_tokens": usage.tokens_stored,
                 "num_preempted": len(sched.preempted), "num_finished": len(released)})
         return released
 
