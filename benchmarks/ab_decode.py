@@ -5,14 +5,14 @@ batch size and its ratio to the first configuration.
     python benchmarks/ab_decode.py --configs '{}' '{"compile": true}' --batch 1 16 --rounds 3
 
 Each configuration gets its own engine and model copy; compilation (if any) happens at its start.
-A configuration's "env" key (not an EngineConfig field) sets environment variables around its
-measurements, e.g. the decode attention backend:
+Kernel switches are EngineConfig fields like any other, e.g. the decode attention backend:
 
-    python benchmarks/ab_decode.py --configs '{"env": {"ITERSERVE_DECODE_ATTENTION": "torch"}}' '{}'
-    python benchmarks/ab_decode.py --configs '{"env": {"ITERSERVE_CPU_KERNELS": "0"}}' '{}'   # no C++ kernels
+    python benchmarks/ab_decode.py --configs '{"decode_attention": "torch"}' '{}'
+    python benchmarks/ab_decode.py --configs '{"cpu_kernels": false}' '{}'   # no C++ kernels
 
---json writes a summary (the table, each configuration's best ms/step per batch size, host, commit
-and command); the run keeps no per-request records, so there is nothing raw to put under runs/.
+--json writes a summary (the table, each configuration's best ms/step per batch size with the
+engine's resolved switches: device, dtype, kernels; host, commit and command); the run keeps no
+per-request records, so there is nothing raw to put under runs/.
 """
 from __future__ import annotations
 
@@ -36,17 +36,6 @@ def decode_ms_per_step(llm: LLM, batch: int, tokens: int, prompt_len: int) -> fl
     return run(llm, batch, tokens, prompt_len)["ms_per_step"]
 
 
-def use_env(env: dict[str, str]) -> None:
-    """Sets one configuration's environment (undoing the previous one's); the next EngineConfig
-    takes its kernel switches' defaults from it."""
-    for key in ALL_ENV_KEYS - env.keys():
-        os.environ.pop(key, None)
-    os.environ.update(env)
-
-
-ALL_ENV_KEYS: set[str] = set()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -59,21 +48,16 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     info = run_info(["python", "benchmarks/ab_decode.py", *sys.argv[1:]])
-    llms, envs = [], []
+    llms = []
     for c in args.configs:
         t0 = time.perf_counter()
-        fields = json.loads(c)
-        envs.append(fields.pop("env", {}))
-        ALL_ENV_KEYS.update(envs[-1])
-        use_env(envs[-1])
-        llms.append(LLM(args.model, **fields))
+        llms.append(LLM(args.model, **json.loads(c)))
         decode_ms_per_step(llms[-1], 1, 4, 8)  # warm-up
         print(f"{c}: ready in {time.perf_counter() - t0:.0f} s", flush=True)
     best: dict[tuple[int, int], float] = {}
     for _ in range(args.rounds):
         for b in args.batch:
             for i, llm in enumerate(llms):
-                use_env(envs[i])
                 ms = decode_ms_per_step(llm, b, args.tokens, args.prompt_len)
                 best[i, b] = min(best.get((i, b), float("inf")), ms)
     rows = []
@@ -83,8 +67,8 @@ def main() -> None:
                                              for i in range(len(args.configs))) + " |")
         for i, c in enumerate(args.configs):
             ms = best[i, b]
-            rows.append({"config": json.loads(c), "batch": b, "ms_per_step": ms, "tok_s": 1e3 * b / ms,
-                         "speedup_vs_first": best[0, b] / ms})
+            rows.append({"config": json.loads(c), "engine": llms[i].engine.resolved_config(), "batch": b,
+                         "ms_per_step": ms, "tok_s": 1e3 * b / ms, "speedup_vs_first": best[0, b] / ms})
             print(f"batch {b:3d} {c:40s} {ms:7.1f} ms/step {1e3 * b / ms:7.1f} tok/s  x{best[0, b] / ms:.2f}")
     print("\n".join(table))
     if args.json:

@@ -50,7 +50,7 @@ def run_iterserve(model: str, prompts: list[list[int]], out_lens: list[int], dty
     wall = time.perf_counter() - t0
     recs = list(llm.engine.records)[-(llm.engine.step_count - first_step):]
     useful = sum(r.completion_tokens for r in results)
-    return {"dtype": str(llm.engine.dtype).removeprefix("torch."), "wall_s": wall, "output_tokens": useful,
+    return {"dtype": str(llm.engine.dtype).removeprefix("torch."), "engine": llm.engine.resolved_config(), "wall_s": wall, "output_tokens": useful,
             "output_tok_s": useful / wall, "steps": len(recs), "mean_batch": sum(r.batch_size for r in recs) / max(1, len(recs)),
             "token_ids": [r.token_ids for r in results]}
 

@@ -78,7 +78,7 @@ def main() -> None:
             bk = "  ".join(f"{k} {v:5.1f}" for k, v in r["buckets_ms"].items())
             print(f"batch {b:3d} context {ctx:4d}: {r['wall_ms_per_step']:6.1f} ms/step wall | profiled ms/step: "
                   f"{bk} | {r['ops_per_step']} ops/step", flush=True)
-    print(json.dumps({"config": json.loads(args.extra), "dtype": str(llm.engine.dtype), "rows": rows}))
+    print(json.dumps({"config": json.loads(args.extra), "engine": llm.engine.resolved_config(), "rows": rows}))
 
 
 if __name__ == "__main__":

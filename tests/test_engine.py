@@ -317,3 +317,16 @@ def test_duplicate_request_id_rejected(make_engine):
     eng.add_request(prompt_token_ids=[5, 6], params=greedy(2), request_id="same")
     with pytest.raises(RequestRejected, match="already in use"):
         eng.add_request(prompt_token_ids=[5, 6], params=greedy(2), request_id="same")
+
+
+def test_resolved_config_names_what_the_platform_chose(make_engine, monkeypatch):
+    """Kernel switches are EngineConfig fields (defaults from ITERSERVE_*); the engine reports what
+    they resolved to, which /v1/scheduler and the benchmarks' JSON record."""
+    eng = make_engine(decode_attention="torch", num_kv_blocks=40)
+    got = eng.resolved_config()
+    assert got["decode_attention"] == "torch" and got["device"] == "cpu" and got["num_kv_blocks"] == 40
+    assert got["dtype"] == str(eng.dtype).removeprefix("torch.") and got["max_model_len"] == eng.max_model_len
+    monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "torch")
+    monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
+    got = make_engine().resolved_config()
+    assert got["decode_attention"] == "torch" and got["cpu_kernels"] is False

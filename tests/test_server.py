@@ -278,6 +278,9 @@ def test_scheduler_snapshot_contract(server):
     assert set(snap["kv_cache"]) >= {"used_blocks", "total_blocks", "usage", "tokens_stored", "internal_fragmentation"}
     assert 0 <= snap["busy_fraction"] <= 1 and snap["uptime_s"] > 0
     assert snap["config"]["max_model_len"] == 1024 and snap["config"]["max_num_seqs"] == 16
+    # the switches as resolved ("auto" replaced by what the platform chose)
+    assert snap["config"]["device"] == "cpu" and snap["config"]["dtype"] in ("float32", "bfloat16")
+    assert snap["config"]["decode_attention"] in ("torch", "cpu") and isinstance(snap["config"]["cpu_kernels"], bool)
     step = snap["steps"][-1]
     assert set(step) >= {"step", "t", "duration", "batch_size", "num_padding", "num_running", "num_waiting",
                          "prefill_tokens", "decode_tokens", "kv_used_blocks", "kv_total_blocks", "kv_tokens"}

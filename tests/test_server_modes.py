@@ -85,7 +85,7 @@ def test_serve_fails_fast_with_one_line_errors(tiny_model_dir):
 def server(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("static-server")
     (folder / "serve.yaml").write_text("batching: static\nmax-batch-size: 8\nbatch-timeout: 30\n"
-                                       "kv-cache-memory: 64MiB\nserved-model-name: tiny-static\n")
+                                       "kv-cache-memory: 64MiB\nserved-model-name: tiny-static\ndecode-attention: torch\n")
     srv = ServerProcess([str(tiny_model_dir), "--config", str(folder / "serve.yaml"), "--max-batch-size", "4"],
                         log_path=folder / "server.log")
     srv.start()
@@ -96,6 +96,7 @@ def server(tiny_model_dir, tmp_path_factory):
 def test_static_batching_serves(server):
     snap = httpx.get(server.base_url + "/v1/scheduler").json()
     assert snap["batching"] == "static" and snap["config"]["max_batch_size"] == 4  # the flag beat the file
+    assert snap["config"]["decode_attention"] == "torch"  # a kernel switch from the file, as resolved
     before = snap["step"]
 
     async def one(http, i):
