@@ -19,7 +19,7 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
   logits on a few prompts.
 - attention: one layer's decode attention per call: the torch path (block gather + SDPA) against
   our kernel (blocks read in place).
-Columns of our kernels appear when they build (model/cpu_kernels.py). Results are printed; the
+Columns of our kernels appear when they build (platform/cpu_kernels.py). Results are printed; the
 figures quoted in docs/profile.md and docs/benchmarks.md came from these commands.
 """
 from __future__ import annotations

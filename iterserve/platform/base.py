@@ -15,6 +15,7 @@ from torch import nn
 
 from iterserve.attention.backend import AttentionBackend
 from iterserve.config import EngineConfig, ModelConfig
+from iterserve.model.loader import ModelSource
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -43,8 +44,8 @@ class Platform:
         self.dtype = dtype
         self.attention = attention
 
-    def prepare_model(self, model: nn.Module, source: Any) -> None:
-        """Lays the loaded weights out for this machine (`source`: the loader's ModelSource)."""
+    def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
+        """Lays the loaded weights out for this machine (`source`: where they came from)."""
 
     def num_kv_blocks(self, model_config: ModelConfig, profile_run: Callable[[], None]) -> int:
         """How many KV blocks of config.block_size the cache gets. `profile_run` runs one forward

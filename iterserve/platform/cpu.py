@@ -16,7 +16,7 @@ from torch import nn
 from iterserve.attention.selector import select_attention_backend
 from iterserve.config import EngineConfig, ModelConfig, parse_size
 from iterserve.cpu_info import cpu_flags
-from iterserve.model.loader import is_four_bit_checkpoint
+from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import (bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
@@ -49,7 +49,7 @@ class CpuPlatform(Platform):
         self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit twin
         self.q8_head_max_tokens = 0
 
-    def prepare_model(self, model: nn.Module, source: Any) -> None:
+    def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """In bf16: weights laid out once for a bf16 GEMM (ours, or oneDNN's), and (quantization) a
         4-bit twin of the projections and a Q8_0 twin of the LM head for steps of few tokens, where
         decoding is bound by reading weights (platform/cpu_linear.py). The head's twin needs the
