@@ -330,3 +330,18 @@ def test_resolved_config_names_what_the_platform_chose(make_engine, monkeypatch)
     monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
     got = make_engine().resolved_config()
     assert got["decode_attention"] == "torch" and got["cpu_kernels"] is False
+
+
+def test_profile_run_is_one_prefill_at_the_token_budget(tiny_loaded):
+    """What the CUDA platform measures to size the KV cache: one step of `n` tokens through the
+    real model, writing exactly the blocks that n tokens need (and never the pool's)."""
+    from iterserve.attention.backend import TorchAttentionBackend
+    from iterserve.runner import ModelRunner
+
+    model, cfg, _ = tiny_loaded
+    runner = ModelRunner(model, cfg, 5, 16, torch.device("cpu"), next(model.parameters()).dtype,
+                         TorchAttentionBackend())
+    runner.profile_run(40)  # 3 blocks of 16
+    k_cache = runner.kv_caches[0][0]
+    assert all(k_cache[b].abs().sum() > 0 for b in range(3)) and k_cache[3:].abs().sum() == 0
+    assert k_cache[2, 8:].abs().sum() == 0  # token 40 onwards was never written

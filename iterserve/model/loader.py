@@ -21,6 +21,7 @@ import torch
 from iterserve.config import ModelConfig
 from iterserve.model.gguf_file import (GGUFIndex, cache_dir, dequantize_tensor, file_key,
                                        iter_tensors, read_index)
+from iterserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 
 log = logging.getLogger("iterserve.loader")
 
@@ -260,8 +261,6 @@ def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float3
                       max_positions: int | None = None):
     """(model, ModelConfig). The model is built on the meta device, given empty storage once in
     its final dtype, then filled tensor by tensor: no second full copy. dtype None: as stored."""
-    from iterserve.model.llama import LlamaForCausalLM, RotaryEmbedding
-
     dtype = dtype or checkpoint_dtype(src)
     if src.kind == "gguf":
         index = read_index(src.path)
