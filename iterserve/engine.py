@@ -161,10 +161,10 @@ class LLMEngine:
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     messages: list[dict] | None = None, priority: int = 0,
-                    arrival_time: float | None = None, prefix_leader: Request | None = None) -> Request:
+                    arrival_time: float | None = None, prefix_leader: str | None = None) -> Request:
         """Validates and queues a request; raises RequestRejected with a clear reason.
 
-        prefix_leader: parallel sampling's first sequence, whose prompt blocks this one (same
+        prefix_leader: id of parallel sampling's first sequence, whose prompt blocks this one (same
         prompt) waits for and shares instead of computing them again."""
         params = params or SamplingParams()
         if prompt_token_ids is None:
@@ -181,7 +181,7 @@ class LLMEngine:
                                   status_code=503)
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                       priority=priority, arrival_time=arrival_time, prompt=prompt)
-        req.prefix_leader = prefix_leader
+        req.prefix_leader = self.requests.get(prefix_leader) if prefix_leader else None
         need = self.scheduler.max_blocks_per_request(req)
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has "

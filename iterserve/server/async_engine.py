@@ -89,6 +89,7 @@ class _Add:
     arrival_time: float
     stream: RequestStream
     admitted: asyncio.Future
+    prefix_leader: str | None = None
 
 
 @dataclass
@@ -161,16 +162,19 @@ class AsyncEngine:
             raise RequestRejected(f"the text cannot be tokenised: {e}") from None
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+                          priority: int = 0, arrival_time: float | None = None,
+                          prefix_leader: str | None = None) -> RequestStream:
         """Returns once the engine has accepted the request; raises RequestRejected otherwise, so
-        the caller can answer with an error before any streaming starts."""
+        the caller can answer with an error before any streaming starts. prefix_leader: see
+        LLMEngine.add_request (parallel sampling)."""
         if self.shutting_down or not self.alive:
             raise RequestRejected("the server is shutting down", status_code=503)
         self.engine.check_limits(len(prompt_token_ids), params)  # reads config only: thread-safe
         stream = RequestStream(request_id)
         admitted = asyncio.get_running_loop().create_future()
         self._submit(_Add(request_id, prompt_token_ids, params, priority,
-                          arrival_time if arrival_time is not None else time.monotonic(), stream, admitted))
+                          arrival_time if arrival_time is not None else time.monotonic(), stream, admitted,
+                          prefix_leader))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -262,7 +266,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(params=cmd.params, request_id=cmd.request_id,
                                         prompt_token_ids=cmd.prompt_token_ids, priority=cmd.priority,
-                                        arrival_time=cmd.arrival_time)
+                                        arrival_time=cmd.arrival_time, prefix_leader=cmd.prefix_leader)
                 self._streams[cmd.request_id] = cmd.stream
             except RequestRejected as e:
                 error = e

@@ -28,6 +28,9 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
+MAX_N = 64  # parallel samples per request (each is a sequence of its own in the batch)
+
+
 class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
@@ -70,7 +73,7 @@ class GenerationRequest(StrictModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, description="extension")
-    n: Int | None = Field(1, description="only 1 is supported")
+    n: Int | None = Field(1, ge=1, le=MAX_N, description="choices to generate; they share the prompt's KV blocks")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(False, description="extension: keep generating past end-of-sequence")

@@ -2,13 +2,17 @@
 
 A body becomes token ids (tokenised off the event loop) and SamplingParams; the engine admits the
 request or says why not before any byte of the response is sent; then the outputs become either
-SSE chunks or one JSON response. A client that goes away (stream cancelled, or a disconnect seen
+SSE chunks or one JSON response. Parallel sampling (`n` > 1) is n engine requests over the same
+prompt: the first computes the prompt, the others wait for its blocks in the prefix cache and share
+them (each computes only the prompt's last, partial block); with a seed, choice i uses seed + i, as
+vLLM does. Usage counts the prompt once and sums the completions, as OpenAI does. A client that goes away (stream cancelled, or a disconnect seen
 while a non-streaming request waits) aborts its request, which frees its KV blocks at the next
 step boundary.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -43,9 +47,10 @@ def timings(t: RequestTimes) -> dict:
     return {"queue_time": t.queue_time, "ttft": t.ttft, "e2e": t.e2e}
 
 
-def usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+def usage(outs: list[RequestOutput]) -> dict:
+    """One request's usage over its choices: the prompt once, the completions summed (OpenAI's)."""
+    prompt, completion = outs[0].num_prompt_tokens, sum(o.num_output_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def structured_outputs_from(body: GenerationRequest) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -106,8 +111,6 @@ class OpenAIServing:
 
     def sampling_params(self, body: GenerationRequest, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        if body.n not in (None, 1):
-            raise APIError(f"n must be 1 (iterserve returns one choice per request), got {body.n}", param="n")
         given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                                 "stop_token_ids", "presence_penalty", "frequency_penalty",
                                                 "repetition_penalty") if getattr(body, k) is not None}
@@ -149,7 +152,8 @@ class OpenAIServing:
         self.check_model(body.model)
         for name, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", body.best_of not in (None, 1))):
             if bad:
-                raise APIError(f"{name} is not supported", param=name)
+                raise APIError(f"{name} is not supported" + (" (n > 1 returns every sample)" if name == "best_of" else ""),
+                               param=name)
         text, ids = self._completion_prompt(body.prompt)
         if ids is None:
             ids = await self.engine.encode(prompt=text)
@@ -213,32 +217,55 @@ class OpenAIServing:
     async def _generate(self, fmt: "_Format", body: GenerationRequest, http: Request, ids: list[int],
                         params: SamplingParams, arrival: float):
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-        stream = await self.engine.add_request(request_id, ids, params, priority=body.priority or 0,
-                                               arrival_time=arrival)
+        streams = await self._add_choices(request_id, ids, params, body.n or 1, body.priority or 0, arrival)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(fmt, request_id, stream, include_usage),
+            return StreamingResponse(self._stream(fmt, request_id, streams, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-        outputs = await self._collect(request_id, stream, http)
+        outputs = await self._collect(streams, http)
         if outputs is None:  # the client is gone; nobody reads this
             return JSONResponse(error_body("client disconnected", 400), status_code=400)
-        last = outputs[-1]
-        if last.error:
-            return JSONResponse(error_body(last.error, 500), status_code=500)
-        new_ids = [t for o in outputs for t in o.new_token_ids]
-        lps = [lp for o in outputs for lp in o.new_logprobs]
-        return JSONResponse(fmt.response(request_id, last, new_ids, lps, params.logprobs is not None),
+        lasts = [outs[-1] for outs in outputs]
+        error = next((o.error for o in lasts if o.error), None)
+        if error:
+            return JSONResponse(error_body(error, 500), status_code=500)
+        choices = [([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.new_logprobs])
+                   for outs in outputs]
+        return JSONResponse(fmt.response(request_id, lasts, choices, params.logprobs is not None),
                             headers={"X-Request-Id": request_id})
 
-    async def _collect(self, request_id: str, stream: RequestStream, http: Request) -> list[RequestOutput] | None:
-        outputs: list[RequestOutput] = []
+    async def _add_choices(self, request_id: str, ids: list[int], params: SamplingParams, n: int,
+                           priority: int, arrival: float) -> list[RequestStream]:
+        """One engine request per choice, all admitted or none (a refusal aborts those added)."""
+        if n == 1:
+            return [await self.engine.add_request(request_id, ids, params, priority=priority, arrival_time=arrival)]
+        streams: list[RequestStream] = []
+        try:
+            for i in range(n):
+                p = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
+                streams.append(await self.engine.add_request(
+                    f"{request_id}-{i}", ids, p, priority=priority, arrival_time=arrival,
+                    prefix_leader=f"{request_id}-0" if i else None))
+        except BaseException:
+            for st in streams:
+                self.engine.abort(st.request_id)
+            raise
+        return streams
 
-        async def consume() -> None:
-            async for out in stream:
-                outputs.append(out)
+    def _abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for st in streams:
+            if not st.finished:
+                self.engine.abort(st.request_id)
 
-        consumer = asyncio.ensure_future(consume())
+    async def _collect(self, streams: list[RequestStream], http: Request) -> list[list[RequestOutput]] | None:
+        outputs: list[list[RequestOutput]] = [[] for _ in streams]
+
+        async def consume(i: int) -> None:
+            async for out in streams[i]:
+                outputs[i].append(out)
+
+        consumer = asyncio.ensure_future(asyncio.gather(*(consume(i) for i in range(len(streams)))))
         watcher = asyncio.ensure_future(wait_disconnect(http))
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -246,50 +273,78 @@ class OpenAIServing:
             watcher.cancel()
             if not consumer.done():
                 consumer.cancel()
-                self.engine.abort(request_id)
+                self._abort_unfinished(streams)
         return outputs if consumer.done() and not consumer.cancelled() else None
 
-    async def _stream(self, fmt: "_Format", request_id: str, stream: RequestStream,
+    @staticmethod
+    async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The choices' outputs as they come, tagged with the choice index."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            async for out in streams[i]:
+                await queue.put((i, out))
+
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            left = len(streams)
+            while left:
+                i, out = await queue.get()
+                left -= out.finished
+                yield i, out
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def _stream(self, fmt: "_Format", request_id: str, streams: list[RequestStream],
                       include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
         extra = {"usage": None} if include_usage else {}
+        lasts: dict[int, RequestOutput] = {}
         try:
             if fmt.chat:
-                yield sse(fmt.chunk(request_id, created, {"role": "assistant", "content": ""}, None, None) | extra)
-            offset = 0
-            calls = ToolCallStream(fmt.tools) if fmt.tools is not None else None
-            async for out in stream:
+                for i in range(len(streams)):
+                    yield sse(fmt.chunk(request_id, created, {"role": "assistant", "content": ""}, None, None, i)
+                              | extra)
+            offsets = [0] * len(streams)
+            calls = [ToolCallStream(fmt.tools) if fmt.tools is not None else None for _ in streams]
+            async for i, out in self._merged(streams):
                 if out.error:
                     yield sse(error_body(out.error, 500))
                     break
-                lp, offset = fmt.logprobs(out.new_token_ids, out.new_logprobs, offset)
-                if calls is not None:  # text becomes content and tool-call deltas; the last chunk ends it
-                    deltas = calls.feed(out.text_delta)
+                lp, offsets[i] = fmt.logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
+                if out.finished:
+                    lasts[i] = out
+                if calls[i] is not None:  # text becomes content and tool-call deltas; the last chunk ends it
+                    deltas = calls[i].feed(out.text_delta)
                     made = False
                     if out.finished:
-                        tail, made = calls.finish()
+                        tail, made = calls[i].finish()
                         deltas += tail
                     for d in deltas:
-                        yield sse(fmt.chunk(request_id, created, d, None, None) | extra)
+                        yield sse(fmt.chunk(request_id, created, d, None, None, i) | extra)
                     if lp is not None and not out.finished:
-                        yield sse(fmt.chunk(request_id, created, {}, lp, None) | extra)
+                        yield sse(fmt.chunk(request_id, created, {}, lp, None, i) | extra)
                     if not out.finished:
                         continue
                     reason = "tool_calls" if made and out.finish_reason == "stop" else out.finish_reason
-                    yield sse(fmt.chunk(request_id, created, {}, lp, reason) | extra | {"iterserve": timings(out.times)})
-                    if include_usage:
-                        yield sse(fmt.chunk(request_id, created, None, None, None) | {"usage": usage(out)})
+                    last_chunk = fmt.chunk(request_id, created, {}, lp, reason, i)
                 elif out.finished:
-                    chunk = fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, out.finish_reason)
-                    yield sse(chunk | extra | {"iterserve": timings(out.times)})
-                    if include_usage:
-                        yield sse(fmt.chunk(request_id, created, None, None, None) | {"usage": usage(out)})
-                elif out.text_delta or lp is not None:
-                    yield sse(fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, None) | extra)
+                    last_chunk = fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, out.finish_reason, i)
+                else:
+                    if out.text_delta or lp is not None:
+                        yield sse(fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, None, i) | extra)
+                    continue
+                yield sse(last_chunk | extra | {"iterserve": timings(out.times)})
+                if include_usage and len(lasts) == len(streams):  # after the last choice's end
+                    yield sse(fmt.chunk(request_id, created, None, None, None) | {"usage": usage(list(lasts.values()))})
             yield sse("[DONE]")
         finally:
-            if not stream.finished:
-                self.engine.abort(request_id)
+            self._abort_unfinished(streams)
 
 
 class _Format:
@@ -305,28 +360,33 @@ class _Format:
     def delta(self, text: str):
         return {"content": text} if self.chat else text
 
-    def chunk(self, request_id: str, created: int, delta, logprobs, finish_reason) -> dict:
+    def chunk(self, request_id: str, created: int, delta, logprobs, finish_reason, index: int = 0) -> dict:
         """delta None: a usage-only chunk (no choices)."""
         choices = [] if delta is None else [
-            {"index": 0, **({"delta": delta} if self.chat else {"text": delta}),
+            {"index": index, **({"delta": delta} if self.chat else {"text": delta}),
              "logprobs": logprobs, "finish_reason": finish_reason}]
         return {"id": request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": created, "model": self.model, "choices": choices}
 
-    def response(self, request_id: str, last: RequestOutput, ids: list[int], lps: list, want_lp: bool) -> dict:
-        lp = self.logprobs(ids, lps, 0)[0] if want_lp else None
-        choice = ({"message": {"role": "assistant", "content": last.output_text}} if self.chat
-                  else {"text": last.output_text})
-        reason = last.finish_reason
-        if self.tools is not None:
-            content, calls = parse_tool_calls(last.output_text, self.tools)
-            choice = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
-            if calls and reason == "stop":
-                reason = "tool_calls"
+    def response(self, request_id: str, lasts: list[RequestOutput], choices: list[tuple[list[int], list]],
+                 want_lp: bool) -> dict:
+        """lasts: each choice's final output; choices: each choice's token ids and logprobs."""
+        out = []
+        for i, (last, (ids, lps)) in enumerate(zip(lasts, choices)):
+            lp = self.logprobs(ids, lps, 0)[0] if want_lp else None
+            choice = ({"message": {"role": "assistant", "content": last.output_text}} if self.chat
+                      else {"text": last.output_text})
+            reason = last.finish_reason
+            if self.tools is not None:
+                content, calls = parse_tool_calls(last.output_text, self.tools)
+                choice = {"message": {"role": "assistant", "content": content,
+                                      **({"tool_calls": calls} if calls else {})}}
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+            out.append({"index": i, **choice, "logprobs": lp, "finish_reason": reason})
         return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": int(time.time()), "model": self.model,
-                "choices": [{"index": 0, **choice, "logprobs": lp, "finish_reason": reason}],
-                "usage": usage(last), "iterserve": timings(last.times)}
+                "created": int(time.time()), "model": self.model, "choices": out,
+                "usage": usage(lasts), "iterserve": timings(lasts[0].times)}
 
     def logprobs(self, ids: list[int], lps: list, offset: int) -> tuple[dict | None, int]:
         """OpenAI's logprobs object for these tokens; the completions format needs text offsets."""
