@@ -239,4 +239,5 @@ def test_probe_verdict_against_iterserve(kind, tiny_model_dir, tmp_path, capsys)
     assert report["verdict"]["verdict"] == kind
     assert report["verdict"]["stats"]["witness"]["verdict"] == kind  # /v1/scheduler agrees
     assert len(report["timings"]) <= 25  # the probe bounds its own load
+    assert report["host"]["cores"] >= 1 and report["date"]  # what ran where
     assert (tmp_path / "probe.png").stat().st_size > 10_000

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
@@ -28,6 +27,7 @@ import httpx
 from iterserve.bench.client import (ClientError, RequestRecord, _api_root, _payload, _resolve_model,
                                     _stream_one, add_target_server_args)
 from iterserve.bench.probe_analysis import Timing, Verdict, Witness, classify, combine
+from iterserve.bench.summary import run_info, write_json
 from iterserve.bench.workload import RequestSpec, one_line
 
 SHORT_AT = (0.2, 0.4, 0.6, 0.8)  # when the shorts go out, as fractions of the long one's duration
@@ -361,7 +361,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="bound on the whole probe (default 180 s)")
     p.add_argument("--no-witness", action="store_true", help="do not poll /v1/scheduler or /metrics")
     p.add_argument("--plot", metavar="PNG", help="save a timeline of every request")
-    p.add_argument("--json", metavar="PATH", help="write plan, timings, verdict and witness samples")
+    p.add_argument("--json", metavar="PATH",
+                   help="write plan, timings, verdict and witness samples (15 requests: a few KB), with the "
+                        "host, commit and command")
     p.set_defaults(func=cmd_probe)
     return p
 
@@ -370,6 +372,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     """0 with a verdict, 1 when the timings could not tell, 2 when the server cannot be probed."""
     if args.long_seconds <= 0 or args.time_limit <= 0 or args.max_long_tokens < 16:
         raise ValueError("--long-seconds and --time-limit must be > 0, --max-long-tokens >= 16")
+    command = ["iterserve", *sys.argv[1:]] if sys.argv[1:2] == ["probe"] else None  # None: called in-process
+    info = run_info(command)
     prober = Prober(args.base_url, args.model, args.endpoint, args.api_key, args.long_seconds,
                     args.max_long_tokens, args.time_limit, poll=not args.no_witness)
     try:
@@ -378,8 +382,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise ValueError(one_line(e)) from None
     print_report(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        write_json(Path(args.json), {**info, **result.to_dict()})
     if args.plot:
         plot_timeline(result, args.plot)
     return 0 if result.verdict.verdict != "unknown" else 1
