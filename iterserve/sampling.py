@@ -12,6 +12,12 @@ import torch
 
 from iterserve.structured.params import StructuredOutputsParams
 
+# Below this temperature sampling is greedy: dividing logits by a denormal overflows them to inf, and
+# softmax of inf - inf is NaN. A temperature this small is argmax in all but exact ties anyway.
+GREEDY_TEMPERATURE = 1e-5
+# Repetition penalty bounds: logits multiplied or divided by the penalty stay finite in float32.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
 
 @dataclass
 class SamplingParams:
@@ -58,8 +64,9 @@ class SamplingParams:
             bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -78,7 +85,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -109,12 +116,16 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), params, token_histories, prompt_lens)
 
         temps = torch.tensor([p.temperature for p in params], device=dev)
-        greedy_rows = temps == 0.0
+        greedy_rows = temps < GREEDY_TEMPERATURE
         chosen = logits.argmax(dim=-1)
         if not bool(greedy_rows.all()):
             scaled = logits / torch.where(greedy_rows, 1.0, temps).unsqueeze(1)
             scaled = self._apply_top_k_top_p_min_p(scaled, params)
             probs = scaled.softmax(dim=-1)
+            # no NaN reaches the race: a row that is not a distribution (non-finite logits) is greedy
+            broken = ~torch.isfinite(probs).all(dim=-1)
+            greedy_rows = greedy_rows | broken
+            probs = probs.nan_to_num(0.0)
             noise = torch.empty_like(probs).exponential_()
             for i, g in enumerate(generators):
                 if g is not None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from iterserve.sampling import Sampler, SamplingParams
+from iterserve.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams
 
 VOCAB = 6
 
@@ -242,3 +242,26 @@ def test_engine_logprobs_match_transformers(make_engine, tiny_model_dir):
         assert chosen == pytest.approx(row[req.output_token_ids[k]].item(), abs=2e-3)
         assert [t for t, _ in top] == row.topk(2).indices.tolist()
         assert [v for _, v in top] == pytest.approx(row.topk(2).values.tolist(), abs=2e-3)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-39), dict(temperature=5e-324), dict(temperature=1e-6),
+                                dict(temperature=1e-4, repetition_penalty=100.0),
+                                dict(temperature=1e-4, repetition_penalty=0.01), dict(temperature=1e30),
+                                dict(temperature=1e-4, top_p=1e-300, min_p=1.0),
+                                dict(temperature=0.7, presence_penalty=2.0, frequency_penalty=-2.0)])
+def test_extreme_values_sample_a_real_token(kw):
+    """No NaN reaches the race: every row picks a token of the vocabulary; below the greedy threshold it
+    is exactly the argmax."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 30  # peaked, as a real model's are
+    params = [SamplingParams(**kw)] * 4
+    out = Sampler(50)(logits, params, [[1, 2, 3, 4, 5]] * 4, [2] * 4, [None] * 4)
+    assert all(0 <= t < 50 for t in out.token_ids)
+    if kw["temperature"] < GREEDY_TEMPERATURE:
+        assert params[0].greedy and out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_penalties_are_bounded():
+    for bad in (1e300, 1e-300, 0.0):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad)

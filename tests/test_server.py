@@ -302,7 +302,7 @@ def test_metrics_count_requests(server):
     after = httpx.get(server.base_url + "/metrics").text
     for name in ("iterserve:num_requests_running", "iterserve:num_requests_waiting", "iterserve:kv_cache_usage_perc",
                  "iterserve:engine_busy_fraction", "iterserve:num_preemptions_total",
-                 "iterserve:time_to_first_token_seconds_count", "iterserve:time_per_output_token_seconds_count",
+                 "iterserve:time_to_first_token_seconds_count", "iterserve:inter_token_latency_seconds_count",
                  "iterserve:e2e_request_latency_seconds_count", "iterserve:request_queue_time_seconds_count",
                  "iterserve:batch_size_count"):
         value(after, name)

@@ -1,13 +1,16 @@
-"""The FastAPI app: routes, OpenAI-style errors, API key check, lifespan of the engine thread.
+"""The FastAPI app: routes, OpenAI-style errors, the guards (middleware.py), lifespan of the engine thread.
 
 `build_app(async_engine, settings)` wires an AsyncEngine (not yet started) into an app; the
 lifespan starts its thread and stops it after the server has drained. Every error, including
 FastAPI's own validation errors (422 by default) and unknown routes, is answered in OpenAI's
-JSON error format with the status OpenAI would use.
+JSON error format with the status OpenAI would use. Nothing in an answer names a file path, and
+with --api-key nothing but /health answers without the key.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -24,44 +27,19 @@ from iterserve.engine import StepRecord
 from iterserve.request import RequestOutput, RequestRejected
 from iterserve.server.async_engine import AsyncEngine
 from iterserve.server.metrics import ServerMetrics
+from iterserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware,
+                                         RejectionCounterMiddleware, error_response)
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body, validation_message)
-from iterserve.server.serving import OpenAIServing, ServerSettings
+from iterserve.server.serving import OpenAIServing, ServerSettings, message_chars
 
 access_log = logging.getLogger("iterserve.access")
 log = logging.getLogger("iterserve.server")
 
 ERROR_RESPONSES = {code: {"description": desc, "content": {"application/json": {"example": error_body(desc, code)}}}
                    for code, desc in ((400, "invalid request"), (401, "missing or wrong API key"),
-                                      (404, "unknown model"), (503, "waiting queue full: retry later"))}
-
-
-def error_response(message: str, status_code: int, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code, headers=headers)
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware: it would buffer streams and hide disconnects). Guards /v1/*,
-    as vLLM does, except the monitoring snapshot /v1/scheduler, which stays open like /health and
-    /metrics so that probes and scrapers need no secret."""
-
-    OPEN = ("/v1/scheduler",)
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and path.startswith("/v1/") and path not in self.OPEN:
-            auth = dict(scope["headers"]).get(b"authorization")
-            if auth != self.expected:
-                msg = "missing API key" if auth is None else "wrong API key"
-                await error_response(f"{msg}: send 'Authorization: Bearer <key>'", 401,
-                                     code="invalid_api_key")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+                                      (404, "unknown model"), (413, "request body too large"),
+                                      (503, "waiting queue full or shutting down: retry later"))}
 
 
 def log_finished(out: RequestOutput) -> None:
@@ -73,6 +51,11 @@ def log_finished(out: RequestOutput) -> None:
     access_log.info("request_id=%s prompt_tokens=%d output_tokens=%d queue_time=%s ttft=%s e2e=%s finish_reason=%s",
                     out.request_id, out.num_prompt_tokens, out.num_output_tokens, s(t.queue_time), s(t.ttft),
                     s(t.e2e), out.finish_reason)
+
+
+def model_name(model: str) -> str:
+    """The model as answers may show it: a folder or file name, never its path on this machine."""
+    return os.path.basename(os.path.normpath(model)) if os.sep in model else model
 
 
 def step_dict(rec: StepRecord, start_time: float) -> dict:
@@ -87,7 +70,7 @@ def step_dict(rec: StepRecord, start_time: float) -> dict:
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     llm = engine.engine
     serving = OpenAIServing(engine, settings)
-    metrics = ServerMetrics(engine, settings.served_model_name)
+    metrics = ServerMetrics(engine, settings.served_model_name, vllm_names=settings.vllm_metrics)
     engine.finish_listeners.append(log_finished)
     created = int(time.time())
 
@@ -101,8 +84,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="iterserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server over a continuous-batching engine")
+    # add_middleware puts each one outside those added before: the last added runs first
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        open_paths = ("/health", "/metrics") if settings.metrics_without_key else ("/health",)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    if settings.allowed_hosts and "*" not in settings.allowed_hosts:
+        app.add_middleware(HostCheckMiddleware, allowed=settings.allowed_hosts)
+    app.add_middleware(RejectionCounterMiddleware, count=metrics.on_rejected)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
 
     # ---- errors ---------------------------------------------------------------------------------------
@@ -142,7 +131,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": created,
-                                            "owned_by": "iterserve", "root": llm.config.model,
+                                            "owned_by": "iterserve", "root": model_name(llm.config.model),
                                             "max_model_len": llm.max_model_len}]}
 
     @app.get("/health")
@@ -163,8 +152,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise APIError("messages must not be empty", param="messages")
+            serving.check_text_length(message_chars(body.messages), llm.max_model_len, "messages", "messages")
             ids = await serving.encode_chat(body.messages)
         else:
+            serving.check_text_length(len(body.prompt), llm.max_model_len, "prompt", "prompt")
             ids = await engine.encode(prompt=body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
@@ -172,10 +163,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
         vocab = llm.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+        def decode() -> str:  # off the event loop: a long list takes long enough to stall every stream
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+            return llm.tokenizer.decode(body.tokens)
+
+        return {"prompt": await asyncio.to_thread(decode)}
 
     @app.get("/v1/scheduler")
     async def scheduler(since_step: int | None = Query(None, ge=0, description="only steps after this one")):
@@ -191,7 +186,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             "prefix_cache": {"enabled": llm.pool.enable_caching, "queries": state.prefix_cache_queries,
                              "hits": state.prefix_cache_hits, "hit_rate": state.prefix_cache_hit_rate,
                              "cached_free_blocks": kv.cached_free_blocks},
-            "config": {**asdict(cfg), **llm.resolved_config(), "served_model_name": settings.served_model_name},
+            "config": {**asdict(cfg), **llm.resolved_config(), "model": model_name(cfg.model),
+                       "served_model_name": settings.served_model_name},
             "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
         }
 

@@ -110,6 +110,7 @@ class AsyncEngine:
     warmup: bool = True  # one short generation in the engine thread before it reports ready
     step_listeners: list[Callable[[StepRecord], None]] = field(default_factory=list)  # engine thread
     finish_listeners: list[Callable[[RequestOutput], None]] = field(default_factory=list)  # loop thread
+    failure_listeners: list[Callable[[], None]] = field(default_factory=list)  # engine thread, per failed step
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
@@ -234,6 +235,8 @@ class AsyncEngine:
                     self._progressed = self.engine.step_count != before
             except Exception:  # a bug must not hang every client: fail them and carry on
                 log.exception("engine step failed; aborting all requests")
+                for fn in self.failure_listeners:
+                    fn()
                 self._fail_all("internal error in the engine step", outputs)
             self._publish(outputs)
         log.info("engine loop stopped")

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import ipaddress
 import logging
 import os
 import socket
 from typing import Any
 
 from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
+from iterserve.config import parse_size
 
 DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 GRACEFUL_SHUTDOWN_S = 10  # after aborting in-flight requests, how long connections may take to close
 
 
@@ -47,7 +51,19 @@ def add_parser(subparsers) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients must send in 'model' (default: MODEL as given)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $ITERSERVE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $ITERSERVE_API_KEY, else none)")
+    g.add_argument("--metrics-without-key", action="store_true", default=False,
+                   help="with --api-key: let Prometheus read /metrics without the key")
+    g.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names the server answers, '*' for any (default: "
+                        "localhost,127.0.0.1,::1 when bound to loopback, which stops DNS-rebinding pages; "
+                        "any otherwise)")
+    g.add_argument("--max-request-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body; larger ones get 413 before they are read (default 4MiB)")
+    g.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="also export metrics under vLLM's vllm:* names, for its dashboards and routers "
+                        "(default on)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue bound: beyond it new requests get HTTP 503 with Retry-After (default: unbounded)")
     g.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503 (default 1)")
@@ -110,6 +126,14 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ValueError("--max-waiting must be >= 1 (leave it out for an unbounded queue)")
     args.api_key = args.api_key or os.environ.get("ITERSERVE_API_KEY") or None
+    if isinstance(args.max_request_bytes, str):
+        args.max_request_bytes = parse_size(args.max_request_bytes)
+    if args.max_request_bytes < 1024:
+        raise ValueError("--max-request-bytes must be at least 1KiB")
+    if isinstance(args.allowed_hosts, str):
+        args.allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    if args.allowed_hosts is None:
+        args.allowed_hosts = default_allowed_hosts(args.host)
     return args
 
 
@@ -129,7 +153,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, model=args.model)
     engine = AsyncEngine(LLMEngine(config))
     settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              retry_after_s=args.retry_after)
+                              retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
+                              metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
+                              vllm_metrics=args.vllm_metrics)
     app = build_app(engine, settings)
     # As vLLM does: move everything that exists now (model, tokenizer, libraries) out of the garbage
     # collector's reach. Otherwise a full collection walks millions of startup objects while holding
@@ -140,6 +166,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
     make_server(uv_config, on_exit=engine.begin_shutdown).run()
     return 0
+
+
+def default_allowed_hosts(bind_host: str) -> list[str] | None:
+    """Loopback names when bound to loopback (a page on another site cannot reach the server through
+    DNS rebinding); any Host (None) otherwise."""
+    if bind_host == "localhost":
+        return list(LOOPBACK_NAMES)
+    try:
+        return list(LOOPBACK_NAMES) if ipaddress.ip_address(bind_host.strip("[]")).is_loopback else None
+    except ValueError:  # a host name: its own name is what clients send
+        return None
 
 
 def check_bind(host: str, port: int) -> None:

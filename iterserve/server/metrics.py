@@ -1,9 +1,17 @@
-"""Prometheus metrics, named like vLLM's with an `iterserve:` prefix so dashboards carry over.
+"""Prometheus metrics under `iterserve:*` names, and the same series under vLLM's `vllm:*` names.
 
-Gauges read the AsyncEngine's latest published state at scrape time; counters and histograms are
-fed by the two listeners the AsyncEngine offers: one StepRecord per engine step (batch size,
-preemptions) and one final RequestOutput per request (tokens, latencies, finish reason). The
-registry is private to the server so that several servers can live in one process (tests).
+The vLLM twins (on by default, --no-vllm-metrics turns them off) let vLLM's Grafana dashboards and
+routers that scrape `vllm:*` read iterserve unchanged; where vLLM renamed a series between versions
+(gpu_cache_usage_perc -> kv_cache_usage_perc) both names are exported. Gauges read the
+AsyncEngine's latest published state at scrape time; counters and histograms are fed by the
+AsyncEngine's listeners: one StepRecord per engine step, one final RequestOutput per request, one
+call per failed step; and by the HTTP layer, one call per rejected request. The registry is
+private to the server so that several servers can live in one process (tests).
+
+Outcomes are counted apart: `request_success_total{finished_reason}` for stop / length / abort (the
+client went away), `request_failure_total{reason}` for error (the engine failed the request) and
+shutdown (the server stopped before it finished), `request_rejected_total{status_code}` for
+requests refused before admission.
 """
 from __future__ import annotations
 
@@ -18,49 +26,91 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+FAILURE_REASONS = ("error", "shutdown")
+REJECTION_STATUSES = (400, 401, 404, 413, 503)  # shown at zero from the start; others appear when seen
+
+
+class _Twins:
+    """One series under several names: every update goes to all of them."""
+
+    def __init__(self, metrics: list) -> None:
+        self.metrics = metrics
+
+    def labels(self, *values) -> "_Twins":
+        return _Twins([m.labels(*values) for m in self.metrics])
+
+    def inc(self, amount: float = 1) -> None:
+        for m in self.metrics:
+            m.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for m in self.metrics:
+            m.observe(value)
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, vllm_names: bool = True) -> None:
         disable_created_metrics()  # process-wide; the *_created series only add noise, as vLLM found
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         reg, labels = self.registry, ["model_name"]
 
-        def gauge(name: str, doc: str, fn) -> None:
-            Gauge(f"iterserve:{name}", doc, labels, registry=reg).labels(model_name).set_function(fn)
+        def names(name: str, vllm: tuple[str, ...] | bool) -> list[str]:
+            twins = ((name,) if vllm is True else vllm or ()) if vllm_names else ()
+            return [f"iterserve:{name}"] + [f"vllm:{v}" for v in twins]
 
-        def counter(name: str, doc: str):
-            return Counter(f"iterserve:{name}", doc, labels, registry=reg).labels(model_name)
+        def gauge(name: str, doc: str, fn, vllm: tuple[str, ...] | bool = False) -> None:
+            for full in names(name, vllm):
+                Gauge(full, doc, labels, registry=reg).labels(model_name).set_function(fn)
 
-        def histogram(name: str, doc: str, buckets):
-            return Histogram(f"iterserve:{name}", doc, labels, buckets=buckets, registry=reg).labels(model_name)
+        def counter(name: str, doc: str, vllm: tuple[str, ...] | bool = False, extra: tuple[str, ...] = ()):
+            family = _Twins([Counter(n, doc, labels + list(extra), registry=reg) for n in names(name, vllm)])
+            return family if extra else family.labels(model_name)
 
-        gauge("num_requests_running", "Requests in the running batch.", lambda: engine.state.running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: engine.state.waiting)
-        gauge("kv_cache_usage_perc", "KV cache usage: share of blocks in use (1 = full).", lambda: engine.state.kv.usage)
+        def histogram(name: str, doc: str, buckets, vllm: tuple[str, ...] | bool = False):
+            return _Twins([Histogram(n, doc, labels, buckets=buckets, registry=reg)
+                           for n in names(name, vllm)]).labels(model_name)
+
+        gauge("num_requests_running", "Requests in the running batch.", lambda: engine.state.running, True)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: engine.state.waiting, True)
+        gauge("kv_cache_usage_perc", "KV cache usage: share of blocks in use (1 = full).",
+              lambda: engine.state.kv.usage, ("kv_cache_usage_perc", "gpu_cache_usage_perc"))
         gauge("engine_busy_fraction", f"Share of the last {engine.busy_window_s:.0f} s spent in engine steps.",
               engine.busy_fraction)
-        self.preemptions = counter("num_preemptions", "Preemptions (recompute) since start.")
+        self.preemptions = counter("num_preemptions", "Preemptions (recompute) since start.", True)
         self.prefix_cache_queries = counter("prefix_cache_queries",
-                                            "Prefix cache queries, in tokens (prompt tokens looked up at admission).")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (found cached).")
+                                            "Prefix cache queries, in tokens (prompt tokens looked up at admission).", True)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens (found cached).", True)
         gauge("num_recomputed_tokens", "Tokens computed again after preemptions since start.",
               lambda: engine.state.num_recomputed_tokens)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.", True)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.", True)
         self.steps = counter("engine_steps", "Engine steps (forward passes) since start.")
-        self.success = Counter("iterserve:request_success", "Finished requests by finish reason.",
-                               labels + ["finished_reason"], registry=reg)
-        self.model_name = model_name
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time between output tokens of one request.", TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.step_failures = counter("engine_step_failures", "Engine steps that raised an error.")
+        self.success = counter("request_success", "Finished requests by finish reason (stop, length; "
+                               "abort = the client went away).", True, ("finished_reason",))
+        self.failure = counter("request_failure", "Accepted requests that could not finish, by reason "
+                               "(error: the engine failed it; shutdown: the server stopped first).",
+                               extra=("reason",))
+        self.rejected = counter("request_rejected", "Requests refused before admission, by HTTP status.",
+                                extra=("status_code",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS, True)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens, "
+                             "one observation per token.", TPOT_BUCKETS, ("inter_token_latency_seconds",
+                                                                           "time_per_output_token_seconds"))
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Mean time between output tokens of one request.", TPOT_BUCKETS, True)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS, True)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS, True)
         self.batch_size = histogram("batch_size", "Sequences computed per engine step.", BATCH_BUCKETS)
         self.step_time = histogram("step_duration_seconds", "Wall time of one engine step.", TPOT_BUCKETS)
+        for reason in FAILURE_REASONS:  # present at zero, so that a dashboard can tell "none" from "unknown"
+            self.failure.labels(model_name, reason)
+        for status in REJECTION_STATUSES:
+            self.rejected.labels(model_name, str(status))
         engine.step_listeners.append(self.on_step)
         engine.finish_listeners.append(self.on_finish)
+        engine.failure_listeners.append(self.on_step_failure)
 
     def on_step(self, rec: StepRecord) -> None:
         self.steps.inc()
@@ -72,14 +122,26 @@ class ServerMetrics:
             self.prefix_cache_queries.inc(rec.prefix_cache_queries)
             self.prefix_cache_hits.inc(rec.prefix_cache_hits)
 
+    def on_step_failure(self) -> None:
+        self.step_failures.inc()
+
+    def on_rejected(self, status_code: int) -> None:
+        self.rejected.labels(self.model_name, str(status_code)).inc()
+
     def on_finish(self, out: RequestOutput) -> None:
         t = out.times
-        self.success.labels(self.model_name, out.finish_reason or "abort").inc()
+        reason = out.finish_reason or "abort"
+        if reason in FAILURE_REASONS:
+            self.failure.labels(self.model_name, reason).inc()
+        else:
+            self.success.labels(self.model_name, reason).inc()
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
         for hist, value in ((self.ttft, t.ttft), (self.e2e, t.e2e), (self.queue, t.queue_time)):
             if value is not None:
                 hist.observe(value)
+        for earlier, later in zip(t.token_times, t.token_times[1:]):
+            self.itl.observe(later - earlier)
         if out.num_output_tokens > 1 and t.first_token is not None and t.last_token is not None:
             self.tpot.observe((t.last_token - t.first_token) / (out.num_output_tokens - 1))
 

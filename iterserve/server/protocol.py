@@ -1,18 +1,33 @@
 """OpenAI-compatible request bodies, and OpenAI's error format.
 
 Bodies are strict (a string where a number belongs is a 400, as OpenAI answers, not a silent
-coercion) and carry their ranges in the schema, so the OpenAPI document that FastAPI serves tells
-clients and fuzzers what is valid. Unknown fields are ignored, as vLLM does. Cross-field rules
-(n, echo, stop strings, limits that depend on the model) are checked when a body becomes
+coercion) and carry their ranges and list lengths in the schema, so the OpenAPI document that
+FastAPI serves tells clients and fuzzers what is valid, and no list can make the server loop over
+millions of items. Unknown fields are ignored, as OpenAI's server does; fields OpenAI defines that
+iterserve does not implement are refused by name (UNSUPPORTED_FIELDS), never silently ignored.
+Cross-field rules (stop strings, limits that depend on the model) are checked when a body becomes
 SamplingParams.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from iterserve.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+
 INT64_MIN, UINT64_MAX, INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
+# list caps: generous for any real use, small enough that validating a body stays cheap
+MAX_TOKEN_IDS = 1 << 17  # a prompt given as token ids, /detokenize's tokens (longer than any context)
+MAX_STOP = 16  # stop strings (OpenAI allows 4)
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
 
 
 def _integral(value):
@@ -22,6 +37,7 @@ def _integral(value):
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+TokenIds = Annotated[list[Int], Field(max_length=MAX_TOKEN_IDS)]
 
 
 class StrictModel(BaseModel):
@@ -59,7 +75,11 @@ class StructuredOutputsBody(StrictModel):
 
 
 class GenerationRequest(StrictModel):
-    """Fields both generation endpoints share; None means "the default"."""
+    """Fields both generation endpoints share; None means "the default". Extra fields are kept (not
+    validated) so that UNSUPPORTED_FIELDS can refuse the ones OpenAI defines and iterserve does not
+    implement."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: Int | None = Field(None, ge=1)
@@ -68,11 +88,14 @@ class GenerationRequest(StrictModel):
     top_k: Int | None = Field(None, ge=-1, le=INT32_MAX, description="extension: 0 or -1 = off")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension")
     seed: Int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = Field(None, description="extension")
+    stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+           | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)]
+           | None) = None
+    stop_token_ids: list[Int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description="extension")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, description="extension")
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                             description="extension")
     n: Int | None = Field(1, ge=1, le=MAX_N, description="choices to generate; they share the prompt's KV blocks")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -80,7 +103,7 @@ class GenerationRequest(StrictModel):
     priority: Int | None = Field(0, ge=INT64_MIN, le=UINT64_MAX,
                                  description="extension: lower runs first under --scheduling-policy priority")
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> bias in [-100, 100]")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = Field(None, description="extension (vLLM)")
     guided_json: str | dict | None = Field(None, description="extension (vLLM, older name)")
@@ -90,7 +113,8 @@ class GenerationRequest(StrictModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: (str | Annotated[list[str], Field(max_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(max_length=1)])
     logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     suffix: str | None = None
@@ -115,7 +139,7 @@ class ToolCall(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: which call this result answers
@@ -143,11 +167,11 @@ class NamedToolChoice(StrictModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
-    tools: list[ToolDef] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description='false: tool_choice "required" makes one call')
 
@@ -155,19 +179,59 @@ class ChatCompletionRequest(GenerationRequest):
 class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = True
 
 
 class DetokenizeRequest(StrictModel):
     model: str | None = None
-    tokens: list[Int]
+    tokens: TokenIds
+
+
+# ---- fields OpenAI defines that iterserve does not implement ----------------------------------------
+@dataclass(frozen=True)
+class Unsupported:
+    """A request field refused with a 400 naming it, unless its value is one that asks for nothing."""
+
+    field: str
+    accepts: Callable[[Any], bool] = lambda value: value is None  # values that mean "not used"
+    hint: str = ""
+
+
+def _off(value) -> bool:
+    return value is None or value == [] or value == {} or value is False
+
+
+# One line per field; delete a line when the field gets implemented.
+UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
+    Unsupported("functions", _off),
+    Unsupported("function_call", lambda v: v in (None, "none")),
+    Unsupported("suffix", lambda v: v in (None, "")),
+    Unsupported("best_of", lambda v: v in (None, 1), "only 1; n > 1 returns every sample"),
+    Unsupported("echo", _off),
+    Unsupported("audio", _off),
+    Unsupported("modalities", lambda v: v in (None, ["text"]), "only [\"text\"]"),
+    Unsupported("prediction", _off),
+    Unsupported("web_search_options", _off),
+)
+
+
+def unsupported_field(body: BaseModel) -> APIError | None:
+    """The error for the first unsupported field the body uses, or None."""
+    extra = body.model_extra or {}
+    for u in UNSUPPORTED_FIELDS:
+        value = getattr(body, u.field) if u.field in type(body).model_fields else extra.get(u.field)
+        if not u.accepts(value):
+            hint = f" ({u.hint})" if u.hint else ""
+            return APIError(f"{u.field} is not supported by this server{hint}", param=u.field,
+                            code="unsupported_field")
+    return None
 
 
 # ---- errors ----------------------------------------------------------------------------------------
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               503: "server_overloaded"}
+               500: "server_error", 503: "server_overloaded"}
 
 
 class APIError(Exception):

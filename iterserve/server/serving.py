@@ -27,7 +27,7 @@ from iterserve.request import RequestOutput, RequestTimes
 from iterserve.sampling import SamplingParams
 from iterserve.server.async_engine import AsyncEngine, RequestStream
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       GenerationRequest, error_body)
+                                       GenerationRequest, error_body, unsupported_field)
 from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls, prompt_messages, template_has_tools
 from iterserve.structured.params import StructuredOutputError, StructuredOutputsParams
 
@@ -37,9 +37,23 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 @dataclass
 class ServerSettings:
+    """Every switch of the HTTP layer (the engine's are in EngineConfig)."""
+
     served_model_name: str
     api_key: str | None = None
     retry_after_s: int = 1
+    max_request_bytes: int = 4 * 2**20  # larger bodies get 413 before they are read in full
+    metrics_without_key: bool = False  # with api_key: let scrapers read /metrics without it
+    allowed_hosts: list[str] | None = None  # Host header names accepted; None or "*" = any
+    vllm_metrics: bool = True  # also export vllm:* names so vLLM's dashboards and routers read us
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for: text longer than n times this cannot fit in n
+    tokens, so it can be refused without tokenising it (a 100 MB prompt would otherwise cost
+    gigabytes before its 400). Byte-level BPE vocab strings have one character per byte, so their
+    length bounds the decoded text's length."""
+    return max(1, max(len(t) for t in tokenizer.get_vocab()))
 
 
 def timings(t: RequestTimes) -> dict:
@@ -85,6 +99,11 @@ def structured_outputs_from(body: GenerationRequest) -> tuple[StructuredOutputsP
         raise APIError(f"{param}: {e}", param=param) from None
 
 
+def message_chars(messages: list[ChatMessage]) -> int:
+    return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+               for m in messages)
+
+
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -102,12 +121,25 @@ class OpenAIServing:
         self.llm = engine.engine
         tok = self.llm.tokenizer
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i]))
+        self.max_token_chars = max_token_chars(tok)
+
+    def check_text_length(self, num_chars: int, max_tokens: int, what: str, param: str) -> None:
+        """Refuses text that cannot fit in max_tokens tokens, before any tokenisation."""
+        if num_chars > max_tokens * self.max_token_chars:
+            raise APIError(f"{what} has {num_chars} characters: more than {max_tokens} tokens can hold "
+                           f"(at most {self.max_token_chars} characters per token)", param=param)
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:
             raise APIError(f"model {name!r} does not exist; this server serves "
                            f"{self.settings.served_model_name!r}", 404, param="model", code="model_not_found")
+
+    @staticmethod
+    def check_supported(body: GenerationRequest) -> None:
+        error = unsupported_field(body)
+        if error is not None:
+            raise error
 
     def sampling_params(self, body: GenerationRequest, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -150,12 +182,10 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest, http: Request):
         arrival = time.monotonic()
         self.check_model(body.model)
-        for name, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", body.best_of not in (None, 1))):
-            if bad:
-                raise APIError(f"{name} is not supported" + (" (n > 1 returns every sample)" if name == "best_of" else ""),
-                               param=name)
+        self.check_supported(body)
         text, ids = self._completion_prompt(body.prompt)
         if ids is None:
+            self.check_text_length(len(text), self.llm.max_input_len, "prompt", "prompt")
             ids = await self.engine.encode(prompt=text)
         max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, self.llm.max_output_len)
         structured, param = structured_outputs_from(body)
@@ -166,8 +196,10 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: Request):
         arrival = time.monotonic()
         self.check_model(body.model)
+        self.check_supported(body)
         if not body.messages:
             raise APIError("messages must not be empty", param="messages")
+        self.check_text_length(message_chars(body.messages), self.llm.max_input_len, "messages", "messages")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         tools = ToolMode.from_body(body)
@@ -218,6 +250,7 @@ class OpenAIServing:
                         params: SamplingParams, arrival: float):
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         streams = await self._add_choices(request_id, ids, params, body.n or 1, body.priority or 0, arrival)
+        http.state.admitted = True  # from here on an error is a failure, not a rejection (metrics)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(fmt, request_id, streams, include_usage),
@@ -227,9 +260,9 @@ class OpenAIServing:
         if outputs is None:  # the client is gone; nobody reads this
             return JSONResponse(error_body("client disconnected", 400), status_code=400)
         lasts = [outs[-1] for outs in outputs]
-        error = next((o.error for o in lasts if o.error), None)
-        if error:
-            return JSONResponse(error_body(error, 500), status_code=500)
+        failed = next((o for o in lasts if o.error), None)
+        if failed is not None:
+            return self.failed(failed)
         choices = [([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.new_logprobs])
                    for outs in outputs]
         return JSONResponse(fmt.response(request_id, lasts, choices, params.logprobs is not None),
@@ -252,6 +285,14 @@ class OpenAIServing:
                 self.engine.abort(st.request_id)
             raise
         return streams
+
+    def failed(self, out: RequestOutput) -> JSONResponse:
+        """A request that was accepted but cannot complete: shutdown is 503 (retry elsewhere or later),
+        anything else 500; never a 200 with partial text."""
+        if out.finish_reason == "shutdown":
+            return JSONResponse(error_body(out.error, 503, code="shutdown"), status_code=503,
+                                headers={"Retry-After": str(self.settings.retry_after_s)})
+        return JSONResponse(error_body(out.error, 500), status_code=500)
 
     def _abort_unfinished(self, streams: list[RequestStream]) -> None:
         for st in streams:
@@ -314,7 +355,8 @@ class OpenAIServing:
             calls = [ToolCallStream(fmt.tools) if fmt.tools is not None else None for _ in streams]
             async for i, out in self._merged(streams):
                 if out.error:
-                    yield sse(error_body(out.error, 500))
+                    status = 503 if out.finish_reason == "shutdown" else 500
+                    yield sse(error_body(out.error, status, code=out.finish_reason))
                     break
                 lp, offsets[i] = fmt.logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
                 if out.finished:
