@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from iterserve import cli
-from iterserve.bench.client import ClientError
-from iterserve.bench.compare import Calibration, estimate_costs, seed_shape, server_flags, size_load
+from iterserve.bench.compare import seed_shape, server_flags, size_load
 from iterserve.bench.workload import RequestSpec
-from iterserve.bench.report import ROWS, ModeRun, comparison, markdown_table, target_met, write_plots
+from iterserve.bench.report import (ROWS, ModeRun, comparison, direction_notes, markdown_table, target_met,
+                                    write_plots)
 from iterserve.bench.timeline import SchedulerPoller, Timeline
 
 
@@ -92,7 +92,8 @@ def test_poller_keeps_new_steps_once_on_the_run_clock():
 
 # ---------------------------------------------------------------- the report
 
-def _run(mode: str, e2e: list[float], queue: list[float], duration: float, steps: list[dict]) -> ModeRun:
+def _run(mode: str, e2e: list[float], queue: list[float], duration: float, steps: list[dict],
+         saturation: dict | None = None) -> ModeRun:
     records = [{"index": i, "scheduled_s": 0.5 * i, "input_len": 10, "max_tokens": 8, "sent_at_s": 0.5 * i,
                 "end_at_s": 0.5 * i + e, "ttft_s": q + 0.05, "tpot_s": 0.01, "itl_s": [], "e2e_s": e,
                 "output_tokens": 8, "prompt_tokens": 10, "queue_time_s": q, "success": True, "error": ""}
@@ -104,26 +105,34 @@ def _run(mode: str, e2e: list[float], queue: list[float], duration: float, steps
                "request_throughput": len(records) / duration, "output_throughput": 8 * len(records) / duration,
                "peak_concurrency": 3, "e2e_ms": stat(e2e_ms), "queue_time_ms": stat(q_ms),
                "ttft_ms": stat(q_ms + 50)}
-    return ModeRun(mode, {"summary": summary, "records": records}, Timeline(mode, steps, config={}))
+    return ModeRun(mode, {"summary": summary, "records": records}, Timeline(mode, steps, config={}), saturation=saturation)
 
 
 def test_table_changes_and_targets():
     static = _run("static", [2.0, 3.0, 4.0, 5.0], [1.0, 1.0, 2.0, 2.0], 10.0,
-                  [_step(1, 0.0, 4.0, 8, padding=4), _step(2, 6.0, 1.0, 8)])
+                  [_step(1, 0.0, 4.0, 8, padding=4), _step(2, 6.0, 1.0, 8)],
+                  saturation={"request_throughput": 0.8, "output_throughput": 40.0, "useful_utilisation": 0.6})
     cont = _run("continuous", [1.0, 1.0, 1.5, 2.0], [0.01, 0.02, 0.01, 0.02], 2.0,
-                [_step(1, 0.0, 1.8, 16)])
+                [_step(1, 0.0, 1.8, 16)],
+                saturation={"request_throughput": 2.0, "output_throughput": 100.0, "useful_utilisation": 0.99})
     c = comparison(static, cont)
     assert c["static"]["utilisation"] == pytest.approx(0.5)
     assert c["static"]["useful_utilisation"] == pytest.approx(0.3)
     assert c["continuous"]["utilisation"] == pytest.approx(0.9)
     assert c["static"]["busy_throughput"] == pytest.approx(4 / 5.0)  # completed / busy seconds
     met = {r["key"]: r["target_met"] for r in c["rows"]}
-    assert met["utilisation"] is True and met["busy_throughput"] is True  # 2.78x
+    assert met["utilisation"] is True and met["saturated_request_throughput"] is True  # 2.5x at saturation
     assert met["p95_latency_s"] is True and met["mean_queue_s"] is True
     table = markdown_table(static, cont)
     assert len(table.splitlines()) == 2 + len(ROWS)
     assert "| Throughput over the run (req/s) | 0.400 | 2.000 | +400% (5.00×) |  |" in table
-    assert "| Throughput per busy second (req/s) | 0.800 | 2.222 | +178% (2.78×) | ≥ 2× met |" in table
+    assert "| Capacity: req/s at saturation | 0.800 | 2.000 | +150% (2.50×) | ≥ 2× met |" in table
+    assert "| Useful utilisation at saturation | 60% | 99% | +39 pts |  |" in table
+    assert c["direction_notes"] == []  # the case's direction on every row
+    # a row against the case's direction says why
+    notes = direction_notes({"utilisation": 0.9, "mean_queue_s": 0.1}, {"utilisation": 0.6, "mean_queue_s": 0.2})
+    assert len(notes) == 2 and notes[0].startswith("Utilisation (busy fraction): static 90%, continuous 60%")
+    assert "time inside engine steps" in notes[0] and "queue" in notes[1]
     assert "| Utilisation (busy fraction) | 50% | 90% | +40 pts | continuous ≥ 80% met |" in table
     # a p95 only 30% lower misses its target
     assert target_met("p95_latency_s", {"p95_latency_s": 1.0}, {"p95_latency_s": 0.7}) is False
@@ -150,23 +159,12 @@ def test_only_the_batching_flags_differ_between_the_servers():
                                        "--block-size", "32", "--threads", "2"]
 
 
-def test_capacity_from_step_records_and_the_seed_shape():
-    steps = [{"prefill_tokens": 400, "decode_tokens": 0, "batch_size": 8, "duration": 2.0},
-             {"prefill_tokens": 0, "decode_tokens": 8, "batch_size": 8, "duration": 0.30},
-             {"prefill_tokens": 0, "decode_tokens": 8, "batch_size": 8, "duration": 0.50},
-             {"prefill_tokens": 0, "decode_tokens": 8, "batch_size": 8, "duration": 0.40},
-             {"prefill_tokens": 0, "decode_tokens": 3, "batch_size": 3, "duration": 0.10}]  # tail: ignored
-    per_token, step_s, batch = estimate_costs(steps)
-    assert (per_token, step_s, batch) == (pytest.approx(0.005), pytest.approx(0.40), 8)
-    cal = Calibration(8, per_token, step_s, mean_input_len=40, mean_output_len=50)
-    assert cal.capacity == pytest.approx(1 / (40 * 0.005 + 50 * 0.40 / 8))
+def test_the_seed_shape():
     shape = seed_shape(base_rate=0.5, num_requests=36)
     assert shape["peak_rate"] == 3.0
     mean = 0.5 * 0.8 + 3.0 * 0.2
     assert shape["burst_every"] == pytest.approx(36 / (3 * mean)) and shape["burst_len"] == pytest.approx(
         0.2 * shape["burst_every"])
-    with pytest.raises(ClientError):
-        estimate_costs(steps[1:])
 
 
 def test_load_sizing_sets_the_rate_or_the_trace_time_scale():
@@ -220,7 +218,7 @@ def test_a_model_that_does_not_load(capsys, tmp_path):
 
 def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     out, raw = tmp_path / "cmp", tmp_path / "raw"
-    # the default path: a calibration batch sizes the bursty load
+    # the default path: each server's capacity at saturation first; static's sizes the bursty load
     rc = cli.main(["compare", "--model", str(tiny_model_dir), "--out", str(out), "--raw-dir", str(raw),
                    "--num-requests", "12",
                    "--input-len", "8:32", "--output-len", "4:24", "--max-batch-size", "4", "--max-num-seqs", "8",
@@ -239,9 +237,15 @@ def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".json") == ["compare.json"]
     assert (out / "compare.json").stat().st_size < 20_000
     assert sorted(p.name for p in (raw / "logs").iterdir()) == ["server-continuous.log", "server-static.log"]
-    cal = summary["calibration"]
-    assert 1 <= cal["batch"] <= 8 and cal["capacity_req_s"] > 0
-    assert summary["workload"]["base_rate"] * 2 == pytest.approx(0.8 * cal["capacity_req_s"])
+    cap = summary["capacity"]
+    assert cap["static"]["completed"] == cap["continuous"]["completed"] == 12
+    assert cap["static"]["request_throughput"] > 0 and cap["load"] == 0.8
+    assert summary["workload"]["base_rate"] * 2 == pytest.approx(0.8 * cap["static"]["request_throughput"])
+    rows = {r["key"]: r for r in summary["rows"]}
+    assert rows["saturated_request_throughput"]["static"] == cap["static"]["request_throughput"]
+    # every row against the case's direction is explained, in the output and the summary
+    for note in summary["direction_notes"]:
+        assert f"- {note}" in table
     runs = {m: json.loads((raw / f"{m}.json").read_text()) for m in ("static", "continuous")}
     for mode, run in runs.items():
         assert run["timeline"]["batching"] == mode

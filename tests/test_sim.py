@@ -169,3 +169,17 @@ def test_sampled_replicas_are_exact_under_round_robin():
         assert r == by_index[r.index]
     with pytest.raises(ValueError, match="round-robin"):
         simulate(specs, EngineConfig(), prof, replicas=4, router="least-loaded", sample_replicas=1)
+
+
+def test_simulate_compare_out_writes_compares_report(tmp_path, capsys):
+    prof_path, out = tmp_path / "a100.json", tmp_path / "cmp"
+    analytic_profile("a100-80gb", "llama-2-7b").save(prof_path)
+    assert main(["simulate", "--profile", str(prof_path), "--workload", "bursty", "--rate", "1.5",
+                 "--num-requests", "120", "--input-len", "16:1024", "--output-len", "8:64",
+                 "--max-model-len", "2048", "--compare-out", str(out)]) == 0
+    table = capsys.readouterr().out
+    summary = json.loads((out / "compare.json").read_text())
+    rows = {r["key"]: r for r in summary["rows"]}
+    assert rows["saturated_request_throughput"]["continuous"] > 1.5 * rows["saturated_request_throughput"]["static"]
+    assert rows["mean_queue_s"]["continuous"] < rows["mean_queue_s"]["static"]
+    assert "| Capacity: req/s at saturation |" in table and (out / "latency_cdf.png").exists()

@@ -1,20 +1,22 @@
 """`iterserve compare`: static vs continuous batching, same model, same traffic, side by side.
 
-Starts `iterserve serve` twice on the model (continuous batching with --max-num-seqs 16, then
-static batching with --max-batch-size 8; every other engine flag the same), replays the identical
-workload against each with the load client while polling the engine's step records, then prints
-the table of the chat bot case in docs/seed-case.md (utilisation, mean / p95 latency, queue time,
-throughput and the change) and writes under --out a summary, compare.json (the table, its numbers,
-the workload, the calibration, host, commit and command), and PNG plots: utilisation and batch size
+Starts `iterserve serve` twice on the model (continuous batching with --max-num-seqs 16 and static
+batching with --max-batch-size 8; every other engine flag the same). First each server's capacity
+is measured at saturation (the workload's requests all sent at once); then the identical workload
+is replayed against each at one offered load while the engine's step records are polled. It prints
+the table of the chat bot case in docs/seed-case.md (utilisation, mean / p95 latency and queue
+time at the offered load; capacity at saturation; the change), says why wherever a row goes
+against the case's direction, and writes under --out a summary, compare.json (the table, its
+numbers, the workload, the capacities, host, commit and command), and PNG plots: utilisation and batch size
 over time, latency CDFs, queue time by arrival, KV usage. The raw records, static.json and
 continuous.json (every request and every engine step), and the server logs go to --raw-dir (a new
 folder under runs/ by default), from which --replot redraws the report.
 
 The default workload is bursty Poisson traffic shaped like the chat bot case's (docs/seed-case.md):
-a base rate with bursts at 6x it, its average rate set to --load of the continuous server's
-capacity as one calibration batch measures it, so that on any machine static batching is saturated
-and continuous batching kept busy; on the embedded model and a 2-core CPU the whole command takes a
-few minutes.
+a base rate with bursts at 6x it, its average rate set to --load (default 0.5) of static batching's
+measured capacity, as the case's 3.3 req/s were of its static server's 6.7: neither mode is
+saturated on average, both are during the bursts, and no row sets a saturated run against an
+unsaturated one. On the embedded model and a 2-core CPU the whole command takes a few minutes.
 """
 from __future__ import annotations
 
@@ -25,11 +27,10 @@ import copy
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +38,8 @@ import httpx
 
 from iterserve.bench.client import ClientError, RunResult, run_load
 from iterserve.bench.launcher import ServerProcess
-from iterserve.bench.report import MODES, ModeRun, comparison, markdown_table, write_plots
+from iterserve.bench.report import (MODES, ModeRun, comparison, direction_notes, markdown_table,
+                                    saturation_summary, write_plots)
 from iterserve.bench.summary import default_raw_dir, run_info, write_json
 from iterserve.bench.timeline import SchedulerPoller, Timeline
 from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts,
@@ -45,21 +47,18 @@ from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prom
 from iterserve.config import EngineConfig
 
 # The default traffic: the chat bot case's shape (docs/seed-case.md; a base Poisson rate with bursts
-# to 6x it, see seed_shape)
-# at an average rate that loads the continuous server to --load of the capacity measured by a
-# calibration batch, so that static batching is saturated and continuous batching well used on any
-# machine. Lengths are within the case's limits (input <= 1024, output <= 256) but short, because a
+# to 6x it, see seed_shape) at an average rate of --load x static batching's capacity measured at
+# saturation, as in the case (3.3 req/s offered to a 6.7 req/s static server). Lengths are within the case's limits (input <= 1024, output <= 256) but short, because a
 # CPU prefills slowly and a few minutes must hold several bursts; outputs vary widely, as chat
 # answers do, which is what a static batch pays for in padding.
 WORKLOAD_DEFAULTS: dict[str, Any] = dict(
     rate=None, peak_rate=None, burst_every=None, burst_len=None, time_scale=None, num_requests=36,
     input_len=(16, 64), output_len=(8, 96), max_input_len=1024, max_output_len=256,
 )
-DEFAULT_LOAD = 0.85
+DEFAULT_LOAD = 0.5  # docs/seed-case.md: 3.3 req/s offered, 6.7 req/s static capacity
 SEED_PEAK_OVER_BASE = 6.0  # docs/seed-case.md: 300 ms mean gap (3.3 req/s), peaks of 20 req/s
 BURST_DUTY = 0.2  # share of the time in bursts
 BURST_CYCLES = 3  # bursts in a default run
-CALIBRATION_OUTPUT = 16
 RATED_WORKLOADS = ("poisson", "gamma", "bursty", "constant")
 WARMUP_REQUESTS = 2
 
@@ -105,46 +104,13 @@ async def replay(base_url: str, specs: Sequence[RequestSpec], timeout_s: float |
 
 # ---------------------------------------------------------------- sizing the default load
 
-@dataclass
-class Calibration:
-    """The continuous server's cost model from one full batch, and the capacity it implies."""
-
-    batch: int  # sequences of the decode steps measured (max-num-seqs unless they came apart)
-    prefill_s_per_token: float
-    decode_step_s: float  # one decode step at `batch` sequences
-    mean_input_len: float
-    mean_output_len: float
-
-    @property
-    def capacity(self) -> float:
-        """Requests/s when always `batch` sequences decode and every prompt is prefilled once."""
-        per_request = (self.mean_input_len * self.prefill_s_per_token
-                       + self.mean_output_len * self.decode_step_s / self.batch)
-        return 1.0 / per_request
-
-
-def estimate_costs(steps: Sequence[dict[str, Any]]) -> tuple[float, float, int]:
-    """(seconds per prefill token, seconds per decode step, its batch size) from step records; the
-    decode steps are those of the largest batch seen (a full one when the requests came together)."""
-    prefill = [s for s in steps if s["prefill_tokens"] > 0]
-    tokens = sum(s["prefill_tokens"] + s["decode_tokens"] for s in prefill)
-    decodes = [s for s in steps if s["prefill_tokens"] == 0 and s["batch_size"] > 0]
-    if not tokens or not decodes:
-        raise ClientError("calibration saw no prefill or no decode step: give --rate instead")
-    batch = max(s["batch_size"] for s in decodes)
-    step_s = statistics.median(s["duration"] for s in decodes if s["batch_size"] == batch)
-    return sum(s["duration"] for s in prefill) / tokens, step_s, batch
-
-
-def calibrate(base_url: str, batch: int, mean_in: float, mean_out: float, tokenizer: Any) -> Calibration:
-    """Runs one full batch (`batch` prompts of the workload's mean input length, 16 output tokens
-    each) on the continuous server and reads the costs off its step records."""
-    probe = [RequestSpec(i, 0.0, max(1, round(mean_in)), CALIBRATION_OUTPUT) for i in range(batch)]
-    build_prompts(probe, tokenizer)
-    print(f"compare: calibrating: {len(probe)} requests at once on the continuous server", file=sys.stderr)
-    _, timeline = asyncio.run(replay(base_url, probe, progress=False))
-    per_token, step_s, seen = estimate_costs(timeline.steps)
-    return Calibration(seen, per_token, step_s, mean_in, mean_out)
+def saturate(base_url: str, mode: str, specs: Sequence[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:
+    """The server's capacity: `specs` all sent at once, so that it runs as full as it can from the
+    first step to the last; what the case's throughput row (6.7 -> 15.2 req/s) can only be."""
+    burst = [replace(s, arrival_s=0.0) for s in specs]
+    print(f"compare: {mode}: capacity: {len(burst)} requests at once against {base_url}", file=sys.stderr)
+    result, timeline = asyncio.run(replay(base_url, burst, args.timeout, progress=False))
+    return saturation_summary(result.to_dict(), timeline)
 
 
 def seed_shape(base_rate: float, num_requests: int) -> dict[str, float]:
@@ -159,7 +125,7 @@ def mean_over_base() -> float:
     return 1 - BURST_DUTY + BURST_DUTY * SEED_PEAK_OVER_BASE
 
 
-def needs_calibration(args: argparse.Namespace) -> bool:
+def needs_sizing(args: argparse.Namespace) -> bool:
     """No --rate for a synthetic workload, or no --time-scale for a trace: size it by --load."""
     return ((args.workload in RATED_WORKLOADS and args.rate is None)
             or (args.workload == "trace" and args.time_scale is None))
@@ -174,7 +140,7 @@ def fill_burst_shape(args: argparse.Namespace) -> None:
 
 def provisional_workload(args: argparse.Namespace) -> list[RequestSpec]:
     """The workload at rate 1 / time scale 1 where those are still to be sized: checks every flag
-    and the trace before a server starts, and gives the lengths the calibration needs."""
+    and the trace before a server starts, and gives the requests the capacity runs send."""
     ns = copy.copy(args)
     ns.rate = 1.0 if ns.rate is None else ns.rate
     ns.time_scale = 1.0 if ns.time_scale is None else ns.time_scale
@@ -240,27 +206,29 @@ def _tokenizer(model: str) -> Any:
 
 
 def run_both(args: argparse.Namespace, raw_dir: Path, meta: dict[str, Any]) -> dict[str, ModeRun]:
-    """Continuous first (it sizes the default load), then static, on the identical workload."""
+    """Both servers up; each one's capacity first (it sizes the default load), then the identical
+    workload at the offered load, continuous first."""
     provisional = provisional_workload(args)
     tokenizer = _tokenizer(args.model)
-    runs: dict[str, ModeRun] = {}
-    with serving("continuous", args, raw_dir) as url:
-        if needs_calibration(args):
-            cal = calibrate(url, args.max_num_seqs, statistics.mean(s.input_len for s in provisional),
-                            statistics.mean(s.output_len for s in provisional), tokenizer)
-            mean_rate = args.load * cal.capacity
+    build_prompts(provisional, tokenizer)
+    with contextlib.ExitStack() as stack:
+        urls = {mode: stack.enter_context(serving(mode, args, raw_dir)) for mode in ("continuous", "static")}
+        capacity = {mode: saturate(urls[mode], mode, provisional, args) for mode in ("continuous", "static")}
+        meta["capacity"] = capacity
+        if needs_sizing(args):
+            mean_rate = args.load * capacity["static"]["request_throughput"]
             size_load(args, mean_rate, provisional)
-            meta["calibration"] = {**asdict(cal), "capacity_req_s": cal.capacity, "load": args.load,
-                                   "mean_rate": mean_rate}
-            print(f"compare: estimated capacity {cal.capacity:.3f} req/s; offering {mean_rate:.3f} req/s "
-                  f"on average (--load {args.load:g})", file=sys.stderr)
+            meta["capacity"].update(load=args.load, mean_rate=mean_rate)
+            print(f"compare: capacity static {capacity['static']['request_throughput']:.3f}, continuous "
+                  f"{capacity['continuous']['request_throughput']:.3f} req/s; offering {mean_rate:.3f} req/s "
+                  f"on average (--load {args.load:g} x static's)", file=sys.stderr)
         fill_burst_shape(args)
         specs = workload_from_args(args)
         build_prompts(specs, tokenizer)
         meta.update(workload=describe_workload(args), num_requests=len(specs))
-        runs["continuous"] = run_mode("continuous", url, args, specs)
-    with serving("static", args, raw_dir) as url:
-        runs["static"] = run_mode("static", url, args, specs)
+        runs = {mode: run_mode(mode, urls[mode], args, specs) for mode in ("continuous", "static")}
+    for mode, run in runs.items():
+        run.saturation = capacity[mode]
     return {mode: runs[mode] for mode in MODES}
 
 
@@ -317,6 +285,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         write_raw(runs, raw_dir)
     table = write_report(runs, out, args.window, meta)
     print(table)
+    for note in direction_notes(runs["static"].metrics(), runs["continuous"].metrics()):
+        print(f"- {note}")
     print(f"compare: wrote {out}/compare.json and plots; raw records in {raw_dir}", file=sys.stderr)
     return 0 if all(r.summary["completed"] for r in runs.values()) else 1
 
@@ -346,8 +316,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--replot", action="store_true", help="redraw the table and plots from --out's JSON files")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--load", type=float, default=DEFAULT_LOAD,
-                   help="without --rate (--time-scale for a trace): offer this share of the continuous server's "
-                        f"capacity, estimated from a calibration batch first (default {DEFAULT_LOAD:g})")
+                   help="without --rate (--time-scale for a trace): offer this share of static batching's capacity, "
+                        f"measured at saturation first (default {DEFAULT_LOAD:g}, as in the chat bot case: 3.3 req/s "
+                        "offered to a 6.7 req/s static server)")
     add_workload_args(p)
     compare_help = {
         "workload": "arrival process (default: trace when --trace is given, else bursty)",

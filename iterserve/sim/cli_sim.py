@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.bench.client import ClientError, parse_slo, print_table
 from iterserve.bench.compare import write_report
-from iterserve.bench.report import MODES, ModeRun
+from iterserve.bench.report import MODES, ModeRun, direction_notes, saturation_summary
 from iterserve.bench.tune import slo_met
 from iterserve.bench.workload import (WorkloadError, add_workload_args, describe_workload, one_line,
                                       workload_from_args)
@@ -126,14 +127,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         specs = workload_from_args(args)
         if args.compare_out:
             runs = {}
+            at_once = [dataclasses.replace(s, arrival_s=0.0) for s in specs]
             for mode in MODES:
                 cfg = sim_config(args, batching=mode)
                 run = run_sim(args, profile, specs, cfg, slos=slos)
                 print(_speed_line(run), file=sys.stderr)
-                runs[mode] = ModeRun(mode, run.result.to_dict(), run.timelines[0], [f"--batching {mode}"])
+                sat = run_sim(args, profile, at_once, cfg)
+                runs[mode] = ModeRun(mode, run.result.to_dict(), run.timelines[0], [f"--batching {mode}"],
+                                     saturation_summary(sat.result.to_dict(), sat.timelines[0]))
             meta = {"simulated": True, "profile": profile.describe(), "estimate": profile.estimate,
                     "workload": describe_workload(args)}
             print(write_report(runs, Path(args.compare_out), 2.0, meta))
+            for note in direction_notes(runs["static"].metrics(), runs["continuous"].metrics()):
+                print(f"- {note}")
             return 0
         run = run_sim(args, profile, specs, sim_config(args), slos=slos)
     except (WorkloadError, ClientError) as e:

@@ -1,0 +1,154 @@
+"""Validate the capacity simulator: real replays against `iterserve serve` vs simulations of the same
+requests, with a step profile fitted beforehand in a separate run (issue 21's error table).
+
+For each workload (the Azure conversation trace, the seed case's bursty traffic, and the multi-turn
+workload where the workload module has one), each batching mode (static max_batch_size 8,
+continuous max-num-seqs 16) and each load (light, near capacity, overloaded: fractions of the
+continuous engine's capacity as the simulator predicts it), this starts a server, replays the
+requests while polling its step records, simulates the identical requests with the same engine
+flags, and prints measured vs simulated: request throughput (target: within 5%), mean and p95 e2e
+latency (10%), TTFT p50 (15%).
+
+Needs a quiet machine: step times measured under other load make both the profile and the replays
+noise. One command does it all (about an hour on 2 cores at the defaults):
+
+    .venv/bin/python benchmarks/sim_validation.py --out runs/sim-validation
+    .venv/bin/python benchmarks/sim_validation.py --tiny        # smoke run: minutes, numbers meaningless
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from iterserve.bench.compare import replay
+from iterserve.bench.launcher import ServerProcess
+from iterserve.bench.report import ModeRun
+from iterserve.bench.workload import WORKLOADS, RequestSpec, build_prompts, bursty, make_workload, trace
+from iterserve.engine_args import add_engine_args, engine_config_from_args
+from iterserve.model.loader import load_tokenizer, resolve_model
+from iterserve.sim.profile import Profile
+from iterserve.sim.simulator import simulate
+
+TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
+MODE_FLAGS = {"static": ["--batching", "static", "--max-batch-size", "8", "--batch-timeout", "100"],
+              "continuous": ["--batching", "continuous", "--max-num-seqs", "16"]}
+LOADS = {"light": 0.3, "near": 0.9, "over": 1.5}
+TARGETS = {"throughput": 0.05, "e2e_mean": 0.10, "e2e_p95": 0.10, "ttft_p50": 0.15}
+
+
+def workload(kind: str, n: int, rate: float, args: argparse.Namespace) -> list[RequestSpec]:
+    """`n` requests of `kind` arriving at `rate` req/s on average, lengths clamped to the limits."""
+    lim = dict(max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+    if kind == "conversation":
+        rows = trace(args.trace, num_requests=n, **lim)
+        span = max(s.arrival_s for s in rows) or 1.0
+        scale = (len(rows) - 1) / span / rate
+        return [dataclasses.replace(s, arrival_s=s.arrival_s * scale) for s in rows]
+    if kind == "bursty":  # the seed case's shape: bursts at 6x the base for a fifth of the time
+        base = rate / 2.0
+        every = max(n / (3 * rate), 1.0)
+        return bursty(n, base_rate=base, peak_rate=6 * base, burst_every_s=every, burst_len_s=every / 5,
+                      seed=args.seed, input_len=(16, 256), output_len=(8, 128), **lim)
+    if kind in WORKLOADS:  # e.g. a multi-turn generator added to the workload module
+        return make_workload(kind, num_requests=n, rate=rate, seed=args.seed, **lim)
+    raise SystemExit(f"unknown workload {kind!r}")
+
+
+def engine_config(flags: list[str], model: str):
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    return engine_config_from_args(p.parse_args(flags), model=model)
+
+
+def errors(real: dict, sim: dict) -> dict[str, tuple[float | None, float | None]]:
+    pick = {"throughput": lambda s: s["request_throughput"], "e2e_mean": lambda s: s["e2e_ms"]["mean"],
+            "e2e_p95": lambda s: s["e2e_ms"]["p95"], "ttft_p50": lambda s: s["ttft_ms"]["median"]}
+    return {k: (f(real), f(sim)) for k, f in pick.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--profile", type=Path, help="a profile fitted beforehand (default: fit one now, in its own process)")
+    p.add_argument("--workloads", default="conversation,bursty,multi-turn")
+    p.add_argument("--modes", default="static,continuous")
+    p.add_argument("--loads", default="light,near,over")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--server-args", default="", help="engine flags for both the servers and the simulation")
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--max-input-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("runs/sim-validation"))
+    p.add_argument("--tiny", action="store_true", help="smoke run: 6 requests, one load, quick profile")
+    args = p.parse_args()
+    if args.tiny:
+        args.num_requests, args.loads, args.workloads = 6, "near", "bursty,conversation"
+        args.max_input_len, args.max_output_len = 64, 16
+    args.out.mkdir(parents=True, exist_ok=True)
+    extra = shlex.split(args.server_args) + ["--max-input-len", str(args.max_input_len),
+                                             "--max-output-len", str(args.max_output_len)]
+    prof_path = args.profile or args.out / "profile.json"
+    if args.profile is None:  # a separate process and run, as a user would fit it
+        cmd = [sys.executable, "-m", "iterserve.cli", "profile", args.model, "--out", str(prof_path), *extra]
+        subprocess.run(cmd + (["--quick", "--repeats", "1"] if args.tiny else []), check=True)
+    profile = Profile.load(prof_path)
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    kinds = [k for k in args.workloads.split(",") if k in ("conversation", "bursty") or k in WORKLOADS]
+    skipped = sorted(set(args.workloads.split(",")) - set(kinds))
+    # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
+    rows, raw = [], []
+    for kind in kinds:
+        probe = workload(kind, args.num_requests, 1.0, args)
+        sat = [dataclasses.replace(s, arrival_s=0.0) for s in probe]
+        cap = simulate(sat, engine_config(MODE_FLAGS["continuous"] + extra, args.model), profile
+                       ).result.summary()["request_throughput"]
+        for load in args.loads.split(","):
+            specs = workload(kind, args.num_requests, LOADS[load] * cap, args)
+            build_prompts(specs, tokenizer)
+            for mode in args.modes.split(","):
+                flags = MODE_FLAGS[mode] + extra
+                t0 = time.perf_counter()
+                with ServerProcess([args.model, *flags], log_path=args.out / f"server-{kind}-{load}-{mode}.log") as srv:
+                    result, timeline = asyncio.run(replay(srv.base_url, specs, progress=False))
+                real = result.summary()
+                sim = simulate(specs, engine_config(flags, args.model), profile).result.summary()
+                err = errors(real, sim)
+                rows.append((kind, load, mode, err))
+                raw.append({"workload": kind, "load": load, "mode": mode, "rate": LOADS[load] * cap,
+                            "real": ModeRun(mode, result.to_dict(), timeline).metrics(), "sim": sim,
+                            "errors": {k: v for k, v in err.items()}, "wall_s": time.perf_counter() - t0})
+                print(f"{kind} {load} {mode}: " + ", ".join(
+                    f"{k} {a if a is None else round(a, 3)} vs {b if b is None else round(b, 3)}"
+                    for k, (a, b) in err.items()), file=sys.stderr)
+    head = "| workload | load | mode | " + " | ".join(f"{k} real / sim / err (target {v:.0%})"
+                                                    for k, v in TARGETS.items()) + " |"
+    lines = [head, "|" + "---|" * (3 + len(TARGETS))]
+    for kind, load, mode, err in rows:
+        cells = []
+        for k, (real, sim) in err.items():
+            if real is None or sim is None or not real:
+                cells.append("-")
+                continue
+            e = (sim - real) / real
+            cells.append(f"{real:.3g} / {sim:.3g} / {e:+.0%}{'' if abs(e) <= TARGETS[k] else ' MISS'}")
+        lines.append(f"| {kind} | {load} | {mode} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if skipped:
+        print(f"\nskipped (no such workload here yet): {', '.join(skipped)}")
+    (args.out / "validation.json").write_text(json.dumps({"profile": profile.to_dict(), "runs": raw,
+                                                          "table": table}, indent=1))
+    print(f"wrote {args.out / 'validation.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
