@@ -183,3 +183,22 @@ def test_simulate_compare_out_writes_compares_report(tmp_path, capsys):
     assert rows["saturated_request_throughput"]["continuous"] > 1.5 * rows["saturated_request_throughput"]["static"]
     assert rows["mean_queue_s"]["continuous"] < rows["mean_queue_s"]["static"]
     assert "| Capacity: req/s at saturation |" in table and (out / "latency_cdf.png").exists()
+
+
+def test_plan_finds_the_fewest_replicas_meeting_the_slo(tmp_path, capsys):
+    prof_path = tmp_path / "a100.json"
+    analytic_profile("a100-80gb", "llama-2-7b").save(prof_path)
+    argv = ["plan", "--profile", str(prof_path), "--workload", "poisson", "--num-requests", "300",
+            "--input-len", "16:1024", "--output-len", "8:64", "--max-model-len", "2048", "--target-rate", "25",
+            "--seqs-grid", "16", "--max-replicas", "16"]
+    assert main(argv + ["--slo", "e2e_p95=2s"]) == 0
+    out = capsys.readouterr().out
+    n = int(out.split("plan: ")[1].split(" replicas")[0])
+    assert 1 < n <= 16 and f"with {n - 1} replicas" in out and "SLO missed" in out
+    # the same traffic through n and n - 1 least-loaded replicas: only n meets it
+    specs = poisson(300, 30.0, seed=0, input_len=(16, 1024), output_len=(8, 64))
+    cfg = EngineConfig(max_model_len=2048)
+    p95 = lambda k: simulate(specs, cfg, Profile.load(prof_path), k, "least-loaded").result.summary()["e2e_ms"]["p95"]  # noqa: E731
+    assert p95(n) <= 2000 < p95(n - 1)
+    assert main(argv + ["--slo", "ttft=1ms"]) == 1  # no fleet meets it
+    assert "no configuration met the SLO" in capsys.readouterr().out
