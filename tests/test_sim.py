@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from iterserve.bench.workload import bursty, poisson
+from iterserve.bench.workload import RequestSpec, bursty, poisson
 from iterserve.cli import main
 from iterserve.config import EngineConfig
 from iterserve.core.scheduler import Scheduler, WaitingQueue
@@ -202,3 +202,19 @@ def test_plan_finds_the_fewest_replicas_meeting_the_slo(tmp_path, capsys):
     assert p95(n) <= 2000 < p95(n - 1)
     assert main(argv + ["--slo", "ttft=1ms"]) == 1  # no fleet meets it
     assert "no configuration met the SLO" in capsys.readouterr().out
+
+
+def test_prefix_caching_is_the_engines(monkeypatch):
+    """The pool caches prefixes as the engine's does (on by default with continuous batching): the
+    same prompt twice is a hit, and the hit shortens the second request's prefill in the simulation."""
+    specs = [RequestSpec(0, 0.0, 512, 8), RequestSpec(1, 5.0, 512, 8)]
+    prof = linear_profile(coef=(0.004, 0.0, 0.0001, 0.0, 0.0, 0.0))
+    distinct = simulate(specs, EngineConfig(), prof)
+    assert distinct.stats["prefix_cache_hits"] == 0 and distinct.stats["prefix_cache_queries"] > 0
+    monkeypatch.setattr("iterserve.sim.simulator.prompt_ids", lambda spec: [7] * spec.input_len)
+    shared = simulate(specs, EngineConfig(), prof)
+    assert shared.stats["prefix_cache_hits"] >= 496
+    ttft = [r.ttft_s for r in shared.result.records]
+    assert ttft[1] < 0.5 * ttft[0]
+    off = simulate(specs, EngineConfig(enable_prefix_caching=False), prof)
+    assert off.stats["prefix_cache_hits"] == 0

@@ -40,9 +40,10 @@ SchedulerFactory = Callable[[EngineConfig, BlockPool, int], SchedulerBase]
 
 
 def prompt_ids(spec: RequestSpec) -> list[int]:
-    """Token ids for a simulated prompt: only the length matters to the scheduler; the first id
-    differs per request so that a block-hash prefix cache sees distinct prompts, as the bench's
-    prompts are (each starts at a different place in its text)."""
+    """Token ids for a simulated prompt. The scheduler reads their number, and with prefix caching
+    their blocks' hash chain: the first id differs per request, so no two prompts share a block, as
+    the bench's prompts do not (each starts at a different place in its text). A workload whose
+    requests share prefixes (multi-turn conversations) must say so here, through its specs."""
     return [spec.index % 30000 + 1] + [0] * (spec.input_len - 1)
 
 
@@ -57,7 +58,7 @@ class SimEngine:
         self.max_model_len = config.max_model_len or profile.max_model_len
         self.max_input_len = config.max_input_len or self.max_model_len
         self.max_output_len = config.max_output_len or self.max_model_len
-        self.pool = BlockPool(profile.num_kv_blocks(config), config.block_size)
+        self.pool = BlockPool(profile.num_kv_blocks(config), config.block_size, enable_caching=config.prefix_caching)
         self.scheduler = make_scheduler(config, self.pool, self.max_model_len)
         self.in_flight: SchedulerOutput | None = None
         self.step_start = 0.0
@@ -264,6 +265,8 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
         "busy_fraction": [e.busy_s / duration if duration else 0.0 for e in engines],
         "mean_batch_size": [e.batch_seq_s / e.busy_s if e.busy_s else 0.0 for e in engines],
         "preemptions": sum(e.num_preempted for e in engines),
+        "prefix_cache_queries": sum(e.scheduler.prefix_cache_queries for e in engines),
+        "prefix_cache_hits": sum(e.scheduler.prefix_cache_hits for e in engines),
         "num_kv_blocks": engines[0].pool.num_blocks,
         "profile": profile.describe(), "estimate": profile.estimate,
     }
