@@ -1,7 +1,7 @@
 """Validate the capacity simulator: real replays against `iterserve serve` vs simulations of the same
 requests, with a step profile fitted beforehand in a separate run (issue 21's error table).
 
-For each workload (the Azure conversation trace, the seed case's bursty traffic, and the multi-turn
+For each workload (the Azure conversation trace, the bursty traffic of docs/seed-case.md, and the multi-turn
 workload where the workload module has one), each batching mode (static max_batch_size 8,
 continuous max-num-seqs 16) and each load (light, near capacity, overloaded: fractions of the
 continuous engine's capacity as the simulator predicts it), this starts a server, replays the
@@ -51,7 +51,7 @@ def workload(kind: str, n: int, rate: float, args: argparse.Namespace) -> list[R
         span = max(s.arrival_s for s in rows) or 1.0
         scale = (len(rows) - 1) / span / rate
         return [dataclasses.replace(s, arrival_s=s.arrival_s * scale) for s in rows]
-    if kind == "bursty":  # the seed case's shape: bursts at 6x the base for a fifth of the time
+    if kind == "bursty":  # docs/seed-case.md's shape: bursts at 6x the base for a fifth of the time
         base = rate / 2.0
         every = max(n / (3 * rate), 1.0)
         return bursty(n, base_rate=base, peak_rate=6 * base, burst_every_s=every, burst_len_s=every / 5,
