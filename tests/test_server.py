@@ -1,6 +1,8 @@
-"""The OpenAI-compatible server over real HTTP on 127.0.0.1, tiny random-weight model.
+"""The OpenAI-compatible server's API contract, on the tiny random-weight model.
 
-One server process for the module (starting one costs seconds); every test leaves it idle.
+One in-process server for the module (tests/app_server.py: the app `iterserve serve` builds, over
+httpx's ASGI transport); every test leaves it idle. What needs a real socket, a client that drops
+its connection, runs against an `iterserve serve` process on 127.0.0.1 (marked slow).
 """
 from __future__ import annotations
 
@@ -12,52 +14,58 @@ import time
 import httpx
 import openai
 import pytest
+from app_server import AppServer
 
 from iterserve.bench.launcher import ServerProcess
 
 MODEL = "tiny"
+SERVE_ARGS = ["--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+              "--max-output-len", "512"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    srv = ServerProcess([str(tiny_model_dir), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
-                         "--max-model-len", "1024", "--max-output-len", "512"], log_path=log)
-    with srv:
+def server(tiny_model_dir, tiny_loaded):
+    with AppServer([str(tiny_model_dir), *SERVE_ARGS], tiny_loaded) as srv:
         yield srv
-    assert srv.proc.returncode == 0, log.read_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.client(timeout=30) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                         http_client=server.client())
 
 
-def scheduler(server, **params) -> dict:
-    return httpx.get(server.base_url + "/v1/scheduler", params=params).json()
+def scheduler(http: httpx.Client, **params) -> dict:
+    return http.get("/v1/scheduler", params=params).json()
 
 
-def wait_idle(server, timeout: float = 5.0) -> dict:
+def wait_idle(http: httpx.Client, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        snap = scheduler(server)
+        snap = scheduler(http)
         if snap["running"] == 0 and snap["waiting"] == 0 and snap["kv_cache"]["used_blocks"] == 0:
             return snap
         assert time.monotonic() < deadline, f"server not idle: {snap}"
         time.sleep(0.02)
 
 
-def num_tokens(server, **body) -> int:
-    return httpx.post(server.base_url + "/tokenize", json=body).json()["count"]
+def num_tokens(http: httpx.Client, **body) -> int:
+    return http.post("/tokenize", json=body).json()["count"]
 
 
 # ---- the official client, unchanged ---------------------------------------------------------------
-def test_openai_client_completions(server, client):
+def test_openai_client_completions(http, client):
     kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
     assert full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 12
-    assert full.usage.prompt_tokens == num_tokens(server, prompt="The quick brown fox")
+    assert full.usage.prompt_tokens == num_tokens(http, prompt="The quick brown fox")
     assert full.usage.total_tokens == full.usage.prompt_tokens + 12
     assert full.choices[0].text
     assert full.model_extra["iterserve"]["e2e"] >= full.model_extra["iterserve"]["ttft"] > 0
@@ -70,10 +78,10 @@ def test_openai_client_completions(server, client):
     assert set(finals[0].model_extra["iterserve"]) == {"queue_time", "ttft", "e2e"}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert all(c.usage is None for c in chunks[:-1])
-    wait_idle(server)
+    wait_idle(http)
 
 
-def test_openai_client_chat(server, client):
+def test_openai_client_chat(http, client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     kw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
     full = client.chat.completions.create(**kw)
@@ -81,7 +89,7 @@ def test_openai_client_chat(server, client):
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 10
-    assert full.usage.prompt_tokens == num_tokens(server, messages=messages)
+    assert full.usage.prompt_tokens == num_tokens(http, messages=messages)
 
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -93,7 +101,7 @@ def test_openai_client_chat(server, client):
     assert all(c.choices for c in plain) and plain[-1].choices[0].finish_reason == "length"
 
 
-def test_max_completion_tokens_and_models(server, client):
+def test_max_completion_tokens_and_models(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                          max_completion_tokens=3, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
@@ -101,7 +109,7 @@ def test_max_completion_tokens_and_models(server, client):
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_logprobs(server, client):
+def test_logprobs(client):
     out = client.completions.create(model=MODEL, prompt="One two three", max_tokens=5, logprobs=3,
                                     temperature=0, extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
@@ -117,7 +125,7 @@ def test_logprobs(server, client):
     assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
 
 
-def test_stop_string_and_stop_token(server, client):
+def test_stop_string_and_stop_token(http, client):
     kw = dict(model=MODEL, prompt="Counting sheep", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     base = client.completions.create(**kw, logprobs=0)
     tokens = base.choices[0].logprobs.tokens
@@ -129,7 +137,7 @@ def test_stop_string_and_stop_token(server, client):
     assert full.choices[0].text == "".join(tokens[:cut]) == streamed  # the stop string itself is never sent
 
     for i, text in enumerate(tokens):  # a generated token whose text maps back to exactly one id
-        ids = httpx.post(server.base_url + "/tokenize", json={"prompt": text}).json()["tokens"]
+        ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
         if len(ids) == 1:
             break
     by_id = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": ids}})
@@ -155,61 +163,74 @@ async def _stream_one(http: httpx.AsyncClient, i: int) -> dict:
             "finish": finish}
 
 
-def test_16_concurrent_streams(server):
-    before = scheduler(server)["step"]
+def test_16_concurrent_streams(server, http):
+    before = scheduler(http)["step"]
 
     async def run():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
-            return await asyncio.gather(*(_stream_one(http, i) for i in range(16)))
+        async with server.async_client(timeout=60) as aclient:
+            return await asyncio.gather(*(_stream_one(aclient, i) for i in range(16)))
 
-    results = asyncio.run(run())
+    results = server.run(run())
     for r in results:
         assert r["finish"] == "length"
         assert r["usage"]["completion_tokens"] == r["max_tokens"]
-        assert r["usage"]["prompt_tokens"] == num_tokens(server, prompt=r["prompt"])
+        assert r["usage"]["prompt_tokens"] == num_tokens(http, prompt=r["prompt"])
         assert r["text"]
-    steps = scheduler(server, since_step=before)["steps"]
+    steps = scheduler(http, since_step=before)["steps"]
     assert max(s["batch_size"] for s in steps) >= 4  # they were batched together, not served one by one
-    wait_idle(server)
+    wait_idle(http)
 
 
-# ---- aborts -------------------------------------------------------------------------------------------
-def test_dropped_stream_frees_blocks(server):
+# ---- aborts: a client that hangs up, over a real socket ------------------------------------------------
+@pytest.fixture(scope="module")
+def process(tiny_model_dir, tmp_path_factory):
+    """`iterserve serve` in a process of its own, with the in-process server's flags."""
+    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    srv = ServerProcess([str(tiny_model_dir), *SERVE_ARGS], log_path=log)
+    with srv:
+        yield srv
+    assert srv.proc.returncode == 0, log.read_text()[-2000:]
+
+
+@pytest.mark.slow
+def test_dropped_stream_frees_blocks(process):
     body = {"model": MODEL, "prompt": "never ending", "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+    with httpx.Client(base_url=process.base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
             got = 0
             while got < 5:
                 got += next(lines).startswith("data: ")
-            snap = scheduler(server)
+            snap = scheduler(http)
             assert snap["running"] == 1 and snap["kv_cache"]["used_blocks"] > 0
         # leaving the block closes the connection mid-stream
         dropped = time.monotonic()
-    snap = wait_idle(server, timeout=1.0)
-    assert time.monotonic() - dropped < 1.0
-    metrics = httpx.get(server.base_url + "/metrics").text
+        snap = wait_idle(http, timeout=1.0)
+        assert time.monotonic() - dropped < 1.0
+        metrics = http.get("/metrics").text
     assert 'iterserve:request_success_total{finished_reason="abort",model_name="tiny"}' in metrics
 
 
-def test_dropped_non_streaming_request_frees_blocks(server):
+@pytest.mark.slow
+def test_dropped_non_streaming_request_frees_blocks(process):
     body = {"model": MODEL, "prompt": "never ending", "max_tokens": 500, "ignore_eos": True}
     failed = []
 
     def fire():
         try:
-            httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.6)
+            httpx.post(process.base_url + "/v1/completions", json=body, timeout=0.6)
         except httpx.ReadTimeout:
             failed.append(time.monotonic())
 
-    t = threading.Thread(target=fire)
-    t.start()
-    time.sleep(0.3)
-    assert scheduler(server)["kv_cache"]["used_blocks"] > 0
-    t.join()
-    assert failed, "the request finished before the client gave up: make it longer"
-    wait_idle(server, timeout=1.0)
-    assert time.monotonic() - failed[0] < 1.0
+    with httpx.Client(base_url=process.base_url, timeout=30) as http:
+        t = threading.Thread(target=fire)
+        t.start()
+        time.sleep(0.3)
+        assert scheduler(http)["kv_cache"]["used_blocks"] > 0
+        t.join()
+        assert failed, "the request finished before the client gave up: make it longer"
+        wait_idle(http, timeout=1.0)
+        assert time.monotonic() - failed[0] < 1.0
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
@@ -241,40 +262,45 @@ BAD = [
 ]
 
 
-def test_bad_inputs_answer_openai_errors_and_disturb_nothing(server):
+def test_bad_inputs_answer_openai_errors_and_disturb_nothing(server, http):
     body = {"model": MODEL, "prompt": "a long running request", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=body) as running:
-            lines = running.iter_lines()
-            next(lines)
+
+    async def run():
+        async with server.async_client(timeout=30) as aclient:
+            running = asyncio.create_task(aclient.post("/v1/completions", json=body))
+            while (await aclient.get("/v1/scheduler")).json()["running"] == 0:
+                await asyncio.sleep(0.01)
             for name, path, payload, status, param in BAD:
                 kw = {"content": payload, "headers": {"content-type": "application/json"}} if isinstance(payload, str) \
                     else {"json": payload}
-                resp = http.post(path, **kw)
+                resp = await aclient.post(path, **kw)
                 assert resp.status_code == status, (name, resp.text)
                 err = resp.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["message"], name
                 if param:
                     assert err["param"] == param, (name, err)
-            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            return (await running).text
+
+    lines = server.run(run()).splitlines()
+    rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert rest[-1]["choices"][0]["finish_reason"] == "length"  # the running request never noticed
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert http.get("/health").status_code == 200
 
 
-def test_too_long_states_limit_and_length(server):
-    n = num_tokens(server, prompt=LONG_PROMPT)
-    resp = httpx.post(server.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 1})
+def test_too_long_states_limit_and_length(http):
+    n = num_tokens(http, prompt=LONG_PROMPT)
+    resp = http.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 1})
     msg = resp.json()["error"]["message"]
     assert resp.status_code == 400 and str(n) in msg and "1024" in msg
-    resp = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 600})
+    resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 600})
     msg = resp.json()["error"]["message"]
     assert "600" in msg and "512" in msg
 
 
 # ---- observability ------------------------------------------------------------------------------------
-def test_scheduler_snapshot_contract(server):
-    httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
-    snap = scheduler(server)
+def test_scheduler_snapshot_contract(http):
+    http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    snap = scheduler(http)
     assert snap["batching"] == "continuous"
     assert set(snap["kv_cache"]) >= {"used_blocks", "total_blocks", "usage", "tokens_stored", "internal_fragmentation"}
     assert 0 <= snap["busy_fraction"] <= 1 and snap["uptime_s"] > 0
@@ -285,21 +311,21 @@ def test_scheduler_snapshot_contract(server):
     step = snap["steps"][-1]
     assert set(step) >= {"step", "t", "duration", "batch_size", "num_padding", "num_running", "num_waiting",
                          "prefill_tokens", "decode_tokens", "kv_used_blocks", "kv_total_blocks", "kv_tokens"}
-    later = scheduler(server, since_step=step["step"] - 2)["steps"]
+    later = scheduler(http, since_step=step["step"] - 2)["steps"]
     assert [s["step"] for s in later] == [step["step"] - 1, step["step"]]
     assert 0 <= later[0]["t"] <= later[1]["t"] <= snap["uptime_s"]
 
 
-def test_metrics_count_requests(server):
+def test_metrics_count_requests(http):
     def value(text: str, name: str) -> float:
         for line in text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError(f"{name} missing")
 
-    before = httpx.get(server.base_url + "/metrics").text
-    httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 7, "ignore_eos": True})
-    after = httpx.get(server.base_url + "/metrics").text
+    before = http.get("/metrics").text
+    http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 7, "ignore_eos": True})
+    after = http.get("/metrics").text
     for name in ("iterserve:num_requests_running", "iterserve:num_requests_waiting", "iterserve:kv_cache_usage_perc",
                  "iterserve:engine_busy_fraction", "iterserve:num_preemptions_total",
                  "iterserve:time_to_first_token_seconds_count", "iterserve:inter_token_latency_seconds_count",
@@ -311,8 +337,8 @@ def test_metrics_count_requests(server):
         value(before, "iterserve:e2e_request_latency_seconds_count") + 1
 
 
-def test_tokenize_detokenize_roundtrip(server):
-    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
-    assert ids and httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello world"
-    assert httpx.post(server.base_url + "/tokenize", json={}).status_code == 400
-    assert httpx.post(server.base_url + "/detokenize", json={"tokens": [-1]}).status_code == 400
+def test_tokenize_detokenize_roundtrip(http):
+    ids = http.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert ids and http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello world"
+    assert http.post("/tokenize", json={}).status_code == 400
+    assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400

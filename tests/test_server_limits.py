@@ -1,19 +1,20 @@
 """A guarded server: queue bound, API key, small caps; and a schemathesis run against its own schema.
 
-Tiny model; one server for the module: --max-num-seqs 2 --max-waiting 2 --api-key, inputs <= 64
-tokens, outputs <= 32 (which also keeps the fuzzer's generations short).
+Tiny model; one in-process server for the module (tests/app_server.py): --max-num-seqs 2
+--max-waiting 2 --api-key, inputs <= 64 tokens, outputs <= 32 (which also keeps the fuzzer's
+generations short).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
 import pytest
+from app_server import AppServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-
-from iterserve.bench.launcher import ServerProcess
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -21,26 +22,28 @@ MAX_EXAMPLES = 50
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    srv = ServerProcess([str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--max-num-seqs", "2",
-                         "--max-waiting", "2", "--api-key", KEY, "--max-input-len", "64", "--max-output-len", "32"],
-                        log_path=log)
-    with srv:
+def server(tiny_model_dir, tiny_loaded):
+    with AppServer([str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--max-num-seqs", "2", "--max-waiting", "2",
+                    "--api-key", KEY, "--max-input-len", "64", "--max-output-len", "32"], tiny_loaded) as srv:
         yield srv
-    assert srv.proc.returncode == 0, log.read_text()[-2000:]
 
 
-def test_queue_bound_gives_503_and_keeps_accepted_requests(server):
+@pytest.fixture(scope="module")
+def http(server):
+    with server.client(timeout=60) as client:
+        yield client
+
+
+def test_queue_bound_gives_503_and_keeps_accepted_requests(server, http):
     async def one(http: httpx.AsyncClient, i: int):
         body = {"prompt": [1, 2, 3, i + 4], "max_tokens": 32, "ignore_eos": True}
         return await http.post("/v1/completions", json=body)
 
     async def run():
-        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=60) as http:
-            return await asyncio.gather(*(one(http, i) for i in range(12)))
+        async with server.async_client(headers=AUTH, timeout=60) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(12)))
 
-    responses = asyncio.run(run())
+    responses = server.run(run())
     ok = [r for r in responses if r.status_code == 200]
     busy = [r for r in responses if r.status_code == 503]
     assert len(ok) + len(busy) == len(responses), [r.text for r in responses]
@@ -51,43 +54,51 @@ def test_queue_bound_gives_503_and_keeps_accepted_requests(server):
     for r in ok:  # nothing accepted was lost or cut short
         body = r.json()
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 32
-    snap = httpx.get(server.base_url + "/v1/scheduler", headers=AUTH).json()
+    snap = http.get("/v1/scheduler", headers=AUTH).json()
     assert snap["config"]["max_waiting"] == 2 and max(s["num_waiting"] for s in snap["steps"]) <= 2
 
 
-def test_api_key(server):
-    url = server.base_url + "/v1/completions"
+def test_api_key(server, http):
     body = {"prompt": "hi", "max_tokens": 2}
-    missing = httpx.post(url, json=body)
-    wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"})
+    missing = http.post("/v1/completions", json=body)
+    wrong = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
     for r in (missing, wrong):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(server.base_url + "/v1/models").status_code == 401
-    assert httpx.get(server.base_url + "/health").status_code == 200  # probes need no key
+    assert http.get("/v1/models").status_code == 401
+    assert http.get("/health").status_code == 200  # probes need no key
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.base_url + "/v1", api_key="nope", max_retries=0).models.list()
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="nope", max_retries=0,
+                      http_client=server.client()).models.list()
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, http_client=server.client())
     model = client.models.list().data[0].id
     out = client.completions.create(model=model, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
 
 
-def test_caps_state_limit_and_length(server):
-    resp = httpx.post(server.base_url + "/v1/completions", headers=AUTH,
-                      json={"prompt": list(range(10, 110)), "max_tokens": 1})
+def test_caps_state_limit_and_length(http):
+    resp = http.post("/v1/completions", headers=AUTH, json={"prompt": list(range(10, 110)), "max_tokens": 1})
     assert resp.status_code == 400
     assert "100" in resp.json()["error"]["message"] and "64" in resp.json()["error"]["message"]
-    resp = httpx.post(server.base_url + "/v1/chat/completions", headers=AUTH,
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 33})
+    resp = http.post("/v1/chat/completions", headers=AUTH,
+                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 33})
     assert resp.status_code == 400 and "33" in resp.json()["error"]["message"]
 
 
 # ---- schemathesis: every route of the server's own OpenAPI schema, with and without the key ------------------
 @pytest.fixture(scope="module")
-def schema(server):
+def schema(http):
     import schemathesis
 
-    return schemathesis.openapi.from_url(server.base_url + "/openapi.json", headers=AUTH)
+    return schemathesis.openapi.from_dict(http.get("/openapi.json", headers=AUTH).json())
+
+
+def send(http: httpx.Client, case, headers: dict[str, str]) -> httpx.Response:
+    """The request schemathesis would send (its own serialisation: JSON as `requests` encodes it, or raw
+    bytes), sent through the in-process server's client."""
+    kw = case.as_transport_kwargs(base_url=str(http.base_url).rstrip("/"), headers=headers)
+    content = json.dumps(kw["json"], allow_nan=False) if "json" in kw else kw.get("data")
+    return http.request(kw["method"], kw["url"], headers=kw["headers"], params=kw.get("params") or None,
+                        cookies=kw.get("cookies") or None, content=content)
 
 
 def operations(schema) -> list:
@@ -102,7 +113,7 @@ CASES: dict[tuple[str, str], int] = {}
 
 @pytest.mark.parametrize("with_key", [True, False], ids=["key", "no-key"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-def test_schemathesis_finds_no_5xx(server, schema, mode, with_key):
+def test_schemathesis_finds_no_5xx(http, schema, mode, with_key):
     """Up to MAX_EXAMPLES generated requests per operation and mode; each test prints its counts. Without the
     key every route but /health must answer 401, whatever the request."""
     from schemathesis import GenerationMode
@@ -125,7 +136,7 @@ def test_schemathesis_finds_no_5xx(server, schema, mode, with_key):
                   suppress_health_check=list(HealthCheck))
         @given(case=strategy)
         def run(case):
-            response = case.call(base_url=server.base_url, headers=headers, timeout=60)
+            response = send(http, case, headers)
             statuses.append(response.status_code)
             assert response.status_code < 500, (op.path, case.body, response.text[:500])
             if not with_key and op.path != "/health":
@@ -143,6 +154,6 @@ def test_schemathesis_finds_no_5xx(server, schema, mode, with_key):
             assert len(statuses) >= MAX_EXAMPLES // 2  # hypothesis stops early only when the space runs out
             assert counts.get(200 if mode == "positive" else 400, 0) > 0  # served, and refused, not just one
     print(f"schemathesis {mode} {'key' if with_key else 'no-key'}: {total} cases over {len(ops)} operations")
-    snap = httpx.get(server.base_url + "/v1/scheduler", headers=AUTH).json()
+    snap = http.get("/v1/scheduler", headers=AUTH).json()
     assert snap["running"] == 0 and snap["kv_cache"]["used_blocks"] == 0  # nothing leaked
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert http.get("/health").status_code == 200

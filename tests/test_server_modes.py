@@ -1,7 +1,8 @@
 """Static batching behind the server, the YAML config file, the CLI parser, and SIGTERM shutdown.
 
-One static-batching server for the module, configured through --config (with one flag overriding
-the file); the last test shuts it down with SIGTERM while requests are in flight.
+A static-batching server configured through --config (with one flag overriding the file): in
+process (tests/app_server.py) for what it answers, and as an `iterserve serve` process for the
+SIGTERM shutdown with requests in flight and for the command line's start-up errors (marked slow).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from app_server import AppServer
 
 from iterserve.bench.launcher import ServerProcess
 from iterserve.cli import build_parser
@@ -67,6 +69,7 @@ def test_serve_help_documents_every_flag(capsys):
         assert flag in text
 
 
+@pytest.mark.slow
 def test_serve_fails_fast_with_one_line_errors(tiny_model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -82,19 +85,22 @@ def test_serve_fails_fast_with_one_line_errors(tiny_model_dir):
 
 # ---- a static-batching server -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
+def static_argv(tiny_model_dir, tmp_path_factory) -> list[str]:
     folder = tmp_path_factory.mktemp("static-server")
     (folder / "serve.yaml").write_text("batching: static\nmax-batch-size: 8\nbatch-timeout: 30\n"
                                        "kv-cache-memory: 64MiB\nserved-model-name: tiny-static\ndecode-attention: torch\n")
-    srv = ServerProcess([str(tiny_model_dir), "--config", str(folder / "serve.yaml"), "--max-batch-size", "4"],
-                        log_path=folder / "server.log")
-    srv.start()
-    yield srv
-    srv.stop()
+    return [str(tiny_model_dir), "--config", str(folder / "serve.yaml"), "--max-batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def server(static_argv, tiny_loaded):
+    with AppServer(static_argv, tiny_loaded) as srv:
+        yield srv
 
 
 def test_static_batching_serves(server):
-    snap = httpx.get(server.base_url + "/v1/scheduler").json()
+    http = server.client(timeout=60)
+    snap = http.get("/v1/scheduler").json()
     assert snap["batching"] == "static" and snap["config"]["max_batch_size"] == 4  # the flag beat the file
     assert snap["config"]["decode_attention"] == "torch"  # a kernel switch from the file, as resolved
     before = snap["step"]
@@ -111,28 +117,38 @@ def test_static_batching_serves(server):
         return {**final, "usage": chunks[-1]["usage"]}, body["max_tokens"]
 
     async def run():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
-            return await asyncio.gather(*(one(http, i) for i in range(6)))
+        async with server.async_client(timeout=60) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(6)))
 
-    for out, want in asyncio.run(run()):
+    for out, want in server.run(run()):
         assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == want
         assert out["iterserve"]["e2e"] >= out["iterserve"]["ttft"] >= out["iterserve"]["queue_time"] >= 0
-    steps = httpx.get(server.base_url + "/v1/scheduler", params={"since_step": before}).json()["steps"]
+    steps = http.get("/v1/scheduler", params={"since_step": before}).json()["steps"]
     assert max(s["batch_size"] for s in steps) == 4
     assert any(s["num_padding"] > 0 for s in steps)  # finished members kept their slot until the batch ended
 
 
+@pytest.mark.slow  # timing
 def test_static_partial_batch_starts_on_timeout(server):
     t0 = time.monotonic()
-    resp = httpx.post(server.base_url + "/v1/completions", json={"prompt": "alone", "max_tokens": 2, "ignore_eos": True})
+    resp = server.client().post("/v1/completions", json={"prompt": "alone", "max_tokens": 2, "ignore_eos": True})
     assert resp.status_code == 200
     queue = resp.json()["iterserve"]["queue_time"]
     assert 0.025 <= queue < 0.5  # waited for the 30 ms batch timeout, not for a full batch
     assert time.monotonic() - t0 < 2
 
 
-def test_sigterm_aborts_in_flight_and_exits_0(server):
-    """Last test of the module: it shuts the server down."""
+@pytest.fixture
+def process(static_argv, tmp_path):
+    srv = ServerProcess(static_argv, log_path=tmp_path / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_aborts_in_flight_and_exits_0(process):
+    server = process
     results: dict[str, object] = {}
 
     def stream():

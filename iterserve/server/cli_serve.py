@@ -137,26 +137,32 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+def build_server(args: argparse.Namespace, loaded=None):
+    """(AsyncEngine, FastAPI app) as `serve` wires them from resolved arguments. `loaded` = (model,
+    ModelConfig, tokenizer) shares an already loaded model (the in-process API tests). The imports
+    are here, not at the top, to keep `iterserve --help` fast."""
     from iterserve.engine import LLMEngine
     from iterserve.server.api import build_app
     from iterserve.server.async_engine import AsyncEngine
     from iterserve.server.serving import ServerSettings
+
+    engine = AsyncEngine(LLMEngine(engine_config_from_args(args, model=args.model), loaded=loaded))
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                              retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
+                              metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
+                              vllm_metrics=args.vllm_metrics)
+    return engine, build_app(engine, settings)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
 
     args = resolve_args(args)
     apply_omp_wait(args.omp_wait)  # says so if a --config file asked for spin after torch loaded
     check_bind(args.host, args.port)  # fail in a second, not after loading the model
     setup_logging(args.log_level == "debug")
     logging.getLogger("iterserve").setLevel(args.log_level.upper())
-    config = engine_config_from_args(args, model=args.model)
-    engine = AsyncEngine(LLMEngine(config))
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
-                              metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
-                              vllm_metrics=args.vllm_metrics)
-    app = build_app(engine, settings)
+    engine, app = build_server(args)
     # As vLLM does: move everything that exists now (model, tokenizer, libraries) out of the garbage
     # collector's reach. Otherwise a full collection walks millions of startup objects while holding
     # the GIL: a pause of hundreds of ms in the middle of serving.
