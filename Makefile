@@ -20,11 +20,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/iterserve compare --model smollm2-135m --out docs/compare
 
+# test: every test (the real model, iterserve processes over real HTTP, torch.compile, timing).
+# test-fast: the inner loop, in process on the tiny random-weight model: skips `slow` (subprocess
+# servers and CLI runs, torch.compile, wall-clock bounds) and `real_model` (SmolLM2-135M, its
+# transformers references). Markers: pyproject.toml [tool.pytest.ini_options].
 test: setup
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
 
 test-fast: setup
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not real_model"
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not slow and not real_model"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -116,6 +116,7 @@ def _run(base_url: str, specs: list[RequestSpec], **kwargs) -> RunResult:
 
 # ---------------------------------------------------------------- timings
 
+@pytest.mark.slow  # wall-clock bounds
 def test_ttft_tpot_e2e_and_percentiles(server: str) -> None:
     ttfts = [0.05 + 0.04 * i for i in range(6)]
     gap, out = 0.03, 5
@@ -145,6 +146,7 @@ def test_ttft_tpot_e2e_and_percentiles(server: str) -> None:
     assert len(dumped["records"]) == 6 and dumped["summary"]["completed"] == 6
 
 
+@pytest.mark.slow  # wall-clock bounds
 def test_open_loop_chat_without_usage(server: str) -> None:
     """Requests go out on schedule while earlier ones still stream; tokens counted from chunks."""
     specs = [_spec(i, 0.03 * i, 3, ttft=0.4, usage=0) for i in range(5)]
@@ -165,6 +167,7 @@ def test_http_errors_count_as_failed(server: str) -> None:
     assert "Failed requests:" in table.getvalue() and "error x3: HTTP 500" in table.getvalue()
 
 
+@pytest.mark.slow  # wall-clock bounds
 def test_run_timeout_cancels_running_and_unsent(server: str) -> None:
     specs = [_spec(0, 0.0, 2, ttft=5.0), _spec(1, 10.0, 2)]
     result = _run(server, specs, timeout_s=0.3)

@@ -216,6 +216,7 @@ def test_a_model_that_does_not_load(capsys, tmp_path):
 
 # ---------------------------------------------------------------- end to end, real servers
 
+@pytest.mark.slow
 def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     out, raw = tmp_path / "cmp", tmp_path / "raw"
     # the default path: each server's capacity at saturation first; static's sizes the bursty load

@@ -25,6 +25,7 @@ def _run(engine: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.slow
 def test_compiled_decoder_matches_eager(tiny_model_dir, tiny_loaded):
     kw = dict(kv_cache_memory="64MiB", max_num_batched_tokens=64, dtype="float32")
     eager = _run(LLMEngine(EngineConfig(**kw), loaded=tiny_loaded))
@@ -39,6 +40,7 @@ def test_compiled_decoder_matches_eager(tiny_model_dir, tiny_loaded):
     assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
+@pytest.mark.slow
 def test_two_compiled_models_in_one_process_keep_their_own_graphs(tiny_model_dir):
     """dynamo keeps its graphs on the function's code object and the parameters are unguarded:
     without a code object per model, the second model here (one layer fewer) would run the first's
@@ -59,6 +61,7 @@ def test_two_compiled_models_in_one_process_keep_their_own_graphs(tiny_model_dir
         assert compiled == eager
 
 
+@pytest.mark.slow
 def test_compile_flag_compiles_at_startup(tiny_model_dir):
     model, cfg, tok, _ = load_model(str(tiny_model_dir))
     engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", dtype="float32", compile=True), loaded=(model, cfg, tok))
@@ -118,12 +121,14 @@ def _env_after(args: str, env: dict[str, str]) -> dict[str, str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # Python processes
 def test_omp_wait_passive_by_default_and_an_exported_policy_wins():
     assert _env_after("generate", {}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
     assert _env_after("serve", {}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
     assert _env_after("generate", {"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+@pytest.mark.slow  # Python processes
 def test_omp_wait_spin_overrides_the_environment():
     got = _env_after("serve --omp-wait spin", {"OMP_WAIT_POLICY": "PASSIVE"})
     assert got == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "200000"}

@@ -174,9 +174,23 @@ def test_int4_needs_bf16_cpu(tiny_model_dir):
                                kv_cache_memory="16MiB"))
 
 
+@pytest.fixture(scope="module")
+def smol_float32_reference(smol_loaded):
+    """(prompt, the float32 greedy continuation, its float32 log-probabilities [48, vocab]): computed
+    once for the three variants below."""
+    tok = smol_loaded[2]
+    prompt = tok.encode("The history of the printing press begins in", add_special_tokens=False)
+    ref = LLM(loaded=smol_loaded, kv_cache_memory="64MiB").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+        use_tqdm=False)[0].token_ids
+    full = prompt + ref
+    return prompt, ref, sequence_logits(smol_loaded, full)[len(prompt) - 1: -1].log_softmax(-1)
+
+
 @pytest.mark.real_model
-@pytest.mark.parametrize("compiled,copies", [(False, 1), (True, 1), (False, 8)], ids=["eager", "compiled", "batch8"])
-def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled, copies):
+@pytest.mark.parametrize("compiled,copies", [(False, 1), pytest.param(True, 1, marks=pytest.mark.slow), (False, 8)],
+                         ids=["eager", "compiled", "batch8"])
+def test_smollm2_bf16_path_within_tolerance_of_float32(smol_float32_reference, compiled, copies):
     """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps,
     Q8_0 LM head for steps of <= 4 rows, the C++ decode attention) against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
     GEMMs) and then 48 single-token steps (int4 GEMMs, Q8_0 head). Compiled (--compile), inductor fuses the
@@ -189,13 +203,8 @@ def test_smollm2_bf16_path_within_tolerance_of_float32(smol_loaded, compiled, co
         assert eng.model.lm_head.twin == "q8_0"
     if compiled:
         eng.model.compile_decoder()
-    tok = smol_loaded[2]
-    prompt = tok.encode("The history of the printing press begins in", add_special_tokens=False)
-    ref = LLM(loaded=smol_loaded, kv_cache_memory="64MiB").generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
-        use_tqdm=False)[0].token_ids
+    prompt, ref, want = smol_float32_reference
     full = prompt + ref
-    want = sequence_logits(smol_loaded, full)[len(prompt) - 1: -1].log_softmax(-1)  # fp32, [48, vocab]
     loaded = (eng.model, eng.model_config, eng.tokenizer)
     runner = new_runner(loaded, num_blocks=8 * copies)
     reqs = [make_request(f"bf16-{i}", full) for i in range(copies)]

@@ -82,6 +82,7 @@ def test_32_requests_together_and_staggered_match_alone(smol_loaded):
     assert not differ, f"{len(differ)} requests changed with batching (alone, together, staggered): {differ}"
 
 
+@pytest.mark.slow
 def test_generate_cli_jsonl_round_trip(tiny_model_dir, tmp_path):
     rows = [
         {"prompt": "Tell me a story", "max_tokens": 7, "ignore_eos": True},

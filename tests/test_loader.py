@@ -382,6 +382,7 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_generate_answers_paris_on_stdout_with_logs_on_stderr(tmp_path, smol_loaded):
     question = "What is the capital of France?"
     out_file = tmp_path / "out.jsonl"
@@ -395,6 +396,7 @@ def test_generate_answers_paris_on_stdout_with_logs_on_stderr(tmp_path, smol_loa
     assert row["prompt_tokens"] == len(chat_ids(smol_loaded[2], [{"role": "user", "content": question}]))
 
 
+@pytest.mark.slow
 def test_raw_bypasses_the_chat_template(tmp_path, tiny_model_dir, tiny_loaded):
     text = "The capital of France is"
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": text}) + "\n"
@@ -409,6 +411,7 @@ def test_raw_bypasses_the_chat_template(tmp_path, tiny_model_dir, tiny_loaded):
     assert chat["prompt_tokens"] == len(chat_ids(tok, [{"role": "user", "content": text}])) > raw["prompt_tokens"]
 
 
+@pytest.mark.slow
 def test_generate_help_explains_every_option():
     from iterserve.cli import build_parser
 
@@ -422,6 +425,7 @@ def test_generate_help_explains_every_option():
         assert a.option_strings[-1] in proc.stdout
 
 
+@pytest.mark.slow
 def test_unknown_model_on_the_command_line_is_one_line():
     proc = _cli("generate", "--model", "no-such-model", "hello", timeout=120)
     assert proc.returncode == 2

@@ -221,6 +221,7 @@ SERVERS = {
 
 
 @pytest.mark.parametrize("kind", list(SERVERS))
+@pytest.mark.slow
 def test_probe_verdict_against_iterserve(kind, tiny_model_dir, tmp_path, capsys):
     from iterserve.bench.launcher import ServerProcess
     from iterserve.cli import main

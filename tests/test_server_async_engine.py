@@ -92,6 +92,7 @@ def test_failed_step_fails_its_requests_and_the_loop_survives(make_engine):
     run(main())
 
 
+@pytest.mark.slow  # wall-clock bounds
 def test_static_partial_batch_waits_for_its_deadline_without_spinning(make_engine):
     async def main():
         llm = make_engine(batching="static", max_batch_size=4, batch_timeout_ms=200)

@@ -6,7 +6,7 @@ import pytest
 
 from iterserve.bench.launcher import ServerProcess
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

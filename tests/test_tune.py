@@ -66,6 +66,7 @@ def test_budget_skips_remaining_configs(monkeypatch):
     assert out.skipped_for_budget == 3 and "budget" in out.conclusion[-1]
 
 
+@pytest.mark.slow
 def test_tune_2x2_on_tiny_model_end_to_end(tiny_model_dir, tmp_path, capsys):
     from iterserve.cli import main
 
