@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from iterserve.bench.common import load_average  # noqa: E402
 from iterserve.bench.summary import default_raw_dir, run_info, write_json  # noqa: E402
 from iterserve.bench.workload import RequestSpec, all_at_once, build_prompts  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
@@ -119,12 +120,11 @@ def main() -> None:
     tokenizer = load_tokenizer(source)
     specs, prompts = make_workload(args.num_requests, args.seed, tokenizer)
     out_lens = [s.output_len for s in specs]
-    load = os.getloadavg()[0]
     info = run_info(["python", "benchmarks/offline_vs_hf.py", *sys.argv[1:]])
     raw_dir = args.raw_dir or default_raw_dir("offline_vs_hf")
     print(f"{len(prompts)} requests: prompt tokens {sum(map(len, prompts))} "
           f"({min(map(len, prompts))}-{max(map(len, prompts))}), output tokens {sum(out_lens)} "
-          f"({min(out_lens)}-{max(out_lens)}); torch threads {torch.get_num_threads()}; load {load:.2f}")
+          f"({min(out_lens)}-{max(out_lens)}); torch threads {torch.get_num_threads()}; load {info['loadavg_at_start']}")
 
     it = run_iterserve(args.model, prompts, out_lens, args.dtype, json.loads(args.engine_args))
     print(f"iterserve ({it['dtype']}): {it['output_tok_s']:8.1f} output tok/s  ({it['output_tokens']} tokens in "
@@ -143,7 +143,7 @@ def main() -> None:
     prompt_lens = [len(p) for p in prompts]
     result = {
         **info, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "torch_threads": torch.get_num_threads(), "loadavg_at_end": list(os.getloadavg()),
+        "torch_threads": torch.get_num_threads(), "loadavg_at_end": load_average(),
         "raw": str(raw_dir / "offline_vs_hf.json"),
         "workload": {"num_requests": len(prompts), "seed": args.seed,
                      "prompt_tokens": {"total": sum(prompt_lens), "min": min(prompt_lens), "max": max(prompt_lens)},

@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
+from iterserve.bench.common import load_average
 from iterserve.bench.peers import PeerInstall, System, Unavailable, serving
 from iterserve.bench.summary import default_raw_dir, git_commit, host_info, write_json
 from iterserve.bench.vs_peers import (DEFAULT_PEERS_HOME, TRANSFORMERS, Plan, Report, build_workloads, engine_flags,
@@ -40,7 +41,7 @@ def run_offline(plan: Plan, variants: Sequence[System], model: str, say) -> dict
     tokenizer = load_tokenizer(source)
     specs, prompts = ovh.make_workload(plan.offline_requests, plan.seed, tokenizer)
     out_lens = [s.output_len for s in specs]
-    result: dict[str, Any] = {"num_requests": len(prompts), "loadavg_before": os.getloadavg()}
+    result: dict[str, Any] = {"num_requests": len(prompts), "loadavg_before": load_average()}
     tokens: dict[str, list[list[int]]] = {}
     for v in variants:
         dtype, engine_args = engine_flags(v.args)
@@ -53,7 +54,7 @@ def run_offline(plan: Plan, variants: Sequence[System], model: str, say) -> dict
     hf_tokens = hf.pop("token_ids")
     result[TRANSFORMERS] = hf
     result["first16_agree"] = {label: ovh.agreement(t, hf_tokens) for label, t in tokens.items()}
-    result["loadavg_after"] = os.getloadavg()
+    result["loadavg_after"] = load_average()
     return result
 
 
@@ -71,7 +72,7 @@ def run_all(args: argparse.Namespace, report: Report) -> None:
     install = PeerInstall(args.peers_dir, Path(os.environ.get("PEERS") or DEFAULT_PEERS_HOME))
     log_dir = args.log_dir or args.raw_dir / "logs"
     for system in args.systems:
-        load_before = os.getloadavg()
+        load_before = load_average()
         _say(f"{system.label}: starting (load {load_before[0]:.2f})")
         try:
             with serving(system, install, args.model, log_dir, args.startup_timeout) as started:
@@ -79,7 +80,7 @@ def run_all(args: argparse.Namespace, report: Report) -> None:
                 workloads = measure(started.base_url, work, _say)
             report.systems[system.label] = {
                 "kind": system.kind, "settings": started.settings, "startup_s": started.startup_s,
-                "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "workloads": workloads}
+                "loadavg_before": load_before, "loadavg_after": load_average(), "workloads": workloads}
         except Unavailable as e:
             report.skipped[system.label] = str(e)
             _say(f"{system.label}: skipped: {e}")
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report = Report(plan_from_args(args))
     args.raw_dir = args.raw_dir or default_raw_dir("vs_peers")
-    started, load_start = datetime.now().astimezone().isoformat(timespec="seconds"), os.getloadavg()
+    started, load_start = datetime.now().astimezone().isoformat(timespec="seconds"), load_average()
     try:
         run_all(args, report)
     except KeyboardInterrupt:  # every server is already stopped by then: report what ran
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {"date": started, "finished": datetime.now().astimezone().isoformat(timespec="seconds"),
               "command": shlex.join(command), "commit": git_commit(), "host": host_info(),
               "raw": str(args.raw_dir / "vs_peers.json"),
-              "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
+              "loadavg_at_start": load_start, "loadavg_at_end": load_average(),
               "plan": dataclasses.asdict(report.plan), "order": [s.label for s in args.systems],
               "interrupted": report.interrupted, "skipped": report.skipped,
               "table": {"rows": lines, "markdown": table}, "systems": report.systems, "offline": report.offline}

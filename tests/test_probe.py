@@ -150,9 +150,9 @@ def test_plan_scales_the_long_request_to_the_server_speed():
     ("# TYPE other gauge\nother 1\n", None),
 ])
 def test_running_gauge_is_read_from_prometheus_text(text, expected):
-    from iterserve.bench.probe import _running_gauge
+    from iterserve.bench.probe import running_gauge
 
-    assert _running_gauge(text) == expected
+    assert running_gauge(text) == expected
 
 
 def test_probe_unreachable_server_is_a_one_line_error(capsys):

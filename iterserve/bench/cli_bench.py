@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.bench.client import ClientError, add_target_server_args, parse_slo, print_table, run_load
-from iterserve.bench.workload import (WorkloadError, add_workload_args, build_prompts,
-                                      describe_workload, one_line, workload_from_args)
+from iterserve.bench.common import one_line
+from iterserve.bench.workload import (WorkloadError, add_workload_args, build_prompts, describe_workload,
+                                      workload_from_args)
 
 
 def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

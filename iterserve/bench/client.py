@@ -25,12 +25,12 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from iterserve.bench.workload import RequestSpec, build_prompts, one_line
+from iterserve.bench.common import latency_stats_ms, one_line
+from iterserve.bench.workload import RequestSpec, build_prompts
 
 CONNECT_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 30.0
 GRACE_S = 600.0  # default run bound: the last arrival plus this
-PERCENTILES = (50, 95, 99)
 
 
 class ClientError(Exception):
@@ -100,15 +100,6 @@ def parse_slo(text: str) -> Slo:
 
 # ---------------------------------------------------------------- results
 
-def _stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
-    if not len(values_s):
-        return {"mean": None, "median": None, "p95": None, "p99": None, "count": 0}
-    ms = np.asarray(values_s, dtype=float) * 1e3
-    p50, p95, p99 = np.percentile(ms, PERCENTILES)
-    return {"mean": float(ms.mean()), "median": float(p50), "p95": float(p95), "p99": float(p99),
-            "count": int(ms.size)}
-
-
 def peak_concurrency(records: Sequence[RequestRecord]) -> int:
     """Most requests in flight at once, from the send / end times (ends first on ties)."""
     events = sorted([(r.sent_at_s, 1) for r in records if r.sent_at_s is not None]
@@ -152,9 +143,9 @@ class RunResult:
     def latency_stats(self) -> dict[str, dict[str, float | None]]:
         ok = self.ok
         pick = lambda name: [v for r in ok if (v := getattr(r, name)) is not None]  # noqa: E731
-        return {"ttft_ms": _stats_ms(pick("ttft_s")), "tpot_ms": _stats_ms(pick("tpot_s")),
-                "itl_ms": _stats_ms([gap for r in ok for gap in r.itl_s]),
-                "e2e_ms": _stats_ms(pick("e2e_s")), "queue_time_ms": _stats_ms(pick("queue_time_s"))}
+        return {"ttft_ms": latency_stats_ms(pick("ttft_s")), "tpot_ms": latency_stats_ms(pick("tpot_s")),
+                "itl_ms": latency_stats_ms([gap for r in ok for gap in r.itl_s]),
+                "e2e_ms": latency_stats_ms(pick("e2e_s")), "queue_time_ms": latency_stats_ms(pick("queue_time_s"))}
 
     def slo_report(self) -> dict[str, Any]:
         """Goodput (req/s meeting every SLO) and, per SLO, how many met it and the run's pXX."""
@@ -239,7 +230,7 @@ def _fmt(value: float | None) -> str:
 
 # ---------------------------------------------------------------- the run
 
-def _api_root(base_url: str) -> str:
+def api_root(base_url: str) -> str:
     """`http://h:p`, `http://h:p/` and `http://h:p/v1` all mean the same server."""
     root = base_url.rstrip("/")
     return root[:-3] if root.endswith("/v1") else root
@@ -259,7 +250,7 @@ def _describe(exc: BaseException) -> str:
     return one_line(exc)
 
 
-async def _resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
+async def resolve_served_model(http: httpx.AsyncClient, model: str | None) -> str:
     """Checks the server answers at all (a clear error beats N failed requests) and names the model."""
     url = f"{http.base_url}/v1/models"
     try:
@@ -276,7 +267,7 @@ async def _resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
                           "pass --model") from None
 
 
-def _payload(spec: RequestSpec, model: str, chat: bool, ignore_eos: bool,
+def request_body(spec: RequestSpec, model: str, chat: bool, ignore_eos: bool,
              extra_body: dict[str, Any] | None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
@@ -309,7 +300,7 @@ def _queue_time(chunk: dict[str, Any]) -> float | None:
     return None
 
 
-async def _stream_one(http: httpx.AsyncClient, path: str, body: dict[str, Any],
+async def stream_request(http: httpx.AsyncClient, path: str, body: dict[str, Any],
                       rec: RequestRecord, t0: float) -> None:
     """Sends one request and fills `rec`; only cancellation escapes, every failure is recorded."""
     sent = time.perf_counter()
@@ -379,13 +370,13 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
     by_index = {s.index: s for s in build_prompts(missing)} if missing else {}
     specs = sorted((by_index.get(s.index, s) for s in specs), key=lambda s: s.arrival_s)
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    root = _api_root(base_url)
+    root = api_root(base_url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bound = timeout_s if timeout_s is not None else max((s.arrival_s for s in specs), default=0) + GRACE_S
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # never queue here
     async with httpx.AsyncClient(base_url=root, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as http:
-        model = await _resolve_model(http, model)
+        model = await resolve_served_model(http, model)
         records = [RequestRecord(s.index, s.arrival_s, s.input_len, s.output_len) for s in specs]
         tasks: list[asyncio.Task[None]] = []
         bar = tqdm(total=len(specs), disable=not progress, unit="req", desc="bench")
@@ -396,8 +387,8 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
                 delay = t0 + spec.arrival_s - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.create_task(_stream_one(
-                    http, path, _payload(spec, model, endpoint == "chat", ignore_eos, extra_body),
+                task = asyncio.create_task(stream_request(
+                    http, path, request_body(spec, model, endpoint == "chat", ignore_eos, extra_body),
                     rec, t0))
                 task.add_done_callback(lambda _: bar.update(1))
                 tasks.append(task)

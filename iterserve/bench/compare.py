@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import copy
 import json
-import os
 import shlex
 import sys
 import time
@@ -38,12 +37,13 @@ import httpx
 
 from iterserve.bench.client import ClientError, RunResult, run_load
 from iterserve.bench.launcher import ServerProcess
+from iterserve.bench.common import load_average, one_line
 from iterserve.bench.report import (MODES, ModeRun, comparison, direction_notes, markdown_table,
                                     saturation_summary, write_plots)
 from iterserve.bench.summary import default_raw_dir, run_info, write_json
 from iterserve.bench.timeline import SchedulerPoller, Timeline
-from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts,
-                                      describe_workload, one_line, workload_from_args)
+from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts, describe_workload,
+                                      workload_from_args)
 from iterserve.config import EngineConfig
 
 # The default traffic: the chat bot case's shape (docs/seed-case.md; a base Poisson rate with bursts
@@ -182,7 +182,7 @@ def serving(mode: str, args: argparse.Namespace, raw_dir: Path) -> Iterator[str]
 
 
 def run_mode(mode: str, base_url: str, args: argparse.Namespace, specs: Sequence[RequestSpec]) -> ModeRun:
-    load_before = os.getloadavg()
+    load_before = load_average()
     t0 = time.perf_counter()
     print(f"compare: {mode}: replaying {len(specs)} requests (last arrival "
           f"{max(s.arrival_s for s in specs):.0f} s) against {base_url}", file=sys.stderr)
@@ -191,7 +191,7 @@ def run_mode(mode: str, base_url: str, args: argparse.Namespace, specs: Sequence
         raise ClientError(f"the {mode} server at {base_url} reports batching={timeline.batching!r}")
     flags = server_flags(mode, args)
     result.meta.update(mode=mode, server_flags=flags, wall_s=time.perf_counter() - t0,
-                       loadavg_before=load_before, loadavg_after=os.getloadavg())
+                       loadavg_before=load_before, loadavg_after=load_average())
     return ModeRun(mode, result.to_dict(), timeline, flags)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from iterserve.bench.launcher import ServerProcess, free_port
-from iterserve.bench.workload import one_line
+from iterserve.bench.common import one_line
 from iterserve.cpu_info import cpu_flags
 
 PEER_KINDS = ("llamacpp", "vllm")

@@ -24,11 +24,12 @@ from typing import Any
 
 import httpx
 
-from iterserve.bench.client import (ClientError, RequestRecord, _api_root, _payload, _resolve_model,
-                                    _stream_one, add_target_server_args)
+from iterserve.bench.client import (ClientError, RequestRecord, add_target_server_args, api_root, request_body,
+                                    resolve_served_model, stream_request)
+from iterserve.bench.common import one_line, pyplot
 from iterserve.bench.probe_analysis import Timing, Verdict, Witness, classify, combine
 from iterserve.bench.summary import run_info, write_json
-from iterserve.bench.workload import RequestSpec, one_line
+from iterserve.bench.workload import RequestSpec
 
 SHORT_AT = (0.2, 0.4, 0.6, 0.8)  # when the shorts go out, as fractions of the long one's duration
 BURST_MULT = (1, 4, 2, 1, 4, 1, 2, 1)  # burst lengths, in multiples of the short length
@@ -88,7 +89,7 @@ class Prober:
                  api_key: str | None = None, long_seconds: float = 3.0, max_long_tokens: int = 1024,
                  time_limit: float = 180.0, poll: bool = True,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.root = _api_root(base_url)
+        self.root = api_root(base_url)
         self.model = model
         self.chat = endpoint == "chat"
         self.path = "/v1/chat/completions" if self.chat else "/v1/completions"
@@ -108,10 +109,10 @@ class Prober:
                     ignore_eos: bool) -> Timing:
         spec = RequestSpec(len(self.timings), 0.0, 0, max_tokens, prompt)
         rec = self.live[name] = RequestRecord(spec.index, 0.0, 0, max_tokens)
-        body = _payload(spec, self.model or "", self.chat, ignore_eos, None)
+        body = request_body(spec, self.model or "", self.chat, ignore_eos, None)
         timing = Timing(name, phase, time.perf_counter() - self.t0, max_tokens=max_tokens)
         self.timings.append(timing)
-        await _stream_one(http, self.path, body, rec, self.t0)
+        await stream_request(http, self.path, body, rec, self.t0)
         timing.sent = rec.sent_at_s if rec.sent_at_s is not None else timing.sent
         if rec.success and rec.ttft_s is not None:
             timing.first = timing.sent + rec.ttft_s
@@ -180,7 +181,7 @@ class Prober:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(base_url=self.root, headers=self.headers, limits=limits,
                                      timeout=httpx.Timeout(None, connect=10.0), transport=self.transport) as http:
-            self.model = await _resolve_model(http, self.model)
+            self.model = await resolve_served_model(http, self.model)
             self.t0 = time.perf_counter()
             witness = await _detect_witness(http) if self.poll else None
             try:
@@ -221,7 +222,7 @@ async def _get_json(http: httpx.AsyncClient, path: str) -> dict[str, Any] | None
     return data if isinstance(data, dict) else None
 
 
-def _running_gauge(text: str) -> tuple[str, int] | None:
+def running_gauge(text: str) -> tuple[str, int] | None:
     """The first known running-requests gauge in a Prometheus exposition, summed over labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -244,7 +245,7 @@ async def _metrics_gauge(http: httpx.AsyncClient) -> tuple[str, int] | None:
         resp = await http.get("/metrics", timeout=5.0)
     except httpx.HTTPError:
         return None
-    return _running_gauge(resp.text) if resp.status_code == 200 else None
+    return running_gauge(resp.text) if resp.status_code == 200 else None
 
 
 async def _detect_witness(http: httpx.AsyncClient) -> Witness | None:
@@ -311,11 +312,7 @@ def print_report(result: ProbeResult, file=None) -> None:
 
 def plot_timeline(result: ProbeResult, path: str | Path) -> None:
     """Each request as a bar: sent -> first token (light), first -> last token (dark)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [t for t in result.timings if t.phase != "calibrate"]
     has_w = bool(result.witness and result.witness.samples)
     fig, axes = plt.subplots(2 if has_w else 1, 1, figsize=(10, 0.35 * len(rows) + 2.5 + 2 * has_w),

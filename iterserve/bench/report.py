@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from iterserve.bench import common
 from iterserve.bench.timeline import Timeline
 
 MODES = ("static", "continuous")
@@ -203,7 +204,7 @@ def markdown_table(static: ModeRun, cont: ModeRun) -> str:
     """The chat bot case's table (docs/seed-case.md), side by side, as Markdown (readable in a
     terminal, pasteable in docs)."""
     ms, mc = static.metrics(), cont.metrics()
-    lines = ["| metric | static | continuous | change | target |", "|---|---:|---:|---:|---|"]
+    lines = [["metric", "static", "continuous", "change", "target"]]
     for row in ROWS:
         if row.key == "completed":
             cells = [f"{m['completed']} / {m['failed']}" for m in (ms, mc)]
@@ -211,28 +212,18 @@ def markdown_table(static: ModeRun, cont: ModeRun) -> str:
             cells = ["-" if m.get(row.key) is None else row.fmt(m[row.key]) for m in (ms, mc)]
         met = target_met(row.key, ms, mc)
         verdict = "" if not row.target else f"{row.target} {'met' if met else 'missed' if met is False else 'n/a'}"
-        lines.append(f"| {row.label} | {cells[0]} | {cells[1]} | {change(row, ms.get(row.key), mc.get(row.key))} "
-                     f"| {verdict} |")
-    return "\n".join(lines)
+        lines.append([row.label, *cells, change(row, ms.get(row.key), mc.get(row.key)), verdict])
+    return common.markdown_table(lines, "lrrrl")
 
 
 # ---------------------------------------------------------------- plots
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
 
 def _run_end(runs: dict[str, ModeRun]) -> float:
     return max(float(r.summary["duration_s"]) for r in runs.values())
 
 
 def plot_utilisation(runs: dict[str, ModeRun], path: Path, window_s: float) -> None:
-    plt = _plt()
+    plt = common.pyplot()
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), sharex=True, squeeze=False)
     for ax, (mode, run) in zip(axes[:, 0], runs.items()):
         w = run.timeline.windows(float(run.summary["duration_s"]), window_s)
@@ -256,7 +247,7 @@ def plot_utilisation(runs: dict[str, ModeRun], path: Path, window_s: float) -> N
 
 
 def plot_batch_size(runs: dict[str, ModeRun], path: Path) -> None:
-    plt = _plt()
+    plt = common.pyplot()
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), sharex=True, squeeze=False)
     for ax, (mode, run) in zip(axes[:, 0], runs.items()):
         a = run.timeline.arrays()
@@ -293,7 +284,7 @@ def _ok(run: ModeRun, key: str) -> np.ndarray:
 
 
 def plot_latency_cdf(runs: dict[str, ModeRun], path: Path) -> None:
-    plt = _plt()
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, (key, label) in zip(axes, (("e2e_s", "end-to-end latency (s)"), ("ttft_s", "time to first token (s)"))):
         for mode, run in runs.items():
@@ -311,7 +302,7 @@ def plot_latency_cdf(runs: dict[str, ModeRun], path: Path) -> None:
 
 
 def plot_queue_time(runs: dict[str, ModeRun], path: Path) -> None:
-    plt = _plt()
+    plt = common.pyplot()
     fig, (ax, ax_rate) = plt.subplots(2, 1, figsize=(10, 4.8), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     for mode, run in runs.items():
         recs = [r for r in run.records if r["success"] and r["queue_time_s"] is not None]
@@ -331,7 +322,7 @@ def plot_queue_time(runs: dict[str, ModeRun], path: Path) -> None:
 
 
 def plot_kv_usage(runs: dict[str, ModeRun], path: Path) -> None:
-    plt = _plt()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(10, 3))
     end = _run_end(runs)
     for mode, run in runs.items():
@@ -357,9 +348,7 @@ def _save(fig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    common.pyplot().close(fig)
 
 
 def write_plots(runs: dict[str, ModeRun], out: Path, window_s: float = 2.0) -> list[Path]:

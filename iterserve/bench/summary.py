@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from iterserve.bench.common import load_average
 from iterserve.cpu_info import cpu_flags
 
 RAW_ROOT = Path("runs")
@@ -73,7 +74,7 @@ def run_info(command: Sequence[str] | None) -> dict[str, Any]:
     start of a run."""
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
             "host": host_info(), "command": None if command is None else shlex.join(command),
-            "loadavg_at_start": list(os.getloadavg())}
+            "loadavg_at_start": load_average()}
 
 
 def write_json(path: Path, data: Any, *, compact: bool = False) -> Path:

@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import os
+import json
 import random
 import shlex
 import sys
@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from iterserve.bench.client import ClientError, RunResult, Slo, parse_slo, run_load
+from iterserve.bench import common
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.summary import default_raw_dir, run_info, write_json
 from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prompts, describe_workload,
@@ -210,15 +211,13 @@ def run_config(point: GridPoint, model: str, server_args: Sequence[str], specs: 
     except Exception as e:  # noqa: BLE001 - one config failing must not end the sweep
         return ConfigResult(point, "failed", " ".join(str(e).split())[:300], wall_s=time.perf_counter() - start)
     return ConfigResult(point, "ok", summary=result.summary(), kv=kv_stats(steps, point.block_size),
-                        slo_met=slo_met(result), wall_s=time.perf_counter() - start, load_avg=_load_avg(),
+                        slo_met=slo_met(result), wall_s=time.perf_counter() - start, load_avg=_load_1m(),
                         requests=[{k: getattr(r, k) for k in REQUEST_KEYS} for r in result.records])
 
 
-def _load_avg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
+def _load_1m() -> float | None:
+    load = common.load_average()
+    return None if load is None else load[0]
 
 
 # ---------------------------------------------------------------- the sweep and its conclusion
@@ -295,7 +294,7 @@ def markdown_table(results: Sequence[ConfigResult]) -> str:
     head = ["max-num-seqs", "block", *(["batched tok"] if with_tokens else []), "status", "out tok/s", "req/s",
             "goodput", "e2e mean ms", "e2e p95 ms", "TTFT p95 ms", "queue mean ms", "KV mean", "KV peak",
             "frag", "preempt", "batch", "step ms", "load", "SLO"]
-    rows = [head, ["---"] * len(head)]
+    rows = [head]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     order = lambda r: (r.point.max_num_seqs, r.point.block_size, r.point.max_num_batched_tokens or 0)  # noqa: E731
     for r in sorted(results, key=order):
@@ -312,16 +311,13 @@ def markdown_table(results: Sequence[ConfigResult]) -> str:
         else:
             cells += ["-"] * (len(head) - len(cells) - 1) + [r.detail[:60] or r.status]
         rows.append(cells)
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+    return common.markdown_table(rows)
 
 
 def plot_heatmap(results: Sequence[ConfigResult], path: Path, metric: str = "goodput",
                  title: str = "") -> None:
     """max-num-seqs (rows) x block size (columns), one panel per max-num-batched-tokens value."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     seqs = sorted({r.point.max_num_seqs for r in results})
     blocks = sorted({r.point.block_size for r in results})
@@ -442,7 +438,7 @@ def predicted_vs_measured(pairs: Sequence[tuple[ConfigResult, ConfigResult]]) ->
             ("e2e mean ms", lambda s: s["e2e_ms"]["mean"]), ("e2e p95 ms", lambda s: s["e2e_ms"]["p95"]),
             ("TTFT p50 ms", lambda s: s["ttft_ms"]["median"]))
     head = ["config"] + [f"{name} {kind}" for name, _ in cols for kind in ("sim", "real", "err")] + ["SLO sim/real"]
-    rows = [head, ["---"] * len(head)]
+    rows = [head]
     for sim, real in pairs:
         cells = [sim.point.label()]
         for _, get in cols:
@@ -452,7 +448,7 @@ def predicted_vs_measured(pairs: Sequence[tuple[ConfigResult, ConfigResult]]) ->
             cells += ["-" if p is None else f"{p:.1f}", "-" if m is None else f"{m:.1f}", err]
         cells.append(f"{'met' if sim.slo_met else 'missed'}/{('met' if real.slo_met else 'missed') if real.status == 'ok' else real.status}")
         rows.append(cells)
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return common.markdown_table(rows)
 
 
 # ---------------------------------------------------------------- command line

@@ -52,8 +52,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from iterserve.bench.client import ClientError, RequestRecord, RunResult, run_load
+from iterserve.bench.common import markdown_table, one_line
 from iterserve.bench.peers import KINDS, System
-from iterserve.bench.workload import RequestSpec, all_at_once, build_prompts, one_line, poisson
+from iterserve.bench.workload import RequestSpec, all_at_once, build_prompts, poisson
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package is installed from (pip install -e)
 DEFAULT_PEERS_DIR = REPO.parent / "shared" / "peers"
@@ -277,9 +278,8 @@ def _num(value: float | None) -> str:
 
 
 def markdown(lines: Sequence[Sequence[str]]) -> str:
-    head, *body = lines
-    align = ["---", "---"] + ["---:"] * (len(head) - 2)
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in (head, align, *body))
+    """The table with its metric and verdict columns left-aligned and the numbers right-aligned."""
+    return markdown_table(lines, "ll" + "r" * (len(lines[0]) - 2))
 
 
 def engine_flags(args: Sequence[str]) -> tuple[str, dict[str, Any]]:

@@ -15,12 +15,15 @@ import csv
 import io
 import json
 import re
+from importlib import resources
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypedDict, Unpack
 
 import numpy as np
+
+from iterserve.bench.common import one_line
 
 LenSpec = int | tuple[int, int]
 DEFAULT_NUM_REQUESTS = 200
@@ -272,12 +275,6 @@ def _parse_time(value: Any) -> float:
     return moment.timestamp() + fraction
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one short line, for error messages that never show a traceback."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
 # ---------------------------------------------------------------- dispatch
 
 _GENERATORS: dict[str, Callable[..., list[RequestSpec]]] = {
@@ -300,59 +297,7 @@ def make_workload(kind: str, **kwargs: Any) -> list[RequestSpec]:
 
 # Public domain: the openings of Jane Austen's "Pride and Prejudice" (1813) and Herman Melville's
 # "Moby-Dick" (1851). Real prose tokenizes like real prompts do, unlike random token ids.
-_PROSE = """\
-It is a truth universally acknowledged, that a single man in possession of a good fortune, must be \
-in want of a wife. However little known the feelings or views of such a man may be on his first \
-entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, \
-that he is considered as the rightful property of some one or other of their daughters.
-
-"My dear Mr. Bennet," said his lady to him one day, "have you heard that Netherfield Park is let \
-at last?" Mr. Bennet replied that he had not. "But it is," returned she; "for Mrs. Long has just \
-been here, and she told me all about it." Mr. Bennet made no answer. "Do not you want to know who \
-has taken it?" cried his wife impatiently. "You want to tell me, and I have no objection to \
-hearing it." This was invitation enough.
-
-"Why, my dear, you must know, Mrs. Long says that Netherfield is taken by a young man of large \
-fortune from the north of England; that he came down on Monday in a chaise and four to see the \
-place, and was so much delighted with it that he agreed with Mr. Morris immediately; that he is to \
-take possession before Michaelmas, and some of his servants are to be in the house by the end of \
-next week." "What is his name?" "Bingley." "Is he married or single?" "Oh! single, my dear, to be \
-sure! A single man of large fortune; four or five thousand a year. What a fine thing for our \
-girls!" "How so? how can it affect them?" "My dear Mr. Bennet," replied his wife, "how can you be \
-so tiresome! You must know that I am thinking of his marrying one of them."
-
-Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice, that the \
-experience of three and twenty years had been insufficient to make his wife understand his \
-character. Her mind was less difficult to develop. She was a woman of mean understanding, little \
-information, and uncertain temper. When she was discontented she fancied herself nervous. The \
-business of her life was to get her daughters married; its solace was visiting and news.
-
-Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my \
-purse, and nothing particular to interest me on shore, I thought I would sail about a little and \
-see the watery part of the world. It is a way I have of driving off the spleen and regulating the \
-circulation. Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly \
-November in my soul; whenever I find myself involuntarily pausing before coffin warehouses, and \
-bringing up the rear of every funeral I meet; and especially whenever my hypos get such an upper \
-hand of me, that it requires a strong moral principle to prevent me from deliberately stepping \
-into the street, and methodically knocking people's hats off, then, I account it high time to get \
-to sea as soon as I can. This is my substitute for pistol and ball.
-
-There now is your insular city of the Manhattoes, belted round by wharves as Indian isles by coral \
-reefs; commerce surrounds it with her surf. Right and left, the streets take you waterward. Its \
-extreme downtown is the battery, where that noble mole is washed by waves, and cooled by breezes, \
-which a few hours previous were out of sight of land. Look at the crowds of water-gazers there. \
-Circumambulate the city of a dreamy Sabbath afternoon. Go from Corlears Hook to Coenties Slip, and \
-from thence, by Whitehall, northward. What do you see? Posted like silent sentinels all around \
-the town, stand thousands upon thousands of mortal men fixed in ocean reveries.
-
-But look! here come more crowds, pacing straight for the water, and seemingly bound for a dive. \
-Strange! Nothing will content them but the extremest limit of the land; loitering under the shady \
-lee of yonder warehouses will not suffice. No. They must get just as nigh the water as they \
-possibly can without falling in. And there they stand, miles of them, leagues. Inlanders all, they \
-come from lanes and alleys, streets and avenues, north, east, south, and west. Yet here they all \
-unite. Tell me, does the magnetic virtue of the needles of the compasses of all those ships \
-attract them thither?
-"""
+_PROSE = (resources.files(__package__) / "prose.txt").read_text(encoding="utf-8")
 _WORDS_PER_TOKEN = 0.75
 _GOLDEN = 0.6180339887498949  # offsets index * golden ratio spread prompts evenly over the text
 

@@ -20,8 +20,8 @@ from iterserve.bench.client import ClientError, parse_slo, print_table
 from iterserve.bench.compare import write_report
 from iterserve.bench.report import MODES, ModeRun, direction_notes, saturation_summary
 from iterserve.bench.tune import slo_met
-from iterserve.bench.workload import (WorkloadError, add_workload_args, describe_workload, one_line,
-                                      workload_from_args)
+from iterserve.bench.common import one_line
+from iterserve.bench.workload import WorkloadError, add_workload_args, describe_workload, workload_from_args
 from iterserve.config import EngineConfig
 from iterserve.engine_args import add_engine_args, engine_config_from_args
 from iterserve.sim.analytic import GPUS, MODEL_SHAPES, analytic_profile

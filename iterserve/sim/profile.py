@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from iterserve.bench.common import load_average
 from iterserve.config import EngineConfig, parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.sim.step_model import StepTimeModel, model_from_dict
@@ -103,7 +104,7 @@ def cpu_machine() -> dict[str, Any]:
     flags = cpu_flags()
     return {"cpu_model": model or platform.processor(), "cpus": os.cpu_count(),
             "cpu_flags": [f for f in RELEVANT_CPU_FLAGS if f in flags], "platform": platform.platform(),
-            "loadavg": os.getloadavg()}
+            "loadavg": load_average()}
 
 
 def git_commit() -> str | None:
