@@ -386,7 +386,8 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_generate_answers_paris_on_stdout_with_logs_on_stderr(tmp_path, smol_loaded):
     question = "What is the capital of France?"
     out_file = tmp_path / "out.jsonl"
-    proc = _cli("generate", question, "--max-tokens", "32", "--temperature", "0", "--output", str(out_file))
+    proc = _cli("generate", question, "--max-tokens", "32", "--temperature", "0", "--output", str(out_file),
+                "--kv-cache-memory", "64MiB")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     row = json.loads(out_file.read_text())
@@ -396,39 +397,41 @@ def test_generate_answers_paris_on_stdout_with_logs_on_stderr(tmp_path, smol_loa
     assert row["prompt_tokens"] == len(chat_ids(smol_loaded[2], [{"role": "user", "content": question}]))
 
 
-@pytest.mark.slow
-def test_raw_bypasses_the_chat_template(tmp_path, tiny_model_dir, tiny_loaded):
+def test_raw_bypasses_the_chat_template(tmp_path, tiny_model_dir, tiny_loaded, capsys):
+    from iterserve.cli import main
+
     text = "The capital of France is"
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": text}) + "\n"
                                        + json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
     out_file = tmp_path / "out.jsonl"
-    proc = _cli("generate", "--model", str(tiny_model_dir), "--raw", "--input", str(tmp_path / "in.jsonl"),
-                "--output", str(out_file), "--max-tokens", "2", "--no-progress")
-    assert proc.returncode == 0, proc.stderr
+    rc = main(["generate", "--model", str(tiny_model_dir), "--raw", "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(out_file), "--max-tokens", "2", "--no-progress", "--kv-cache-memory", "16MiB"])
+    assert rc == 0, capsys.readouterr().err
     raw, chat = [json.loads(line) for line in out_file.read_text().splitlines()]
     tok = tiny_loaded[2]
     assert raw["prompt_tokens"] == len(tok.encode(text))
     assert chat["prompt_tokens"] == len(chat_ids(tok, [{"role": "user", "content": text}])) > raw["prompt_tokens"]
 
 
-@pytest.mark.slow
-def test_generate_help_explains_every_option():
-    from iterserve.cli import build_parser
+def test_generate_help_explains_every_option(capsys):
+    from iterserve.cli import build_parser, main
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     actions = [a for a in sub.choices["generate"]._actions if a.option_strings]
     undocumented = [a.option_strings[-1] for a in actions if not a.help]
     assert not undocumented, f"options without help: {undocumented}"
-    proc = _cli("generate", "--help", timeout=60)
-    assert proc.returncode == 0
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
     for a in actions:
-        assert a.option_strings[-1] in proc.stdout
+        assert a.option_strings[-1] in text
 
 
-@pytest.mark.slow
-def test_unknown_model_on_the_command_line_is_one_line():
-    proc = _cli("generate", "--model", "no-such-model", "hello", timeout=120)
-    assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+def test_unknown_model_on_the_command_line_is_one_line(capsys):
+    from iterserve.cli import main
+
+    assert main(["generate", "--model", "no-such-model", "hello"]) == 2  # any other exception would propagate
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines[-1].startswith("error: unknown model 'no-such-model'")
     assert not any(line.startswith("Traceback") for line in lines)
