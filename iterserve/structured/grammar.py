@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 
@@ -23,7 +23,10 @@ class RequestGrammar:
         return ok
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        """Writes the mask into row `row` of a CPU int32 bitmask, through a numpy view of the same
+        memory (llguidance.torch would do the same, but importing it imports torch.compile's
+        machinery: seconds at every process start)."""
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask.numpy(), row)
 
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)

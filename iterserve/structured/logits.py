@@ -7,7 +7,7 @@ ones samples exactly what it would alone.
 """
 from __future__ import annotations
 
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -17,7 +17,7 @@ from iterserve.structured.grammar import RequestGrammar
 class TokenConstraints:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._bitmask = llguidance.torch.allocate_token_bitmask(16, vocab_size)
+        self._bitmask = allocate_bitmask(16, vocab_size)
 
     def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None],
               logit_biases: list[dict[int, float] | None]) -> torch.Tensor:
@@ -33,7 +33,7 @@ class TokenConstraints:
         if any(g is not None for g in grammars):
             n = logits.shape[0]
             if self._bitmask.shape[0] < n:
-                self._bitmask = llguidance.torch.allocate_token_bitmask(n, self.vocab_size)
+                self._bitmask = allocate_bitmask(n, self.vocab_size)
             mask = self._bitmask[:n]
             mask.fill_(-1)
             for row, g in enumerate(grammars):
@@ -42,6 +42,13 @@ class TokenConstraints:
             rows = [row for row, g in enumerate(grammars) if g is not None]
             apply_bitmask(logits, mask, rows)
         return logits
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An all-ones CPU bitmask in llguidance's layout, pinned where a GPU will receive it (as
+    llguidance.torch allocates it; that module is not imported: it imports torch.compile)."""
+    shape = llguidance.numpy.get_bitmask_shape(rows, vocab_size)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
