@@ -53,8 +53,10 @@ def run(gpu: str, n: int, trace_path: Path, short_answers: bool) -> str:
         cfg = EngineConfig(max_model_len=2048, **flags)
         at_load = simulate(specs, cfg, prof)
         m = ModeRun(mode, at_load.result.to_dict(), at_load.timelines[0]).metrics()
-        sat = simulate(saturated, cfg, prof).result.summary()
+        sat_run = simulate(saturated, cfg, prof)
+        sat = sat_run.result.summary()
         m["capacity"] = sat["request_throughput"]
+        m["saturated_useful_utilisation"] = sat_run.timelines[0].busy_between(0.0, sat["duration_s"])[1]
         m["offered"] = at_load.result.summary()["request_throughput"]
         got[mode] = m
     wall = time.perf_counter() - t0
@@ -63,7 +65,8 @@ def run(gpu: str, n: int, trace_path: Path, short_answers: bool) -> str:
             ("Mean latency (e2e)", "mean_latency_s", lambda x: f"{x:.2f} s"),
             ("P95 latency (e2e)", "p95_latency_s", lambda x: f"{x:.2f} s"),
             ("Mean queue time", "mean_queue_s", lambda x: f"{1e3 * x:.0f} ms"),
-            ("Capacity at saturation (req/s)", "capacity", lambda x: f"{x:.1f}")]
+            ("Capacity at saturation (req/s)", "capacity", lambda x: f"{x:.1f}"),
+            ("Useful utilisation at saturation", "saturated_useful_utilisation", lambda x: f"{100 * x:.0f}%")]
     lines = ["| metric | case: static | case: continuous | sim: static | sim: continuous | sim change | direction |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for label, key, fmt in rows:
