@@ -218,3 +218,23 @@ def test_prefix_caching_is_the_engines(monkeypatch):
     assert ttft[1] < 0.5 * ttft[0]
     off = simulate(specs, EngineConfig(enable_prefix_caching=False), prof)
     assert off.stats["prefix_cache_hits"] == 0
+
+
+def test_tune_simulate_verifies_the_best_by_real_replay(tiny_model_dir, tmp_path, capsys):
+    grid = ProfileGrid(decode_batches=[1, 4], context_lens=[32, 96], prefill_chunks=[16, 64], chunk_context=32,
+                       mixed_decode=[2], mixed_chunks=[16])
+    prof_path, out, raw = tmp_path / "p.json", tmp_path / "tune", tmp_path / "raw"
+    measure_profile(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="64MiB"), grid, repeats=1,
+                    progress=False).save(prof_path)
+    rc = main(["tune", "--simulate", str(prof_path), "--verify", "1", "--model", str(tiny_model_dir),
+               "--max-num-seqs", "1,2,4", "--block-size", "16", "--server-args", "--kv-cache-memory 64MiB",
+               "--workload", "constant", "--rate", "20", "--num-requests", "8", "--input-len", "24",
+               "--output-len", "12:40", "--slo", "e2e_p95=5s", "--run-grace", "60", "--out", str(out),
+               "--raw-dir", str(raw), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    report = json.loads((out / "tune.json").read_text())
+    assert len(report["simulated"]) == 3 and all(r["detail"] == "simulated" for r in report["simulated"])
+    assert len(report["verified"]) == 1 and report["verified"][0]["status"] == "ok"
+    assert report["verified"][0]["summary"]["completed"] == 8
+    assert "predicted (sim) vs measured (real)" in text and "TTFT p50 ms sim" in text

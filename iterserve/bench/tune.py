@@ -527,7 +527,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
           f"(last arrival {max(s.arrival_s for s in specs):.1f} s), SLO {', '.join(s.text for s in slos)}",
           file=sys.stderr)
     if args.simulate:
-        return cmd_tune_simulated(args, points, specs, slos, out, workload)
+        return cmd_tune_simulated(args, points, specs, slos, out, raw_dir, {**info, "workload": workload})
     result = sweep(points, args.model, shlex.split(args.server_args), specs, slos, args.budget_minutes,
                    args.run_grace, args.endpoint, args.ignore_eos, raw_dir / "logs", not args.no_progress, workload)
     table = markdown_table(result.results)
@@ -550,7 +550,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_tune_simulated(args: argparse.Namespace, points: Sequence[GridPoint], specs: Sequence[RequestSpec],
-                       slos: Sequence[Slo], out: Path, workload: dict[str, Any]) -> int:
+                       slos: Sequence[Slo], out: Path, raw_dir: Path, info: dict[str, Any]) -> int:
     """The whole grid in the simulator, then the best few replayed for real, side by side."""
     profile = Profile.load(args.simulate)
     server_args = shlex.split(args.server_args)
@@ -565,7 +565,7 @@ def cmd_tune_simulated(args: argparse.Namespace, points: Sequence[GridPoint], sp
     for sim in ranked:
         print(f"tune: verifying {sim.point.label()} by real replay", file=sys.stderr)
         real = run_config(sim.point, args.model, server_args, specs, slos, max(s.arrival_s for s in specs)
-                          + args.run_grace, args.endpoint, args.ignore_eos, out / "logs")
+                          + args.run_grace, args.endpoint, args.ignore_eos, raw_dir / "logs")
         pairs.append((sim, real))
     comparison = predicted_vs_measured(pairs) if pairs else ""
     best_sim, met = best_config(simulated)
@@ -580,11 +580,11 @@ def cmd_tune_simulated(args: argparse.Namespace, points: Sequence[GridPoint], sp
         print("\npredicted (sim) vs measured (real):\n" + comparison)
     for line in lines:
         print(f"- {line}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune.json").write_text(json.dumps({
-        "model": args.model, "workload": workload, "slos": [s.text for s in slos], "profile": args.simulate,
-        "simulated": [r.to_dict() for r in simulated], "verified": [r.to_dict() for r in measured],
-        "conclusion": lines}, indent=2))
+    head = {**info, "model": args.model, "slos": [s.text for s in slos], "profile": args.simulate,
+            "profile_describes": profile.describe(), "conclusion": lines}
+    for path, full in ((raw_dir / "tune.json", True), (out / "tune.json", False)):
+        write_json(path, {**head, "simulated": [r.to_dict(with_requests=full) for r in simulated],
+                          "verified": [r.to_dict(with_requests=full) for r in measured]})
     (out / "tune.md").write_text(table + "\n\n" + comparison + "\n\n" + "\n".join(f"- {x}" for x in lines) + "\n")
-    print(f"wrote {out / 'tune.json'}, {out / 'tune.md'}", file=sys.stderr)
+    print(f"wrote {out / 'tune.json'}, {out / 'tune.md'}; raw records in {raw_dir}", file=sys.stderr)
     return 0 if simulated else 1
