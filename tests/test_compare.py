@@ -223,7 +223,7 @@ def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     rc = cli.main(["compare", "--model", str(tiny_model_dir), "--out", str(out), "--raw-dir", str(raw),
                    "--num-requests", "12",
                    "--input-len", "8:32", "--output-len", "4:24", "--max-batch-size", "4", "--max-num-seqs", "8",
-                   "--load", "0.8", "--window", "0.5", "--no-progress"])
+                   "--load", "0.8", "--saturation-requests", "16", "--window", "0.5", "--no-progress"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     table = captured.out
@@ -239,7 +239,7 @@ def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     assert (out / "compare.json").stat().st_size < 20_000
     assert sorted(p.name for p in (raw / "logs").iterdir()) == ["server-continuous.log", "server-static.log"]
     cap = summary["capacity"]
-    assert cap["static"]["completed"] == cap["continuous"]["completed"] == 12
+    assert cap["static"]["completed"] == cap["continuous"]["completed"] == 16
     assert cap["static"]["request_throughput"] > 0 and cap["load"] == 0.8
     assert summary["workload"]["base_rate"] * 2 == pytest.approx(0.8 * cap["static"]["request_throughput"])
     rows = {r["key"]: r for r in summary["rows"]}

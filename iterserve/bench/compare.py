@@ -104,10 +104,15 @@ async def replay(base_url: str, specs: Sequence[RequestSpec], timeout_s: float |
 
 # ---------------------------------------------------------------- sizing the default load
 
-def saturate(base_url: str, mode: str, specs: Sequence[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:
-    """The server's capacity: `specs` all sent at once, so that it runs as full as it can from the
-    first step to the last; what the case's throughput row (6.7 -> 15.2 req/s) can only be."""
-    burst = [replace(s, arrival_s=0.0) for s in specs]
+def saturation_specs(specs: Sequence[RequestSpec], n: int) -> list[RequestSpec]:
+    """`n` requests with the workload's lengths (cycled), all at t=0, each with its own prompt."""
+    return [RequestSpec(i, 0.0, specs[i % len(specs)].input_len, specs[i % len(specs)].output_len)
+            for i in range(n)]
+
+
+def saturate(base_url: str, mode: str, burst: Sequence[RequestSpec], args: argparse.Namespace) -> dict[str, Any]:
+    """The server's capacity: `burst` all sent at once, so that it runs as full as it can for most
+    of the run; what the case's throughput row (6.7 -> 15.2 req/s) can only be."""
     print(f"compare: {mode}: capacity: {len(burst)} requests at once against {base_url}", file=sys.stderr)
     result, timeline = asyncio.run(replay(base_url, burst, args.timeout, progress=False))
     return saturation_summary(result.to_dict(), timeline)
@@ -210,10 +215,11 @@ def run_both(args: argparse.Namespace, raw_dir: Path, meta: dict[str, Any]) -> d
     workload at the offered load, continuous first."""
     provisional = provisional_workload(args)
     tokenizer = _tokenizer(args.model)
-    build_prompts(provisional, tokenizer)
+    burst = saturation_specs(provisional, args.saturation_requests or max(len(provisional), 4 * args.max_num_seqs))
+    build_prompts(burst, tokenizer)
     with contextlib.ExitStack() as stack:
         urls = {mode: stack.enter_context(serving(mode, args, raw_dir)) for mode in ("continuous", "static")}
-        capacity = {mode: saturate(urls[mode], mode, provisional, args) for mode in ("continuous", "static")}
+        capacity = {mode: saturate(urls[mode], mode, burst, args) for mode in ("continuous", "static")}
         meta["capacity"] = capacity
         if needs_sizing(args):
             mean_rate = args.load * capacity["static"]["request_throughput"]
@@ -270,6 +276,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.workload = args.workload or ("trace" if args.trace else "bursty")
         if args.load <= 0:
             raise ValueError("--load must be > 0")
+        if args.saturation_requests is not None and args.saturation_requests < 1:
+            raise ValueError("--saturation-requests must be >= 1")
         provisional_workload(args)  # bad flags or trace files fail now, before any server starts
         if not (args.static_url and args.continuous_url):
             from iterserve.model.loader import resolve_model
@@ -315,6 +323,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=2.0, metavar="S", help="utilisation window of the plots")
     p.add_argument("--replot", action="store_true", help="redraw the table and plots from --out's JSON files")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--saturation-requests", type=int, default=None, metavar="N",
+                   help="requests sent at once to measure each mode's capacity, with the workload's lengths "
+                        "(default: the workload's count or 4 x --max-num-seqs, whichever is larger, so that "
+                        "the final drain is a small part of the run)")
     p.add_argument("--load", type=float, default=DEFAULT_LOAD,
                    help="without --rate (--time-scale for a trace): offer this share of static batching's capacity, "
                         f"measured at saturation first (default {DEFAULT_LOAD:g}, as in the chat bot case: 3.3 req/s "
