@@ -339,6 +339,7 @@ def warm_up(engine: LLMEngine) -> None:
     """One short generation (a prefill and a decode step) and one tokenisation of each kind before
     serving, so that the first client does not pay one-time set-up costs (lazy kernel and
     tokenizer initialisation, hundreds of ms on CPU) in its TTFT. Runs before the engine thread."""
+    engine.structured.warm_up()  # in the background, on the grammar thread
     ids = engine.encode_prompt("Warm up.")
     if getattr(engine.tokenizer, "chat_template", None):
         engine.encode_prompt(messages=[{"role": "user", "content": "Warm up."}])

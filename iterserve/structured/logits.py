@@ -53,13 +53,16 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Sets the logits of disallowed tokens to -inf in the given rows. numpy unpacks the bits (bit
-    j of int32 word i is token 32 * i + j); llguidance's own kernel is a torch.compile'd function
-    that compiles for seconds at its first call and again for each new batch size."""
-    words = bitmask[rows].numpy()
-    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-    banned = torch.from_numpy(allowed == 0).to(logits.device, non_blocking=True)
-    if len(rows) == logits.shape[0]:
-        logits.masked_fill_(banned, float("-inf"))
-    else:
-        idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+    j of int32 word i is token 32 * i + j) and, on CPU, writes the -inf in place on one thread:
+    torch's masked_fill_ on two busy cores was 10-20x slower, and llguidance's own kernel is a
+    torch.compile'd function that compiles for seconds at its first call and per batch size."""
+    words = bitmask.numpy()[rows]  # numpy indexing: torch's took ~18 ms for 16 rows on two busy cores
+    banned = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]] == 0
+    if logits.device.type == "cpu":
+        view = logits.numpy()
+        for i, row in enumerate(rows):
+            np.putmask(view[row], banned[i], -np.inf)
+        return
+    banned_t = torch.from_numpy(banned).to(logits.device, non_blocking=True)
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(banned_t, float("-inf"))

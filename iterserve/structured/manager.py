@@ -67,6 +67,11 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return fut
 
+    def warm_up(self) -> concurrent.futures.Future:
+        """Builds the llguidance tokenizer on the compile thread now, so that a server's first
+        constrained request does not wait for it."""
+        return self._executor.submit(lambda: self.ll_tokenizer)
+
     def new_grammar(self, prototype: llguidance.LLMatcher) -> RequestGrammar:
         return RequestGrammar(prototype.deep_copy())
 
@@ -86,15 +91,18 @@ class StructuredOutputManager:
 
     def _compile(self, key: tuple[str, str]) -> llguidance.LLMatcher:
         fmt, text = key
+        tokenizer = self.ll_tokenizer
         try:
             grammar = llguidance.grammar_from(fmt, text)
-        except ValueError as e:
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+            if failed:
+                shown = "; ".join(m.strip() for m in messages[: self.config.max_errors_shown])
+                raise StructuredOutputError(f"invalid or unsupported {_what(fmt)}: {shown}")
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        except StructuredOutputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises is this spec's fault
             raise StructuredOutputError(f"invalid {_what(fmt)}: {e}") from None
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
-        if failed:
-            shown = "; ".join(m.strip() for m in messages[: self.config.max_errors_shown])
-            raise StructuredOutputError(f"invalid or unsupported {_what(fmt)}: {shown}")
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(f"cannot compile the {_what(fmt)}: {matcher.get_error()}")
         self.num_compiled += 1

@@ -38,7 +38,8 @@ class StructuredOutputsParams:
         if self.json_object:
             return "json_schema", '{"type": "object"}'
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            # not sort_keys: llguidance emits properties in the schema's order, which is the user's
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return "json_schema", text
         if self.regex is not None:
             return "regex", self.regex
