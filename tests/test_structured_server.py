@@ -14,7 +14,7 @@ import pytest
 
 from iterserve.bench.launcher import ServerProcess
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 MODEL = "smollm2-135m"
 
 SCHEMAS = [
