@@ -13,6 +13,7 @@ from typing import Any
 
 from iterserve.bench.client import ClientError, add_target_server_args, parse_slo, print_table, run_load
 from iterserve.bench.common import one_line
+from iterserve.bench.conversation import ConversationOptions, build_conversations, run_conversations
 from iterserve.bench.workload import (WorkloadError, add_workload_args, build_prompts, describe_workload,
                                       workload_from_args)
 
@@ -53,13 +54,23 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Runs the load, prints the table, writes the JSON; 2 on bad input or unreachable server."""
     try:
         slos = [parse_slo(text) for text in args.slo]
-        specs = workload_from_args(args)
-        build_prompts(specs, _load_tokenizer(args.tokenizer))
-        result = asyncio.run(run_load(
-            args.base_url, specs, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
-            timeout_s=args.timeout, ignore_eos=args.ignore_eos, progress=not args.no_progress,
-            slos=slos))
-        result.meta["workload"] = describe_workload(args)
+        workload = describe_workload(args)
+        if workload["kind"] == "multi-turn":
+            if slos:
+                raise WorkloadError("--slo is not supported with --workload multi-turn")
+            opts = ConversationOptions(**{k: v for k, v in workload.items() if k != "kind"})
+            convs = build_conversations(opts, _load_tokenizer(args.tokenizer))
+            result = asyncio.run(run_conversations(
+                args.base_url, convs, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
+                timeout_s=args.timeout, ignore_eos=args.ignore_eos, progress=not args.no_progress))
+        else:
+            specs = workload_from_args(args)
+            build_prompts(specs, _load_tokenizer(args.tokenizer))
+            result = asyncio.run(run_load(
+                args.base_url, specs, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
+                timeout_s=args.timeout, ignore_eos=args.ignore_eos, progress=not args.no_progress,
+                slos=slos))
+        result.meta["workload"] = workload
         print_table(result)
         if args.result_json:
             path = Path(args.result_json)

@@ -56,6 +56,8 @@ class RequestRecord:
     queue_time_s: float | None = None
     success: bool = False
     error: str = ""
+    conversation: int | None = None  # multi-turn workload: which conversation, which turn (0 first)
+    turn: int | None = None
 
 
 # ---------------------------------------------------------------- SLOs
@@ -202,6 +204,13 @@ def print_table(result: RunResult, file: TextIO | None = None) -> None:
     line("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
     if s["goodput"] is not None:
         line("Goodput (req/s):", f"{s['goodput']:.2f}")
+    cache = result.meta.get("prefix_cache")
+    if cache:
+        rate = cache["hit_rate"]
+        line("Prefix cache hit rate (tokens):", "-" if rate is None else f"{rate:.1%}")
+    later = result.meta.get("later_turns")
+    if later and later["count"]:
+        line("Later-turn TTFT p50 / p95 (ms):", f"{later['ttft_p50_ms']:.0f} / {later['ttft_p95_ms']:.0f}")
     print(f"{' Latency (ms) ':-^50}", file=out)
     print(f"{'':<12}{'mean':>9}{'median':>9}{'p95':>10}{'p99':>10}", file=out)
     for label, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"),
@@ -226,6 +235,38 @@ def print_table(result: RunResult, file: TextIO | None = None) -> None:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+# ---------------------------------------------------------------- the server's prefix cache
+
+# vLLM's counter names (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`, in tokens); iterserve
+# exports the same under its own prefix. Prometheus text adds `_total` to counters.
+_PREFIX_CACHE_RE = re.compile(r"^[A-Za-z_]+:prefix_cache_(queries|hits)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+async def prefix_cache_counters(http: httpx.AsyncClient) -> dict[str, float] | None:
+    """The server's prefix-cache query and hit token counters from /metrics; None when it has no
+    such counters (or no /metrics), so any OpenAI server can still be benchmarked."""
+    try:
+        resp = await http.get("/metrics", timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    found: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        if m := _PREFIX_CACHE_RE.match(line.strip()):
+            found[m[1]] = found.get(m[1], 0.0) + float(m[2])
+    return found if set(found) == {"queries", "hits"} else None
+
+
+def prefix_cache_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """What the run itself queried and hit (counters are cumulative since the server started)."""
+    if before is None or after is None:
+        return None
+    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    return {"query_tokens": int(queries), "hit_tokens": int(hits),
+            "hit_rate": hits / queries if queries > 0 else None}
 
 
 # ---------------------------------------------------------------- the run
@@ -272,9 +313,10 @@ def request_body(spec: RequestSpec, model: str, chat: bool, ignore_eos: bool,
     body: dict[str, Any] = {"model": model, "max_tokens": spec.output_len, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
     if chat:
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
+        body["messages"] = system + [{"role": "user", "content": spec.prompt}]
     else:
-        body["prompt"] = spec.prompt
+        body["prompt"] = f"{spec.system_prompt}\n\n{spec.prompt}" if spec.system_prompt else spec.prompt
     if ignore_eos:
         body["ignore_eos"] = True
     return {**body, **(extra_body or {})}
@@ -301,8 +343,9 @@ def _queue_time(chunk: dict[str, Any]) -> float | None:
 
 
 async def stream_request(http: httpx.AsyncClient, path: str, body: dict[str, Any],
-                      rec: RequestRecord, t0: float) -> None:
-    """Sends one request and fills `rec`; only cancellation escapes, every failure is recorded."""
+                         rec: RequestRecord, t0: float, text_sink: list[str] | None = None) -> None:
+    """Sends one request and fills `rec`; only cancellation escapes, every failure is recorded.
+    text_sink, when given, receives the streamed text pieces (a conversation's next turn needs them)."""
     sent = time.perf_counter()
     rec.sent_at_s = sent - t0
     last = sent
@@ -325,7 +368,9 @@ async def stream_request(http: httpx.AsyncClient, path: str, body: dict[str, Any
                 if chunk.get("error"):
                     rec.error = f"stream error: {one_line(Exception(chunk['error']))[:200]}"
                     return
-                if _chunk_text(chunk):
+                if text := _chunk_text(chunk):
+                    if text_sink is not None:
+                        text_sink.append(text)
                     if chunks == 0:
                         rec.ttft_s = now - sent
                     else:
@@ -377,6 +422,7 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
     async with httpx.AsyncClient(base_url=root, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as http:
         model = await resolve_served_model(http, model)
+        cache_before = await prefix_cache_counters(http)
         records = [RequestRecord(s.index, s.arrival_s, s.input_len, s.output_len) for s in specs]
         tasks: list[asyncio.Task[None]] = []
         bar = tqdm(total=len(specs), disable=not progress, unit="req", desc="bench")
@@ -404,11 +450,14 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
             await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - t0
         bar.close()
+        cache_after = await prefix_cache_counters(http)
     for rec in records:
         if rec.sent_at_s is None:
             rec.error = "not sent: run timeout"
-    return RunResult(root, model, endpoint, duration, sorted(records, key=lambda r: r.index),
-                     slo_list, started_at=t0)
+    result = RunResult(root, model, endpoint, duration, sorted(records, key=lambda r: r.index),
+                       slo_list, started_at=t0)
+    result.meta["prefix_cache"] = prefix_cache_delta(cache_before, cache_after)
+    return result
 
 
 def add_target_server_args(p) -> None:

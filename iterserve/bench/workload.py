@@ -43,6 +43,8 @@ class RequestSpec:
     input_len: int
     output_len: int
     prompt: str = ""
+    system_prompt: str = ""  # shared-prefix workload: one system prompt sent before every prompt
+    system_prompt_len: int = 0  # its tokens (build_prompts writes it)
 
 
 class LengthOptions(TypedDict, total=False):
@@ -167,6 +169,18 @@ def _count(num_requests: int) -> int:
     return int(num_requests)
 
 
+def shared_prefix(num_requests: int, rate: float, system_prompt_len: int = 400, *, seed: int = 0,
+                  **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+    """Poisson arrivals whose prompts all start with one system prompt of system_prompt_len
+    tokens (input_len is each request's own part after it): many users of one application."""
+    if system_prompt_len < 1:
+        raise WorkloadError(f"system_prompt_len must be >= 1, got {system_prompt_len}")
+    specs = poisson(num_requests, rate, seed=seed, **lengths)
+    for spec in specs:
+        spec.system_prompt_len = int(system_prompt_len)
+    return specs
+
+
 # ---------------------------------------------------------------- trace replay
 
 _TIME_COLUMNS = ("timestamp", "arrival_s", "arrival_time", "time")
@@ -280,8 +294,11 @@ def _parse_time(value: Any) -> float:
 _GENERATORS: dict[str, Callable[..., list[RequestSpec]]] = {
     "poisson": poisson, "gamma": gamma, "bursty": bursty, "constant": constant,
     "all-at-once": all_at_once, "all_at_once": all_at_once, "trace": trace,
+    "shared-prefix": shared_prefix,
 }
-WORKLOADS = ("poisson", "gamma", "bursty", "constant", "all-at-once", "trace")
+# multi-turn is not a list of independent requests (each turn waits for the previous answer):
+# bench/conversation.py runs it
+WORKLOADS = ("poisson", "gamma", "bursty", "constant", "all-at-once", "trace", "shared-prefix", "multi-turn")
 
 
 def make_workload(kind: str, **kwargs: Any) -> list[RequestSpec]:
@@ -309,10 +326,17 @@ def build_prompts(specs: Sequence[RequestSpec], tokenizer: Any = None) -> Sequen
     prefix-cache hits). Without a tokenizer, ~0.75 words per token approximates the length.
     `tokenizer` is a `transformers` tokenizer; special tokens (BOS, chat template) are not counted.
     """
-    source = _TokenText(tokenizer) if tokenizer is not None else _WordText()
+    source = prose_source(tokenizer)
     for spec in specs:
         spec.prompt = source.text(spec.input_len, int(spec.index * _GOLDEN * source.size))
+        if spec.system_prompt_len:  # the same text for every request: from offset 0
+            spec.system_prompt = source.text(spec.system_prompt_len, 0)
     return specs
+
+
+def prose_source(tokenizer: Any = None) -> "_TokenText | _WordText":
+    """Cuts prose of n tokens from an offset: `.text(n, offset)`, `.size` (the text's length)."""
+    return _TokenText(tokenizer) if tokenizer is not None else _WordText()
 
 
 def _cyclic(items: Sequence[Any], start: int, n: int) -> list[Any]:
@@ -413,6 +437,17 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-input-len", type=int, default=None, help="clamp prompt lengths")
     g.add_argument("--max-output-len", type=int, default=None, help="clamp output lengths")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--system-prompt-len", type=int, default=400, metavar="N",
+                   help="shared-prefix and multi-turn: tokens of the system prompt every request shares")
+    m = parser.add_argument_group("multi-turn workload (--workload multi-turn)")
+    m.add_argument("--conversations", type=int, default=8, metavar="N", help="concurrent conversations")
+    m.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    m.add_argument("--user-len", type=_len_arg, default=(32, 96), metavar="N|LO:HI",
+                   help="tokens of each new user message (answers are --output-len)")
+    m.add_argument("--think-time", type=float, default=1.0, metavar="S",
+                   help="mean pause (exponential) between an answer and the next turn")
+    m.add_argument("--stagger", type=float, default=2.0, metavar="S",
+                   help="conversations start uniformly spread over the first S seconds")
 
 
 def describe_workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -424,8 +459,14 @@ def describe_workload(args: argparse.Namespace) -> dict[str, Any]:
             raise WorkloadError("--workload trace needs --trace PATH")
         return {"kind": kind, "path": args.trace, "time_scale": args.time_scale,
                 "start": args.trace_start, "num_requests": args.num_requests, **clamps}
+    if kind == "multi-turn":
+        return {"kind": kind, "num_conversations": args.conversations, "turns": args.turns,
+                "system_prompt_len": args.system_prompt_len, "user_len": args.user_len,
+                "output_len": args.output_len, "think_time_s": args.think_time,
+                "stagger_s": args.stagger, "seed": args.seed}
     per_kind = {
         "poisson": {"rate": args.rate},
+        "shared-prefix": {"rate": args.rate, "system_prompt_len": args.system_prompt_len},
         "gamma": {"rate": args.rate, "burstiness": args.burstiness},
         "bursty": {"base_rate": args.rate, "peak_rate": args.peak_rate,
                    "burst_every_s": args.burst_every, "burst_len_s": args.burst_len},
@@ -440,4 +481,7 @@ def describe_workload(args: argparse.Namespace) -> dict[str, Any]:
 def workload_from_args(args: argparse.Namespace) -> list[RequestSpec]:
     """The workload that `add_workload_args` flags describe."""
     params = describe_workload(args)
+    if params["kind"] == "multi-turn":
+        raise WorkloadError("--workload multi-turn is a set of conversations, not a request list: "
+                            "use `iterserve bench serve --workload multi-turn`")
     return make_workload(params.pop("kind"), **params)
