@@ -220,6 +220,7 @@ def test_prefix_caching_is_the_engines(monkeypatch):
     assert off.stats["prefix_cache_hits"] == 0
 
 
+@pytest.mark.slow
 def test_tune_simulate_verifies_the_best_by_real_replay(tiny_model_dir, tmp_path, capsys):
     grid = ProfileGrid(decode_batches=[1, 4], context_lens=[32, 96], prefill_chunks=[16, 64], chunk_context=32,
                        mixed_decode=[2], mixed_chunks=[16])
