@@ -32,9 +32,12 @@ from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.report import ModeRun
 from iterserve.bench.workload import WORKLOADS, RequestSpec, build_prompts, bursty, make_workload, trace
 from iterserve.engine_args import add_engine_args, engine_config_from_args
+from iterserve.llm import LLM
 from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.sim.profile import Profile
+from iterserve.sampling import SamplingParams
 from iterserve.sim.simulator import simulate
+from iterserve.sim.step_model import StepFeatures, step_features
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
 MODE_FLAGS = {"static": ["--batching", "static", "--max-batch-size", "8", "--batch-timeout", "100"],
@@ -65,6 +68,34 @@ def engine_config(flags: list[str], model: str):
     p = argparse.ArgumentParser(add_help=False)
     add_engine_args(p)
     return engine_config_from_args(p.parse_args(flags), model=model)
+
+
+def step_check(model: str, flags: list[str], specs: list[RequestSpec], profile: Profile) -> str:
+    """The step model alone, on the real engine's own steps (in process, no HTTP): each step's
+    measured runner time against the profile's prediction for the same SchedulerOutput. Tells a
+    step-model miss apart from what the simulator leaves out (HTTP, streaming, the engine loop)."""
+    llm = LLM(config=engine_config(flags, model))
+    runner = llm.engine.runner
+    measured: list[tuple[StepFeatures, float]] = []
+    execute = runner.execute
+
+    def timed(sched):
+        t0 = time.perf_counter()
+        out = execute(sched)
+        measured.append((step_features(sched), time.perf_counter() - t0))
+        return out
+
+    runner.execute = timed
+    prompts = [[1 + (s.index * 7 + j) % 1000 for j in range(s.input_len)] for s in specs]
+    llm.generate(prompts, [SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0.0) for s in specs],
+                 use_tqdm=False)
+    kinds: dict[str, list[float]] = {"decode": [], "prefill": [], "mixed": []}
+    for f, t in measured:
+        kind = "decode" if not f.prefill_tokens else ("prefill" if f.seqs == 1 else "mixed")
+        kinds[kind].append((profile.step_model.predict(f) - t) / t)
+    parts = [f"{k}: {len(v)} steps, mean error {100 * sum(v) / len(v):+.0f}%, mean |error| "
+             f"{100 * sum(abs(x) for x in v) / len(v):.0f}%" for k, v in kinds.items() if v]
+    return "step model on the engine's own steps (" + "; ".join(parts) + ")"
 
 
 def errors(real: dict, sim: dict) -> dict[str, tuple[float | None, float | None]]:
@@ -101,6 +132,9 @@ def main() -> int:
         subprocess.run(cmd + (["--quick", "--repeats", "1"] if args.tiny else []), check=True)
     profile = Profile.load(prof_path)
     tokenizer = load_tokenizer(resolve_model(args.model))
+    first = workload(args.workloads.split(",")[0], args.num_requests, 1.0, args)
+    check = step_check(args.model, MODE_FLAGS["continuous"] + extra, first, profile)
+    print(check, file=sys.stderr)
     kinds = [k for k in args.workloads.split(",") if k in ("conversation", "bursty") or k in WORKLOADS]
     skipped = sorted(set(args.workloads.split(",")) - set(kinds))
     # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
@@ -142,10 +176,11 @@ def main() -> int:
         lines.append(f"| {kind} | {load} | {mode} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
+    print(f"\n{check}")
     if skipped:
         print(f"\nskipped (no such workload here yet): {', '.join(skipped)}")
     (args.out / "validation.json").write_text(json.dumps({"profile": profile.to_dict(), "runs": raw,
-                                                          "table": table}, indent=1))
+                                                          "table": table, "step_check": check}, indent=1))
     print(f"wrote {args.out / 'validation.json'}", file=sys.stderr)
     return 0
 
