@@ -53,7 +53,8 @@ class SamplingParams:
             raise ValueError(msg)
 
         if self.n != 1:
-            bad(f"n must be 1 (iterserve returns one completion per request), got {self.n}")
+            bad(f"n must be 1 (one SamplingParams is one sequence; the server's n > 1 runs one per choice), "
+                f"got {self.n}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if self.temperature < 0:

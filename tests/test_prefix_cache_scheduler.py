@@ -6,6 +6,8 @@ the issue's thrash reproduction also runs through the engine on the tiny model.
 """
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from test_scheduler import MAX_MODEL_LEN, Sim
 from iterserve.config import EngineConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import Scheduler
+from iterserve.engine_args import add_engine_args
 from iterserve.request import Request, RequestStatus
 from iterserve.sampling import SamplingParams
 
@@ -196,3 +199,23 @@ def test_engine_thrash_reproduction(make_engine) -> None:
     assert ("long", 0) in [a for r in eng.records for a in r.admitted]
     line = next(r.log_line() for r in eng.records if r.admitted)
     assert "admitted s0 cached 0 tok" in line
+
+
+# ---- the switch ---------------------------------------------------------------------------------------
+
+def test_prefix_caching_default_and_static_refusal() -> None:
+    assert EngineConfig().prefix_caching and not EngineConfig(enable_prefix_caching=False).prefix_caching
+    assert not EngineConfig(batching="static").prefix_caching
+    with pytest.raises(ValueError, match="static batching keeps contiguous, unshared KV"):
+        EngineConfig(batching="static", enable_prefix_caching=True)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args([]).enable_prefix_caching is None
+    assert p.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert "unshared" in p.format_help()
+
+
+def test_engine_pool_follows_the_switch(make_engine) -> None:
+    assert make_engine().pool.enable_caching
+    assert not make_engine(enable_prefix_caching=False).pool.enable_caching
+    assert not make_engine(batching="static").pool.enable_caching
