@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import html
 import json
+import re
 import time
 
 import httpx
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 
 from iterserve import cli
-from iterserve.bench.compare import seed_shape, server_flags, size_load
+from iterserve.bench.compare import seed_shape, server_flags, size_load, write_report
 from iterserve.bench.workload import RequestSpec
 from iterserve.bench.report import (ROWS, ModeRun, comparison, direction_notes, markdown_table, target_met,
                                     write_plots)
@@ -148,6 +151,24 @@ def test_plots_are_written(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
 
 
+def test_report_html_is_one_self_contained_page(tmp_path):
+    runs = {"static": _run("static", [2.0, 3.0], [1.0, 0.5], 6.0, [_step(1, 0.0, 1.0, 8, 2), _step(2, 1.0, 1.0, 8, 5)]),
+            "continuous": _run("continuous", [1.0, 1.2], [0.0, 0.0], 3.0, [_step(1, 0.0, 2.0, 12)])}
+    table = write_report(runs, tmp_path, 1.0, {"model": "tiny<model>", "command": "iterserve compare"})
+    page = (tmp_path / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 5
+    for png in tmp_path.glob("*.png"):
+        assert base64.b64encode(png.read_bytes()).decode() in page
+    assert "http" not in page.replace("data:image/png", "")  # nothing linked from elsewhere
+    assert "tiny&lt;model&gt;" in page  # escaped
+    rows = re.findall(r"<tr>(.*?)</tr>", page, re.S)
+    assert len(rows) == 1 + len(ROWS)
+    cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows[1:]]
+    assert [c[0] for c in cells] == [r.label for r in ROWS]
+    for line, c in zip(table.splitlines()[2:], cells):  # the same cells as the Markdown table
+        assert line == "| " + " | ".join(html.unescape(x) for x in c) + " |"
+
+
 def test_only_the_batching_flags_differ_between_the_servers():
     args = argparse.Namespace(max_input_len=1024, max_output_len=256, server_args="--block-size 32 --threads 2",
                               max_batch_size=8, batch_timeout=100.0, max_num_seqs=16)
@@ -231,6 +252,7 @@ def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     assert "| Completed / failed | 12 / 0 | 12 / 0 |" in table
     for png in ("utilisation", "batch_size", "latency_cdf", "queue_time", "kv_usage"):
         assert (out / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 5
     summary = json.loads((out / "compare.json").read_text())
     assert summary["workload"]["kind"] == "bursty" and summary["table"] in table
     # the summary says where and what ran; the raw records stay out of --out

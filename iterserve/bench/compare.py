@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import httpx
 
 from iterserve.bench.client import ClientError, RunResult, run_load
+from iterserve.bench.html_report import render_html_report
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.common import load_average, one_line
 from iterserve.bench.report import (MODES, ModeRun, comparison, direction_notes, markdown_table,
@@ -245,10 +246,11 @@ def write_raw(runs: dict[str, ModeRun], raw_dir: Path) -> None:
 
 
 def write_report(runs: dict[str, ModeRun], out: Path, window_s: float, meta: dict[str, Any]) -> str:
-    """Writes the summary (compare.json) and the plots; returns the table."""
+    """Writes the summary (compare.json), the plots and report.html; returns the table."""
     table = markdown_table(runs["static"], runs["continuous"])
     write_json(out / "compare.json", {**meta, **comparison(runs["static"], runs["continuous"]), "table": table})
-    write_plots(runs, out, window_s)
+    plots = write_plots(runs, out, window_s)
+    (out / "report.html").write_text(render_html_report(runs, meta, plots))
     return table
 
 
@@ -295,7 +297,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(table)
     for note in direction_notes(runs["static"].metrics(), runs["continuous"].metrics()):
         print(f"- {note}")
-    print(f"compare: wrote {out}/compare.json and plots; raw records in {raw_dir}", file=sys.stderr)
+    print(f"compare: wrote {out}/compare.json, the plots and report.html; raw records in {raw_dir}", file=sys.stderr)
     return 0 if all(r.summary["completed"] for r in runs.values()) else 1
 
 
@@ -305,7 +307,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m",
                    help="a .gguf file, a Hugging Face folder, or smollm2-135m (default)")
     p.add_argument("--out", default="compare-results", metavar="DIR",
-                   help="writes the summary compare.json and the plots here")
+                   help="writes the summary compare.json, the plots and report.html (the table and plots in one page) here")
     p.add_argument("--raw-dir", metavar="DIR",
                    help="writes static.json and continuous.json (every request and engine step) and the server "
                         "logs here (default: a new folder under runs/); with --replot, reads them from here "

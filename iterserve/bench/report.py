@@ -200,11 +200,14 @@ def direction_notes(ms: dict[str, Any], mc: dict[str, Any]) -> list[str]:
     return notes
 
 
-def markdown_table(static: ModeRun, cont: ModeRun) -> str:
-    """The chat bot case's table (docs/seed-case.md), side by side, as Markdown (readable in a
-    terminal, pasteable in docs)."""
+TABLE_HEADER = ("metric", "static", "continuous", "change", "target")
+
+
+def table_rows(static: ModeRun, cont: ModeRun) -> list[tuple[str, str, str, str, str]]:
+    """The chat bot case's table (docs/seed-case.md), side by side, as formatted cells (one tuple
+    per metric, in TABLE_HEADER's order)."""
     ms, mc = static.metrics(), cont.metrics()
-    lines = [["metric", "static", "continuous", "change", "target"]]
+    rows = []
     for row in ROWS:
         if row.key == "completed":
             cells = [f"{m['completed']} / {m['failed']}" for m in (ms, mc)]
@@ -212,8 +215,13 @@ def markdown_table(static: ModeRun, cont: ModeRun) -> str:
             cells = ["-" if m.get(row.key) is None else row.fmt(m[row.key]) for m in (ms, mc)]
         met = target_met(row.key, ms, mc)
         verdict = "" if not row.target else f"{row.target} {'met' if met else 'missed' if met is False else 'n/a'}"
-        lines.append([row.label, *cells, change(row, ms.get(row.key), mc.get(row.key)), verdict])
-    return common.markdown_table(lines, "lrrrl")
+        rows.append((row.label, cells[0], cells[1], change(row, ms.get(row.key), mc.get(row.key)), verdict))
+    return rows
+
+
+def markdown_table(static: ModeRun, cont: ModeRun) -> str:
+    """The table as Markdown (readable in a terminal, pasteable in docs)."""
+    return common.markdown_table([TABLE_HEADER, *table_rows(static, cont)], "lrrrl")
 
 
 # ---------------------------------------------------------------- plots

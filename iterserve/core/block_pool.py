@@ -44,6 +44,16 @@ class BlockUsage:
         return 1.0 - self.tokens_stored / self.allocated_slots if self.allocated_slots else 0.0
 
 
+@dataclass(frozen=True)
+class BlockMap:
+    """Which request holds each block, copied in one go on the engine thread so that a monitor
+    (the dashboard) can draw it on another thread. A block in no table and not cached is free."""
+
+    num_blocks: int
+    held: tuple[tuple[str, tuple[int, ...]], ...]  # (request id, its block table); a shared block is in several
+    cached: tuple[int, ...] = ()  # free blocks still holding a reusable prefix (prefix caching)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -228,6 +238,11 @@ class BlockPool:
             allocated_slots=used * self.block_size,
             cached_free_blocks=len(self._evictable),
         )
+
+    def block_map(self) -> BlockMap:
+        """A copy of the tables: O(held blocks), a few microseconds for a thousand."""
+        return BlockMap(self.num_blocks, tuple((rid, tuple(t)) for rid, t in self.tables.items()),
+                        cached=tuple(self._evictable))
 
     def check_invariants(self) -> None:
         """Reference counts match the tables; used + evictable + free = total; no block in two

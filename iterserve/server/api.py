@@ -4,7 +4,8 @@
 lifespan starts its thread and stops it after the server has drained. Every error, including
 FastAPI's own validation errors (422 by default) and unknown routes, is answered in OpenAI's
 JSON error format with the status OpenAI would use. Nothing in an answer names a file path, and
-with --api-key nothing but /health answers without the key.
+with --api-key nothing but /health and the dashboard's page (no data: it asks for the key) answers
+without the key.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 
 import anyio
 from fastapi import FastAPI, Query, Request
@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from iterserve.engine import StepRecord
 from iterserve.request import RequestOutput, RequestRejected
 from iterserve.server.async_engine import AsyncEngine
+from iterserve.server.dashboard import PAGE_PATHS, SchedulerStream, dashboard_router, engine_info, static_files
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware,
                                          RejectionCounterMiddleware, error_response)
@@ -70,7 +71,8 @@ def step_dict(rec: StepRecord, start_time: float) -> dict:
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     llm = engine.engine
     serving = OpenAIServing(engine, settings)
-    metrics = ServerMetrics(engine, settings.served_model_name, vllm_names=settings.vllm_metrics)
+    info = engine_info(llm, settings.served_model_name, model_name(llm.config.model))
+    metrics = ServerMetrics(engine, settings.served_model_name, vllm_names=settings.vllm_metrics, info=info)
     engine.finish_listeners.append(log_finished)
     created = int(time.time())
 
@@ -87,12 +89,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # add_middleware puts each one outside those added before: the last added runs first
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
-        open_paths = ("/health", "/metrics") if settings.metrics_without_key else ("/health",)
+        open_paths = ("/health", *PAGE_PATHS) + (("/metrics",) if settings.metrics_without_key else ())
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     if settings.allowed_hosts and "*" not in settings.allowed_hosts:
         app.add_middleware(HostCheckMiddleware, allowed=settings.allowed_hosts)
     app.add_middleware(RejectionCounterMiddleware, count=metrics.on_rejected)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app.include_router(dashboard_router(SchedulerStream(engine, info)))
+    app.mount("/dashboard/static", static_files(), name="dashboard-static")
 
     # ---- errors ---------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -186,8 +190,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             "prefix_cache": {"enabled": llm.pool.enable_caching, "queries": state.prefix_cache_queries,
                              "hits": state.prefix_cache_hits, "hit_rate": state.prefix_cache_hit_rate,
                              "cached_free_blocks": kv.cached_free_blocks},
-            "config": {**asdict(cfg), **llm.resolved_config(), "model": model_name(cfg.model),
-                       "served_model_name": settings.served_model_name},
+            "config": info,
             "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
         }
 

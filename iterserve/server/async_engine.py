@@ -98,6 +98,11 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    fn: Callable[[], None]
+
+
+@dataclass
 class _Drain:
     """Stop admitting; abort everything in flight (server shutdown)."""
 
@@ -186,6 +191,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(_Abort(request_id))
 
+    def call_in_engine_thread(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` on the engine thread before its next step, waking it if idle: the one place
+        where the engine's own structures (e.g. the block tables) can be read consistently."""
+        self._submit(_Call(fn))
+
     def _submit(self, cmd) -> None:
         with self._cond:
             self._commands.append(cmd)
@@ -260,6 +270,11 @@ class AsyncEngine:
                 self.engine.abort_request(cmd.request_id)
             elif isinstance(cmd, _Drain):
                 self._drain(outputs)
+            elif isinstance(cmd, _Call):
+                try:
+                    cmd.fn()
+                except Exception:  # noqa: BLE001 - a monitor's bug must not stop the loop
+                    log.exception("engine-thread call failed")
 
     def _admit(self, cmd: _Add) -> None:
         error: Exception | None = None

@@ -28,6 +28,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 FAILURE_REASONS = ("error", "shutdown")
 REJECTION_STATUSES = (400, 401, 404, 413, 503)  # shown at zero from the start; others appear when seen
+CONFIG_INFO_KEYS = ("batching", "step_limit", "max_num_seqs", "max_batch_size", "max_num_batched_tokens", "block_size",
+                    "num_kv_blocks", "max_model_len", "device", "dtype", "decode_attention", "bf16_gemm",
+                    "quantization", "compile")
 
 
 class _Twins:
@@ -49,7 +52,7 @@ class _Twins:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str, vllm_names: bool = True) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, vllm_names: bool = True, info: dict | None = None) -> None:
         disable_created_metrics()  # process-wide; the *_created series only add noise, as vLLM found
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -77,6 +80,10 @@ class ServerMetrics:
               lambda: engine.state.kv.usage, ("kv_cache_usage_perc", "gpu_cache_usage_perc"))
         gauge("engine_busy_fraction", f"Share of the last {engine.busy_window_s:.0f} s spent in engine steps.",
               engine.busy_fraction)
+        if info is not None:  # vLLM's *_config_info: a constant 1 whose labels carry the configuration
+            keys = [k for k in CONFIG_INFO_KEYS if k in info]
+            Gauge("iterserve:engine_config_info", "Engine configuration (labels); the value is always 1.",
+                  labels + keys, registry=reg).labels(model_name, *(str(info[k]) for k in keys)).set(1)
         self.preemptions = counter("num_preemptions", "Preemptions (recompute) since start.", True)
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prefix cache queries, in tokens (prompt tokens looked up at admission).", True)

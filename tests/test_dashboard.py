@@ -1,0 +1,269 @@
+"""The live dashboard: the stream's aggregation, the stream over real HTTP, and the page in headless
+Chromium (Debian's chromium, installed by benchmarks/browser.py when missing) against a real server
+on loopback with the tiny model: it receives step records, redraws, draws the block map, asks for
+the API key, and reconnects after a restart."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from iterserve.bench.launcher import ServerProcess
+from iterserve.core.block_pool import BlockPool
+from iterserve.engine import StepRecord
+from iterserve.server.dashboard import aggregate_steps, percentile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from browser import open_browser  # noqa: E402  (benchmarks/browser.py)
+
+MODEL = "tiny"
+KEY = "s3cret-key"
+
+
+def _rec(step: int, batch: int, decode: int, padding: int = 0, waiting: int = 0) -> StepRecord:
+    return StepRecord(step=step, start=0.0, duration=0.01, batch_size=batch, num_padding=padding, num_running=batch,
+                      num_waiting=waiting, prefill_tokens=(batch - decode) * 10, decode_tokens=decode,
+                      kv_used_blocks=1, kv_total_blocks=8, kv_tokens=10, finished=[("a", 1)] if step == 2 else [])
+
+
+def server_args(model_dir, *extra: str) -> list[str]:
+    return [str(model_dir), "--served-model-name", MODEL, "--num-kv-blocks", "96", "--max-num-seqs", "4",
+            "--max-model-len", "512", *extra]
+
+
+def send_load(base_url: str, n: int = 12, max_tokens: int = 120, headers: dict | None = None) -> threading.Thread:
+    """n completions at once (4 run, the rest wait), in a background thread."""
+    def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Request number {i} asks for a fairly long answer about batching.",
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+
+    def all_of_them() -> None:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    t = threading.Thread(target=all_of_them, daemon=True)
+    t.start()
+    return t
+
+
+def wait_for(fn, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+# ---- pure parts -------------------------------------------------------------------------------
+def test_aggregate_steps_splits_rows_and_keeps_every_step():
+    steps = [_rec(1, 4, decode=1, waiting=3), _rec(2, 4, decode=4, padding=1), _rec(3, 2, decode=2)]
+    agg = aggregate_steps(steps)
+    assert agg["steps"] == 3 and (agg["first_step"], agg["last_step"]) == (1, 3)
+    assert (agg["seqs_prefill"], agg["seqs_decode"], agg["seqs_padding"]) == (3, 6, 1)
+    assert agg["seqs_prefill"] + agg["seqs_decode"] + agg["seqs_padding"] == sum(s.batch_size for s in steps)
+    assert agg["decode_tokens"] == 6 and agg["prefill_tokens"] == 30  # padding rows compute no useful token
+    assert agg["batch_max"] == 4 and agg["waiting_max"] == 3 and agg["finished"] == 1
+    assert agg["busy_s"] == pytest.approx(0.03)
+    assert aggregate_steps([]) == {"steps": 0}
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 50) is None
+    values = sorted(float(v) for v in range(1, 101))
+    assert percentile(values, 50) == 50.0 and percentile(values, 95) == 95.0 and percentile([7.0], 95) == 7.0
+
+
+def test_block_map_copies_tables():
+    pool = BlockPool(8, 4)
+    pool.allocate("a", 9)
+    pool.allocate("b", 1)
+    bm = pool.block_map()
+    assert bm.num_blocks == 8 and dict(bm.held) == {"a": (0, 1, 2), "b": (3,)} and bm.cached == ()
+    pool.free("a")
+    assert dict(bm.held)["a"] == (0, 1, 2)  # a copy: later changes do not reach it
+    assert dict(pool.block_map().held) == {"b": (3,)}
+
+
+# ---- the stream over real HTTP ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("dashboard-server") / "server.log"
+    with ServerProcess(server_args(tiny_model_dir), log_path=log) as srv:
+        yield srv
+    assert srv.proc.returncode == 0, log.read_text()[-2000:]
+
+
+def read_events(base_url: str, stop: threading.Event, events: list, headers: dict | None = None) -> None:
+    with httpx.stream("GET", base_url + "/v1/scheduler/stream", headers=headers, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        buf = ""
+        for chunk in r.iter_text():
+            buf += chunk
+            while "\n\n" in buf:
+                block, buf = buf.split("\n\n", 1)
+                lines = dict(line.split(": ", 1) for line in block.splitlines())
+                events.append((lines["event"], json.loads(lines["data"])))
+            if stop.is_set():
+                return
+
+
+def test_stream_counts_every_step_at_a_few_ticks_a_second(server):
+    stop, events = threading.Event(), []
+    reader = threading.Thread(target=read_events, args=(server.base_url, stop, events), daemon=True)
+    reader.start()
+    wait_for(lambda: events, what="the hello event")
+    t0 = time.monotonic()
+    send_load(server.base_url).join(timeout=120)
+
+    def idle_tick():
+        ticks = [e for name, e in events if name == "tick"]
+        return ticks and ticks[-1]["running"] == 0 and ticks[-1]["kv_used"] == 0 and ticks[-1]["steps"] == 0
+
+    wait_for(idle_tick, what="an idle tick after the load")
+    elapsed = time.monotonic() - t0
+    stop.set()
+    hello = events[0]
+    assert hello[0] == "hello" and hello[1]["config"]["batching"] == "continuous"
+    assert hello[1]["config"]["step_limit"] == 4 and hello[1]["config"]["num_kv_blocks"] == 96
+    ticks = [e for name, e in events[1:] if name == "tick"]
+    busy = [t for t in ticks if t["steps"]]
+    # no step lost: each tick's steps are contiguous and follow the previous tick's
+    for prev, cur in zip(busy, busy[1:]):
+        assert cur["first_step"] == prev["last_step"] + 1
+    assert all(t["last_step"] - t["first_step"] + 1 == t["steps"] for t in busy)
+    total = sum(t["steps"] for t in busy)
+    assert total == busy[-1]["last_step"] - busy[0]["first_step"] + 1
+    server_step = httpx.get(server.base_url + "/v1/scheduler").json()["step"]
+    assert busy[-1]["last_step"] == server_step
+    # throttled: a few ticks a second however fast the engine steps
+    assert len(ticks) <= elapsed / 0.25 + 4
+    assert max(t["steps"] for t in busy) > 1
+    assert max(t["batch_max"] for t in busy) == 4 and max(t["waiting_max"] for t in busy) > 0
+    assert sum(t["decode_tokens"] for t in busy) + sum(t["seqs_prefill"] for t in busy) >= 12 * 120
+    assert ticks[-1]["latency"]["n"] == 12 and ticks[-1]["latency"]["e2e_p95"] >= ticks[-1]["latency"]["ttft_p50"]
+    # the block map: held by up to 4 requests under load, all free again at the end
+    maps = [t["blocks"] for t in ticks if "blocks" in t]
+    assert max(len(m["held"]) for m in maps) >= 2
+    assert maps[-1]["held"] == [] and maps[-1]["total"] == 96
+
+
+def test_dashboard_page_is_package_data(server):
+    page = httpx.get(server.base_url + "/dashboard")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    for ref in ("dashboard/static/dashboard.js", "dashboard/static/dashboard.css"):
+        assert ref in page.text
+        assert httpx.get(f"{server.base_url}/{ref}").status_code == 200
+    assert "http://" not in page.text and "https://" not in page.text  # nothing fetched from elsewhere
+    assert httpx.get(server.base_url + "/dashboard/static/nope.js").status_code == 404
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(server):
+    """docs/grafana-dashboard.json: every iterserve metric a panel or variable queries is in /metrics."""
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dashboard["templating"]["list"]]
+    queried = {m for e in exprs for m in re.findall(r"iterserve:[a-z0-9_]+", e)}
+    assert len(queried) >= 15
+    httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    exported = {s.name for fam in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+                for s in fam.samples}
+    assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
+    info = [s for fam in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+            for s in fam.samples if s.name == "iterserve:engine_config_info"]
+    assert info[0].labels["step_limit"] == "4" and info[0].labels["batching"] == "continuous" and info[0].value == 1
+
+
+# ---- the page in a real browser ---------------------------------------------------------------
+def dash(driver) -> dict:
+    return driver.execute_script("return window.iterserveDashboard")
+
+
+def has_colour(driver, canvas_id: str, rgb: tuple[int, int, int]) -> bool:
+    """Whether the canvas has a pixel of this colour (the drawing, not just a counter, happened)."""
+    return driver.execute_script("""
+        const c = document.getElementById(arguments[0]), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        for (let i = 0; i < d.length; i += 4) if (d[i] === arguments[1] && d[i+1] === arguments[2] && d[i+2] === arguments[3]) return true;
+        return false;""", canvas_id, *rgb)
+
+
+def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tmp_path):
+    log = tmp_path / "server.log"
+    srv = ServerProcess(server_args(tiny_model_dir), log_path=log).start()
+    driver = open_browser()
+    try:
+        driver.get(srv.base_url + "/dashboard")
+        wait_for(lambda: dash(driver)["status"] == "live" and dash(driver)["ticks"] > 0, what="the page to go live")
+        before = dash(driver)
+        assert driver.find_element("id", "config").text.count("\n") >= 8 and "continuous" in driver.find_element("id", "config").text
+        load = send_load(srv.base_url, n=12, max_tokens=150)
+        held = wait_for(lambda: dash(driver)["blocks"]["held"] > 0 and dash(driver), what="held blocks on the map")
+        assert held["blocks"]["requests"] >= 1
+        assert has_colour(driver, "chart-batch", (26, 115, 232))  # decode rows, drawn as bars
+        load.join(timeout=120)
+        server_step = httpx.get(srv.base_url + "/v1/scheduler").json()["step"]
+        after = wait_for(lambda: (d := dash(driver))["lastStep"] == server_step and d["blocks"]["held"] == 0 and d,
+                         what="the page to see every step and the blocks freed")
+        assert after["gaps"] == 0
+        assert after["steps"] > 12  # every step of the load, counted through aggregated ticks
+        assert after["redraws"]["chart-batch"] > before["redraws"]["chart-batch"] + 3
+        assert after["blockUpdates"] > before["blockUpdates"] + 1  # changed under load and when requests finished
+        assert after["blocks"]["free"] == 96
+        assert driver.find_element("id", "stat-step").text == str(server_step)
+        # a server restart on the same port: the page reconnects by itself and starts afresh
+        port = srv.port
+        assert srv.stop() == 0
+        wait_for(lambda: dash(driver)["status"] == "reconnecting", what="the page to notice the restart")
+        assert "stream" in dash(driver)["message"] or "answer" in dash(driver)["message"]
+        srv = ServerProcess(server_args(tiny_model_dir), port=port, log_path=tmp_path / "server2.log").start()
+        again = wait_for(lambda: (d := dash(driver))["status"] == "live" and d["restarts"] == 1 and d, timeout=60,
+                         what="the page to reconnect")
+        assert again["connections"] == 2
+        send_load(srv.base_url, n=2, max_tokens=40).join(timeout=60)
+        wait_for(lambda: dash(driver)["lastStep"] == httpx.get(srv.base_url + "/v1/scheduler").json()["step"],
+                 what="steps from the new server")
+    finally:
+        driver.quit()
+        srv.stop()
+
+
+def test_dashboard_asks_for_the_api_key(tiny_model_dir, tmp_path):
+    with ServerProcess(server_args(tiny_model_dir, "--api-key", KEY), log_path=tmp_path / "server.log") as srv:
+        assert httpx.get(srv.base_url + "/dashboard").status_code == 200  # the page holds no data
+        assert httpx.get(srv.base_url + "/v1/scheduler/stream").status_code == 401
+        driver = open_browser()
+        try:
+            driver.get(srv.base_url + "/dashboard")
+            wait_for(lambda: dash(driver)["status"] == "auth", what="the key prompt")
+            banner = driver.find_element("id", "auth")
+            assert banner.is_displayed() and "needs an API key" in banner.text
+            assert dash(driver)["ticks"] == 0
+            driver.find_element("id", "auth-key").send_keys("wrong")
+            driver.find_element("css selector", "#auth-form button").click()
+            wait_for(lambda: "refused" in driver.find_element("id", "auth-message").text, what="the refusal")
+            assert driver.find_element("id", "auth").is_displayed() and dash(driver)["ticks"] == 0
+            driver.find_element("id", "auth-key").send_keys(KEY)
+            driver.find_element("css selector", "#auth-form button").click()
+            wait_for(lambda: dash(driver)["status"] == "live" and dash(driver)["ticks"] > 0, what="the keyed stream")
+            assert not driver.find_element("id", "auth").is_displayed()
+            # the key from the URL fragment (never sent to the server), in a fresh tab session
+            driver.execute_script("sessionStorage.clear()")
+            driver.get("about:blank")
+            driver.get(srv.base_url + f"/dashboard#key={KEY}")
+            wait_for(lambda: dash(driver)["status"] == "live", what="the fragment's key")
+            assert "key=" not in driver.current_url
+        finally:
+            driver.quit()
