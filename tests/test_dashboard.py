@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.bench.launcher import ServerProcess
+from iterserve.core.block_hash import hash_block_chain
 from iterserve.core.block_pool import BlockPool
 from iterserve.engine import StepRecord
 from iterserve.server.dashboard import aggregate_steps, percentile
@@ -96,6 +97,23 @@ def test_block_map_copies_tables():
     pool.free("a")
     assert dict(bm.held)["a"] == (0, 1, 2)  # a copy: later changes do not reach it
     assert dict(pool.block_map().held) == {"b": (3,)}
+
+
+def test_block_map_shows_cached_and_shared_blocks():
+    """With prefix caching, a finished request's full blocks stay cached; a new request with the
+    same prefix shares them (each shared block is in both tables) until its owners release it."""
+    pool = BlockPool(8, 4, enable_caching=True)
+    tokens = list(range(9))
+    hashes = hash_block_chain(tokens, 4)
+    pool.allocate("a", 9)
+    pool.cache_blocks("a", hashes, 9)
+    prefix = pool.find_cached_prefix(hashes)
+    pool.allocate("b", 9, cached_blocks=prefix)
+    bm = pool.block_map()
+    assert dict(bm.held) == {"a": (0, 1, 2), "b": (0, 1, 3)} and bm.cached == ()
+    pool.free("a")
+    pool.free("b")
+    assert pool.block_map().held == () and set(pool.block_map().cached) == {0, 1}
 
 
 # ---- the stream over real HTTP ----------------------------------------------------------------
