@@ -3,9 +3,9 @@
 (the stream plus a browser drawing it, on the same machine).
 
 One server; rounds alternate the three conditions (in rotating order) so that machine load drifts hit
-all alike. Each round sends as many requests as --max-num-seqs at once (ignore_eos, --max-tokens
-each), then reads the round's step records from /v1/scheduler: the figure is the median duration of
-full decode steps (batch = max-num-seqs, no prefill), so that batch composition is the same in every
+all alike. Each round sends its requests at once (by default twice --max-num-seqs, so the queue
+fills and the batch refills; ignore_eos, up to --max-tokens each), then reads the round's step
+records from /v1/scheduler: the figure is the median duration of full decode steps (batch = max-num-seqs, no prefill), so that batch composition is the same in every
 condition. The server's CPU seconds per step (Linux /proc) are recorded too. Usage:
 
     .venv/bin/python benchmarks/dashboard_overhead.py --model smollm2-135m --rounds 6 --max-tokens 128
@@ -63,24 +63,32 @@ class StreamReader:
         self.thread.join(timeout=5)
 
 
-def one_round(srv: ServerProcess, model: str, n: int, max_tokens: int, mid_round=None) -> dict:
+def one_round(srv: ServerProcess, model: str, limit: int, num_requests: int, max_tokens: int,
+              screenshot: tuple[float, object] | None = None) -> dict:
+    """num_requests at once, max_tokens spread over [max_tokens/2, max_tokens] (the same list every
+    round), so requests finish at different steps and the batch refills; `screenshot` = (after
+    seconds, callback) runs the callback that far into the round."""
     http = httpx.Client(base_url=srv.base_url, timeout=600)
     before = http.get("/v1/scheduler").json()["step"]
     cpu0, t0 = cpu_seconds(srv.proc.pid), time.perf_counter()
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(http.post, "/v1/completions", json=body) for _ in range(n)]
-        if mid_round is not None:
-            time.sleep(1.5)
-            mid_round()
+    bodies = [{"model": model, "prompt": PROMPT, "temperature": 0, "ignore_eos": True,
+               "max_tokens": max(1, max_tokens // 2 + (max_tokens // 2) * ((7 * i) % num_requests) // num_requests)}
+              for i in range(num_requests)]
+    timer = threading.Timer(*screenshot) if screenshot else None
+    with ThreadPoolExecutor(num_requests) as pool:
+        futures = [pool.submit(http.post, "/v1/completions", json=b) for b in bodies]
+        if timer:
+            timer.start()
         for f in futures:
             f.result().raise_for_status()
+    if timer:
+        timer.join()
     wall, cpu = time.perf_counter() - t0, cpu_seconds(srv.proc.pid) - cpu0
     steps = http.get("/v1/scheduler", params={"since_step": before}).json()["steps"]
     http.close()
-    full = [s["duration"] for s in steps if s["batch_size"] == n and s["prefill_tokens"] == 0]
-    return {"median_step_ms": statistics.median(full) * 1e3, "full_steps": len(full), "steps": len(steps),
-            "cpu_ms_per_step": cpu / len(steps) * 1e3, "wall_s": wall}
+    full = [s["duration"] for s in steps if s["batch_size"] == limit and s["prefill_tokens"] == 0]
+    return {"median_step_ms": statistics.median(full) * 1e3 if full else None, "full_steps": len(full),
+            "steps": len(steps), "cpu_ms_per_step": cpu / len(steps) * 1e3, "wall_s": wall}
 
 
 def save_screenshot(driver, path: Path) -> None:
@@ -96,27 +104,30 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rounds", type=int, default=6, help="rounds per condition")
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="longest output; outputs spread over half to all of it")
+    ap.add_argument("--requests", type=int, default=None, help="requests per round (default: 2x max-num-seqs)")
     ap.add_argument("--server-args", default="", help="more `iterserve serve` flags, e.g. '--threads 2'")
-    ap.add_argument("--screenshot", type=Path, default=None, help="save the dashboard under load here (PNG)")
+    ap.add_argument("--screenshot", type=Path, default=None,
+                    help="save the dashboard under load here (PNG), in the last browser round")
+    ap.add_argument("--screenshot-after", type=float, default=10.0, help="seconds into that round (default 10)")
     args = ap.parse_args()
 
     n = args.max_num_seqs
     res: dict[str, list[dict]] = {c: [] for c in CONDITIONS}
     with ServerProcess([args.model, "--max-num-seqs", str(n), *args.server_args.split()]) as srv:
-        one_round(srv, args.model, n, 8)  # warm-up
+        one_round(srv, args.model, n, n, 8)  # warm-up
         driver = open_browser(1400, 1250)
         try:
             for r in range(args.rounds):
                 order = CONDITIONS[r % 3:] + CONDITIONS[:r % 3]
                 for cond in order:
                     reader = StreamReader(srv.base_url) if cond == "stream" else None
-                    mid = None
+                    shot = None
                     if cond == "browser":
                         driver.get(srv.base_url + "/dashboard")
                         if args.screenshot is not None and r == args.rounds - 1:
-                            mid = lambda: save_screenshot(driver, args.screenshot)  # noqa: E731
-                    out = one_round(srv, args.model, n, args.max_tokens, mid)
+                            shot = (args.screenshot_after, lambda: save_screenshot(driver, args.screenshot))
+                    out = one_round(srv, args.model, n, args.requests or 2 * n, args.max_tokens, shot)
                     if cond == "browser":
                         out["page_ticks"] = driver.execute_script("return window.iterserveDashboard.ticks")
                         driver.get("about:blank")  # closes the page and its stream
@@ -124,11 +135,11 @@ def main() -> None:
                         reader.close()
                         out["stream_bytes"] = reader.bytes
                     res[cond].append(out)
-                    print(f"round {r + 1} {cond:8s} median full step {out['median_step_ms']:.2f} ms over "
+                    print(f"round {r + 1} {cond:8s} median full step {out['median_step_ms'] or 0:.2f} ms over "
                           f"{out['full_steps']} steps, server cpu {out['cpu_ms_per_step']:.2f} ms/step", flush=True)
         finally:
             driver.quit()
-    med = {c: {k: statistics.median(o[k] for o in res[c]) for k in ("median_step_ms", "cpu_ms_per_step")}
+    med = {c: {k: statistics.median(o[k] for o in res[c] if o[k] is not None) for k in ("median_step_ms", "cpu_ms_per_step")}
            for c in CONDITIONS}
     print(json.dumps({
         "model": args.model, "max_num_seqs": n, "max_tokens": args.max_tokens, "rounds": args.rounds,

@@ -128,6 +128,8 @@ class SchedulerStream:
     async def subscribe(self) -> AsyncIterator[bytes]:
         """One client's stream: a `hello` event (configuration, full block map), then a `tick`
         event per interval until the client goes away."""
+        if self.engine.shutting_down:
+            return
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(self.config.max_backlog)
         self._subscribers.add(queue)
         if not self._active:
@@ -149,8 +151,6 @@ class SchedulerStream:
             while True:
                 data = await queue.get()
                 if data is None:
-                    log.warning("scheduler stream: a client fell %d ticks behind; closing its stream",
-                                self.config.max_backlog)
                     return
                 yield data
         finally:
@@ -160,19 +160,28 @@ class SchedulerStream:
 
     async def _run(self) -> None:
         next_at = time.monotonic()
-        while self._subscribers:
-            next_at += self.config.interval_s
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            if not self._subscribers:
-                break
-            data = sse("tick", self.tick(time.monotonic()))
+        try:
+            while self._subscribers and not self.engine.shutting_down:
+                next_at += self.config.interval_s
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                data = sse("tick", self.tick(time.monotonic()))
+                for q in list(self._subscribers):
+                    if q.qsize() >= self.config.max_backlog - 1:
+                        log.warning("scheduler stream: a reader fell %d ticks behind; closing its stream",
+                                    self.config.max_backlog)
+                        self._close(q)  # rather than drop ticks: its counts would have a gap
+                    else:
+                        q.put_nowait(data)
+                self.engine.call_in_engine_thread(self._take_map)
+        finally:  # server shutdown (the streams must end, or uvicorn waits for them) or a bug
             for q in list(self._subscribers):
-                if q.qsize() >= self.config.max_backlog - 1:
-                    q.put_nowait(None)  # too slow: close rather than drop ticks (counts would be lost)
-                    self._subscribers.discard(q)
-                else:
-                    q.put_nowait(data)
-            self.engine.call_in_engine_thread(self._take_map)
+                self._close(q)
+
+    def _close(self, q: asyncio.Queue[bytes | None]) -> None:
+        self._subscribers.discard(q)
+        q.put_nowait(None)
+        if not self._subscribers:
+            self._active = False
 
     def tick(self, now: float) -> dict:
         with self._lock:

@@ -241,8 +241,10 @@ function plot(id, spec) {
     ctx.textAlign = "right";
     ctx.fillText(spec.percent ? Math.round(f * ymax * 100) + "%" : fmt(ymax * f), L - 4, yy + 3);
   }
-  ctx.textAlign = "center";
-  for (const s of [60, 45, 30, 15, 0]) ctx.fillText(s ? `-${s}s` : "now", x(tEnd - s), h - 3);
+  for (const s of [60, 45, 30, 15, 0]) {
+    ctx.textAlign = s === 60 ? "left" : s ? "center" : "right";
+    ctx.fillText(s ? `-${s}s` : "now", x(tEnd - s), h - 3);
+  }
   for (const t of series) {  // stacked bars, one per tick, as wide as the tick
     const x1 = x(t.t), x0 = Math.min(x1 - 1, x(t.t - t.dt));
     let base = 0;
