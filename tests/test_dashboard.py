@@ -36,7 +36,7 @@ def _rec(step: int, batch: int, decode: int, padding: int = 0, waiting: int = 0)
 
 def server_args(model_dir, *extra: str) -> list[str]:
     return [str(model_dir), "--served-model-name", MODEL, "--num-kv-blocks", "96", "--max-num-seqs", "4",
-            "--max-model-len", "512", *extra]
+            "--max-model-len", "512", "--enable-prefix-caching", *extra]
 
 
 def send_load(base_url: str, n: int = 12, max_tokens: int = 120, headers: dict | None = None) -> threading.Thread:
@@ -177,6 +177,7 @@ def test_stream_counts_every_step_at_a_few_ticks_a_second(server):
     maps = [t["blocks"] for t in ticks if "blocks" in t]
     assert max(len(m["held"]) for m in maps) >= 2
     assert maps[-1]["held"] == [] and maps[-1]["total"] == 96
+    assert len(maps[-1]["cached"]) >= 12 * 4  # each request's full blocks, kept for reuse by prefix caching
 
 
 def test_dashboard_page_is_package_data(server):
@@ -239,7 +240,9 @@ def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tm
         assert after["steps"] > 12  # every step of the load, counted through aggregated ticks
         assert after["redraws"]["chart-batch"] > before["redraws"]["chart-batch"] + 3
         assert after["blockUpdates"] > before["blockUpdates"] + 1  # changed under load and when requests finished
-        assert after["blocks"]["free"] == 96
+        # prefix caching keeps the finished requests' full blocks for reuse: drawn as cached, not free
+        assert after["blocks"]["cached"] > 0 and after["blocks"]["free"] + after["blocks"]["cached"] == 96
+        assert has_colour(driver, "block-map", (0x81, 0xC9, 0x95))
         assert driver.find_element("id", "stat-step").text == str(server_step)
         # a server restart on the same port: the page reconnects by itself and starts afresh
         port = srv.port

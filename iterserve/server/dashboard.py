@@ -38,7 +38,9 @@ from iterserve.server.async_engine import AsyncEngine
 
 log = logging.getLogger("iterserve.server")
 
-FREE, CACHED = -1, -2  # block map cell states besides "held by request k >= 0"
+# The page and its script and style hold no data (the page asks for the key and sends it with the
+# stream's request), so an API key guard lets them through; the stream itself is guarded.
+PUBLIC_PATHS = ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/static/dashboard.css")
 
 
 @dataclass
