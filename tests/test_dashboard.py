@@ -139,7 +139,7 @@ def read_events(base_url: str, stop: threading.Event, events: list, headers: dic
                 return
 
 
-def test_stream_counts_every_step_at_a_few_ticks_a_second(server):
+def test_stream_counts_every_step_at_a_few_ticks_a_second(server, tiny_model_dir):
     stop, events = threading.Event(), []
     reader = threading.Thread(target=read_events, args=(server.base_url, stop, events), daemon=True)
     reader.start()
@@ -157,6 +157,7 @@ def test_stream_counts_every_step_at_a_few_ticks_a_second(server):
     hello = events[0]
     assert hello[0] == "hello" and hello[1]["config"]["batching"] == "continuous"
     assert hello[1]["config"]["step_limit"] == 4 and hello[1]["config"]["num_kv_blocks"] == 96
+    assert str(tiny_model_dir) not in json.dumps(hello[1])  # no path on this machine in an answer
     ticks = [e for name, e in events[1:] if name == "tick"]
     busy = [t for t in ticks if t["steps"]]
     # no step lost: each tick's steps are contiguous and follow the previous tick's
@@ -264,7 +265,11 @@ def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tm
 def test_dashboard_asks_for_the_api_key(tiny_model_dir, tmp_path):
     with ServerProcess(server_args(tiny_model_dir, "--api-key", KEY), log_path=tmp_path / "server.log") as srv:
         assert httpx.get(srv.base_url + "/dashboard").status_code == 200  # the page holds no data
-        assert httpx.get(srv.base_url + "/v1/scheduler/stream").status_code == 401
+        for asset in ("dashboard.js", "dashboard.css"):
+            assert httpx.get(f"{srv.base_url}/dashboard/static/{asset}").status_code == 200
+        assert httpx.get(srv.base_url + "/dashboard/static/other.js").status_code == 401  # only the page is open
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert httpx.get(srv.base_url + "/v1/scheduler/stream", headers=headers).status_code == 401
         driver = open_browser()
         try:
             driver.get(srv.base_url + "/dashboard")

@@ -9,8 +9,9 @@ turns what gathered since the last tick into one message (sums, maxima and the s
 no step is lost from the counts) and hands the same bytes to every open stream. Nothing is gathered
 while no stream is open.
 
-The stream sits under /v1/, so the API key guards it; EventSource cannot send an Authorization
-header, so the page reads the stream with fetch() and sends the key itself (see static/dashboard.js).
+The API key guards the stream but not the page (PAGE_PATHS: it holds no data); EventSource cannot
+send an Authorization header, so the page reads the stream with fetch() and sends the key itself
+(see static/dashboard.js).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ log = logging.getLogger("iterserve.server")
 
 # The page and its script and style hold no data (the page asks for the key and sends it with the
 # stream's request), so an API key guard lets them through; the stream itself is guarded.
-PUBLIC_PATHS = ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/static/dashboard.css")
+PAGE_PATHS = ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/static/dashboard.css")
 
 
 @dataclass
