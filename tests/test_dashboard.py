@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from app_server import AppServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.bench.launcher import ServerProcess
@@ -139,6 +140,7 @@ def read_events(base_url: str, stop: threading.Event, events: list, headers: dic
                 return
 
 
+@pytest.mark.slow  # a real iterserve serve process
 def test_stream_counts_every_step_at_a_few_ticks_a_second(server, tiny_model_dir):
     stop, events = threading.Event(), []
     reader = threading.Thread(target=read_events, args=(server.base_url, stop, events), daemon=True)
@@ -181,29 +183,35 @@ def test_stream_counts_every_step_at_a_few_ticks_a_second(server, tiny_model_dir
     assert len(maps[-1]["cached"]) >= 12 * 4  # each request's full blocks, kept for reuse by prefix caching
 
 
-def test_dashboard_page_is_package_data(server):
-    page = httpx.get(server.base_url + "/dashboard")
+@pytest.fixture(scope="module")
+def http(tiny_model_dir, tiny_loaded):
+    """The app `iterserve serve` builds, in process (tests/app_server.py): for what needs no socket."""
+    with AppServer(server_args(tiny_model_dir), tiny_loaded) as srv, srv.client(timeout=60) as client:
+        yield client
+
+
+def test_dashboard_page_is_package_data(http):
+    page = http.get("/dashboard")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     for ref in ("dashboard/static/dashboard.js", "dashboard/static/dashboard.css"):
         assert ref in page.text
-        assert httpx.get(f"{server.base_url}/{ref}").status_code == 200
+        assert http.get(f"/{ref}").status_code == 200
     assert "http://" not in page.text and "https://" not in page.text  # nothing fetched from elsewhere
-    assert httpx.get(server.base_url + "/dashboard/static/nope.js").status_code == 404
+    assert http.get("/dashboard/static/nope.js").status_code == 404
 
 
-def test_grafana_dashboard_queries_only_exported_metrics(server):
+def test_grafana_dashboard_queries_only_exported_metrics(http):
     """docs/grafana-dashboard.json: every iterserve metric a panel or variable queries is in /metrics."""
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     exprs += [v["query"] for v in dashboard["templating"]["list"]]
     queried = {m for e in exprs for m in re.findall(r"iterserve:[a-z0-9_]+", e)}
     assert len(queried) >= 15
-    httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
-    exported = {s.name for fam in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
-                for s in fam.samples}
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+    samples = [s for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples]
+    exported = {s.name for s in samples}
     assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
-    info = [s for fam in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
-            for s in fam.samples if s.name == "iterserve:engine_config_info"]
+    info = [s for s in samples if s.name == "iterserve:engine_config_info"]
     assert info[0].labels["step_limit"] == "4" and info[0].labels["batching"] == "continuous" and info[0].value == 1
 
 
@@ -220,6 +228,7 @@ def has_colour(driver, canvas_id: str, rgb: tuple[int, int, int]) -> bool:
         return false;""", canvas_id, *rgb)
 
 
+@pytest.mark.slow  # a real iterserve serve process
 def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     srv = ServerProcess(server_args(tiny_model_dir), log_path=log).start()
@@ -262,6 +271,7 @@ def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tm
         srv.stop()
 
 
+@pytest.mark.slow  # a real iterserve serve process
 def test_dashboard_asks_for_the_api_key(tiny_model_dir, tmp_path):
     with ServerProcess(server_args(tiny_model_dir, "--api-key", KEY), log_path=tmp_path / "server.log") as srv:
         assert httpx.get(srv.base_url + "/dashboard").status_code == 200  # the page holds no data
