@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from iterserve.bench.workload import RequestSpec, bursty, poisson
+from iterserve.bench.workload import RequestSpec, bursty, poisson, shared_prefix
 from iterserve.cli import main
 from iterserve.config import EngineConfig
 from iterserve.core.scheduler import Scheduler, WaitingQueue
@@ -239,3 +239,14 @@ def test_tune_simulate_verifies_the_best_by_real_replay(tiny_model_dir, tmp_path
     assert len(report["verified"]) == 1 and report["verified"][0]["status"] == "ok"
     assert report["verified"][0]["summary"]["completed"] == 8
     assert "predicted (sim) vs measured (real)" in text and "TTFT p50 ms sim" in text
+
+
+def test_shared_prefix_workload_hits_the_prefix_cache():
+    specs = shared_prefix(60, 4.0, system_prompt_len=400, seed=0, input_len=(16, 64), output_len=(8, 32))
+    prof = linear_profile(coef=(0.004, 0.0002, 0.0001, 0.0, 1e-7, 0.0))
+    run = simulate(specs, EngineConfig(), prof)
+    assert run.result.summary()["completed"] == 60
+    assert run.stats["prefix_cache_hits"] >= 59 * 384  # every request after the first reuses the system prompt
+    assert run.result.records[0].prompt_tokens == 400 + specs[0].input_len
+    off = simulate(specs, EngineConfig(enable_prefix_caching=False), prof).result.summary()
+    assert off["ttft_ms"]["mean"] > run.result.summary()["ttft_ms"]["mean"]

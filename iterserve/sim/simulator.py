@@ -39,12 +39,16 @@ from iterserve.sim.step_model import step_features
 SchedulerFactory = Callable[[EngineConfig, BlockPool, int], SchedulerBase]
 
 
+SYSTEM_PROMPT_ID = 1  # the shared system prompt's tokens; each request's own part starts with its own id
+
+
 def prompt_ids(spec: RequestSpec) -> list[int]:
     """Token ids for a simulated prompt. The scheduler reads their number, and with prefix caching
-    their blocks' hash chain: the first id differs per request, so no two prompts share a block, as
-    the bench's prompts do not (each starts at a different place in its text). A workload whose
-    requests share prefixes (multi-turn conversations) must say so here, through its specs."""
-    return [spec.index % 30000 + 1] + [0] * (spec.input_len - 1)
+    their blocks' hash chain: the shared-prefix workload's system prompt is the same ids for every
+    request; each request's own part starts with an id of its own, so no two share a block beyond
+    the system prompt, as the bench's prompts do not (each starts at a different place in its text)."""
+    return ([SYSTEM_PROMPT_ID] * spec.system_prompt_len + [2 + spec.index % 1_000_000]
+            + [0] * (spec.input_len - 1))
 
 
 class SimEngine:
@@ -79,11 +83,12 @@ class SimEngine:
 
     def add(self, spec: RequestSpec, params: SamplingParams) -> Request:
         """Queues a request as `LLMEngine.add_request` would; raises RequestRejected likewise."""
-        self.check_limits(spec.input_len, params)
+        ids = prompt_ids(spec)
+        self.check_limits(len(ids), params)
         cfg = self.config
         if cfg.max_waiting is not None and self.scheduler.num_waiting >= cfg.max_waiting:
             raise RequestRejected(f"the waiting queue is full ({cfg.max_waiting} requests): retry later", 503)
-        req = Request(f"r{spec.index}", prompt_ids(spec), params, arrival_time=spec.arrival_s)
+        req = Request(f"r{spec.index}", ids, params, arrival_time=spec.arrival_s)
         need = self.scheduler.max_blocks_per_request(req)
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has {self.pool.num_blocks}")

@@ -43,12 +43,13 @@ class StepFeatures:
 
 
 def step_features(sched: SchedulerOutput) -> StepFeatures:
-    """Reads a step before the engine applies it (num_computed_tokens not yet advanced)."""
+    """Each row attends to its `start` cached tokens plus its `n` new ones (a static padding row's
+    start is kept inside its reservation, as the runner computes it)."""
     tokens = prefill = decode_kv = 0
     prefill_kv = 0
     for s in sched.scheduled:
         n = s.num_tokens
-        ctx = s.request.num_computed_tokens + n
+        ctx = s.start + n
         tokens += n
         if n == 1:
             decode_kv += ctx
