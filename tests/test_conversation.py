@@ -72,6 +72,7 @@ def server(tiny_model_dir, tmp_path_factory):
         yield srv
 
 
+@pytest.mark.slow  # an iterserve serve process over real HTTP: the client any server gets
 def test_multi_turn_against_a_server_reports_hits_and_later_turns(server) -> None:
     opts = ConversationOptions(num_conversations=3, turns=3, system_prompt_len=120, user_len=10,
                                output_len=6, think_time_s=0.05, stagger_s=0.2)
@@ -88,6 +89,7 @@ def test_multi_turn_against_a_server_reports_hits_and_later_turns(server) -> Non
     assert later_turn_stats(result.records)["ttft_p50_ms"] > 0
 
 
+@pytest.mark.slow  # an iterserve serve process over real HTTP: the client any server gets
 def test_shared_prefix_against_a_server_hits_the_system_prompt(server) -> None:
     specs = wl.build_prompts(wl.make_workload("shared-prefix", num_requests=4, rate=20.0, system_prompt_len=100,
                                               input_len=8, output_len=3))
@@ -96,6 +98,7 @@ def test_shared_prefix_against_a_server_hits_the_system_prompt(server) -> None:
     assert result.meta["prefix_cache"]["hit_tokens"] > 0
 
 
+@pytest.mark.slow  # an iterserve serve process over real HTTP: the client any server gets
 def test_bench_serve_cli_multi_turn(server, tmp_path) -> None:
     out = tmp_path / "mt.json"
     proc = subprocess.run([sys.executable, "-m", "iterserve.cli", "bench", "serve", "--base-url", server.base_url,
