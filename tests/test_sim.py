@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from iterserve.bench.conversation import ConversationOptions, build_conversations
 from iterserve.bench.workload import RequestSpec, bursty, poisson, shared_prefix
 from iterserve.cli import main
 from iterserve.config import EngineConfig
@@ -14,7 +15,7 @@ from iterserve.core.static import StaticScheduler
 from iterserve.sim.analytic import analytic_profile
 from iterserve.sim.measure import ProfileGrid, measure_profile
 from iterserve.sim.profile import Profile
-from iterserve.sim.simulator import simulate
+from iterserve.sim.simulator import conversation_plans, simulate
 from iterserve.sim.step_model import FEATURES, LinearStepModel, StepFeatures
 
 
@@ -250,3 +251,22 @@ def test_shared_prefix_workload_hits_the_prefix_cache():
     assert run.result.records[0].prompt_tokens == 400 + specs[0].input_len
     off = simulate(specs, EngineConfig(enable_prefix_caching=False), prof).result.summary()
     assert off["ttft_ms"]["mean"] > run.result.summary()["ttft_ms"]["mean"]
+
+
+def test_multi_turn_conversations_grow_a_cached_history(capsys):
+    opts = ConversationOptions(num_conversations=4, turns=4, system_prompt_len=200, user_len=(16, 32),
+                               output_len=16, think_time_s=0.5, stagger_s=1.0, seed=3)
+    plans = conversation_plans(opts)
+    assert [p.output_lens for p in plans] == [c.output_lens for c in build_conversations(opts)]
+    assert [p.think_s for p in plans] == [c.think_s for c in build_conversations(opts)]
+    prof = linear_profile(coef=(0.004, 0.0002, 0.0001, 0.0, 1e-7, 0.0))
+    run = simulate([], EngineConfig(), prof, conversations=plans)
+    recs = run.result.records
+    assert len(recs) == 16 and all(r.success for r in recs)
+    # each turn's prompt is the last one's prompt + its answer + the new message, sent after the answer
+    first = sorted(recs, key=lambda r: r.index)[:4]
+    assert all(r.prompt_tokens >= 200 for r in first)
+    later = [r for r in recs if r.index >= 4]
+    assert all(r.prompt_tokens > 200 + 16 for r in later)
+    assert run.stats["prefix_cache_hits"] > 0.6 * run.stats["prefix_cache_queries"]
+    assert main(["simulate", "--profile", "/nonexistent.json", "--workload", "multi-turn"]) == 2

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iterserve.bench.client import ClientError, parse_slo, print_table
+from iterserve.bench.conversation import ConversationOptions
 from iterserve.bench.compare import write_report
 from iterserve.bench.report import MODES, ModeRun, direction_notes, saturation_summary
 from iterserve.bench.tune import slo_met
@@ -97,13 +98,24 @@ def sim_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     return engine_config_from_args(args, model=getattr(args, "model", None) or "simulated", **overrides)
 
 
+def sim_workload(args: argparse.Namespace) -> tuple[list, list]:
+    """(requests, conversations): the multi-turn workload is conversations, every other a request list."""
+    from iterserve.sim.simulator import conversation_plans  # loads torch (through Request): not at --help time
+
+    params = describe_workload(args)
+    if params.pop("kind") == "multi-turn":
+        return [], conversation_plans(ConversationOptions(**params))
+    return workload_from_args(args), []
+
+
 def run_sim(args: argparse.Namespace, profile: Profile, specs: list, config: EngineConfig,
-            replicas: int | None = None, slos: list | None = None) -> SimRun:
+            replicas: int | None = None, slos: list | None = None, conversations: list | None = None) -> SimRun:
     from iterserve.sim.simulator import simulate  # loads torch (through Request): not at --help time
 
     big = len(specs) > RECORDS_LIMIT
     run = simulate(specs, config, profile, replicas or args.replicas, args.router, keep_steps=not big,
-                   keep_itl=not big, slos=slos or [], sample_replicas=getattr(args, "sample_replicas", None))
+                   keep_itl=not big, slos=slos or [], sample_replicas=getattr(args, "sample_replicas", None),
+                   conversations=conversations or [])
     run.result.meta.update(workload=describe_workload(args), engine=config.__dict__, profile=profile.describe(),
                            estimate=profile.estimate)
     return run
@@ -124,8 +136,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         profile = Profile.load(args.profile)
         slos = [parse_slo(t) for t in args.slo]
-        specs = workload_from_args(args)
+        specs, conversations = sim_workload(args)
         if args.compare_out:
+            if conversations:
+                raise WorkloadError("--compare-out needs a request list; multi-turn is conversations")
             runs = {}
             at_once = [dataclasses.replace(s, arrival_s=0.0) for s in specs]
             for mode in MODES:
@@ -141,7 +155,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             for note in direction_notes(runs["static"].metrics(), runs["continuous"].metrics()):
                 print(f"- {note}")
             return 0
-        run = run_sim(args, profile, specs, sim_config(args), slos=slos)
+        run = run_sim(args, profile, specs, sim_config(args), slos=slos, conversations=conversations)
     except (WorkloadError, ClientError) as e:
         raise ValueError(one_line(e)) from None
     result = run.result

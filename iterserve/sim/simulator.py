@@ -22,9 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from iterserve.bench.client import RequestRecord, RunResult
+from iterserve.bench.conversation import ConversationOptions
 from iterserve.bench.timeline import Timeline
-from iterserve.bench.workload import RequestSpec
+from iterserve.bench.workload import RequestSpec, _sample_lengths
 from iterserve.config import EngineConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
@@ -81,9 +84,10 @@ class SimEngine:
     def load(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
-    def add(self, spec: RequestSpec, params: SamplingParams) -> Request:
-        """Queues a request as `LLMEngine.add_request` would; raises RequestRejected likewise."""
-        ids = prompt_ids(spec)
+    def add(self, spec: RequestSpec, params: SamplingParams, ids: list[int] | None = None) -> Request:
+        """Queues a request as `LLMEngine.add_request` would; raises RequestRejected likewise.
+        `ids`: the prompt's token ids where they matter (a conversation's history), else prompt_ids."""
+        ids = prompt_ids(spec) if ids is None else ids
         self.check_limits(len(ids), params)
         cfg = self.config
         if cfg.max_waiting is not None and self.scheduler.num_waiting >= cfg.max_waiting:
@@ -145,6 +149,34 @@ class SimEngine:
         return Timeline(self.config.batching, self.steps, [], 0.0, 0.0, cfg)
 
 
+# ---------------------------------------------------------------- multi-turn conversations
+
+@dataclass
+class ConversationPlan:
+    """One conversation of the multi-turn workload, as token counts and times (no text)."""
+
+    index: int
+    start_s: float
+    system_prompt_len: int
+    user_lens: list[int]
+    output_lens: list[int]
+    think_s: list[float]
+
+
+def conversation_plans(opts: ConversationOptions) -> list[ConversationPlan]:
+    """The conversations `build_conversations` makes from the same options: the same draws in the
+    same order (starts, user lengths, answer lengths, think times), so simulated and real runs of
+    one seed are the same conversations."""
+    rng = np.random.default_rng(opts.seed)
+    n, t = opts.num_conversations, opts.turns
+    starts = np.sort(rng.uniform(0.0, opts.stagger_s, n)) if opts.stagger_s else np.zeros(n)
+    user_lens = _sample_lengths(opts.user_len, n * t, rng, "user_len").reshape(n, t)
+    out_lens = _sample_lengths(opts.output_len, n * t, rng, "output_len").reshape(n, t)
+    thinks = rng.exponential(opts.think_time_s, (n, t)) if opts.think_time_s else np.zeros((n, t))
+    return [ConversationPlan(c, float(starts[c]), opts.system_prompt_len, [int(x) for x in user_lens[c]],
+                             [int(x) for x in out_lens[c]], [float(x) for x in thinks[c]]) for c in range(n)]
+
+
 # ---------------------------------------------------------------- the run
 
 @dataclass
@@ -181,8 +213,12 @@ def _record(spec: RequestSpec, req: Request | None, error: str = "", keep_itl: b
 def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profile, replicas: int = 1,
              router: str | Router = "round-robin", make_scheduler: SchedulerFactory = build_scheduler,
              keep_steps: bool = True, keep_itl: bool = True, slos: Sequence = (),
-             sample_replicas: int | None = None) -> SimRun:
+             sample_replicas: int | None = None, conversations: Sequence[ConversationPlan] = ()) -> SimRun:
     """Runs the workload through `replicas` simulated engines; deterministic for the same inputs.
+
+    conversations: multi-turn chats (closed loop within each, as bench/conversation.py runs them):
+    a turn arrives its think time after the previous answer ended, its prompt the previous prompt
+    and answer plus the new user message, so the prefix cache sees the history grow.
 
     sample_replicas=k (round-robin only) simulates just the first k replicas with exactly the
     requests round-robin sends them: round-robin never looks at the replicas' state, so their
@@ -198,6 +234,8 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
     order = sorted(specs, key=lambda s: (s.arrival_s, s.index))
     offered = len(order)
     if sample_replicas is not None:
+        if conversations:
+            raise ValueError("sample_replicas needs requests that do not depend on each other (no conversations)")
         if router.name != "round-robin" or not 1 <= sample_replicas <= replicas:
             raise ValueError("sample_replicas needs the round-robin router and 1 <= sample_replicas <= replicas")
         order = [s for j, s in enumerate(order) if j % replicas < sample_replicas]
@@ -225,12 +263,31 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
                 e.wake_at = wake
                 heapq.heappush(events, (wake, next(seq), e.index, False))
 
+    # conversation turns: (arrival, seq, spec, prompt ids, (conversation, turn)), pushed as answers end
+    turns: list[tuple[float, int, RequestSpec, list[int], tuple[ConversationPlan, int]]] = []
+    turn_of: dict[str, tuple[ConversationPlan, int]] = {}
+    next_index = itertools.count(max((s.index for s in order), default=-1) + 1)
+
+    def push_turn(conv: ConversationPlan, turn: int, at: float, history: list[int]) -> None:
+        ids = history + [2 + next(turn_ids)] + [0] * (conv.user_lens[turn] - 1)
+        spec = RequestSpec(next(next_index), at, len(ids), conv.output_lens[turn])
+        heapq.heappush(turns, (at, next(seq), spec, ids, (conv, turn)))
+
+    turn_ids = itertools.count(2_000_000)  # ids of user messages: distinct from prompt_ids' own parts
+    for conv in conversations:
+        push_turn(conv, 0, conv.start_s, [SYSTEM_PROMPT_ID] * conv.system_prompt_len)
+
     i, n = 0, len(order)
     now = 0.0
-    while i < n or events:
-        if i < n and (not events or order[i].arrival_s <= events[0][0]):
-            spec = order[i]
-            i += 1
+    while i < n or turns or events:
+        t_next = min(order[i].arrival_s if i < n else math.inf, turns[0][0] if turns else math.inf)
+        if t_next < math.inf and (not events or t_next <= events[0][0]):
+            ids = conv_turn = None
+            if i < n and order[i].arrival_s == t_next:
+                spec = order[i]
+                i += 1
+            else:
+                _, _, spec, ids, conv_turn = heapq.heappop(turns)
             now = spec.arrival_s
             e = engines[router.route(spec, engines)]
             params = params_for.get(spec.output_len)
@@ -238,11 +295,13 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
                 params = params_for[spec.output_len] = SamplingParams(max_tokens=spec.output_len, temperature=0.0,
                                                                       ignore_eos=True)
             try:
-                req = e.add(spec, params)
+                req = e.add(spec, params, ids)
             except RequestRejected as err:
                 records.append(_record(spec, None, f"HTTP {err.status_code}: {err}"))
-                continue
+                continue  # a conversation whose turn is refused ends there
             spec_of[req.request_id] = spec
+            if conv_turn is not None:
+                turn_of[req.request_id] = conv_turn
             if e.in_flight is None:
                 kick(e, now)
             continue
@@ -251,6 +310,10 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
         if is_step_end:
             for req in e.end_step(now):
                 records.append(_record(spec_of.pop(req.request_id), req, keep_itl=keep_itl))
+                conv_turn = turn_of.pop(req.request_id, None)
+                if conv_turn is not None and conv_turn[1] + 1 < len(conv_turn[0].user_lens):
+                    conv, turn = conv_turn
+                    push_turn(conv, turn + 1, now + conv.think_s[turn], req.prompt_token_ids + req.output_token_ids)
             kick(e, now)
         elif e.wake_at == now:  # else stale: a step started (or an earlier wake-up came) meanwhile
             e.wake_at = None
@@ -263,10 +326,10 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
     wall = time.perf_counter() - wall0
     stats = {
         "replicas": replicas_total, "simulated_replicas": replicas, "router": router.name, "wall_s": wall,
-        "requests": n, "offered_requests": offered,
+        "requests": len(records), "offered_requests": offered + sum(len(c.user_lens) for c in conversations),
         "steps": sum(e.num_steps for e in engines),
         "simulated_s": duration, "speedup": duration / wall if wall > 0 else math.inf,
-        "requests_per_wall_s": n / wall if wall > 0 else math.inf,
+        "requests_per_wall_s": len(records) / wall if wall > 0 else math.inf,
         "busy_fraction": [e.busy_s / duration if duration else 0.0 for e in engines],
         "mean_batch_size": [e.batch_seq_s / e.busy_s if e.busy_s else 0.0 for e in engines],
         "preemptions": sum(e.num_preempted for e in engines),
