@@ -208,6 +208,8 @@ def test_logit_bias(client):
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "Extra"),
+    ({"guided_json": SCHEMAS[0], "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
+    ({"guided_json": SCHEMAS[0], "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "not several"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among the tools"),

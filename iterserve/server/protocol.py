@@ -213,6 +213,10 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
     Unsupported("modalities", lambda v: v in (None, ["text"]), "only [\"text\"]"),
     Unsupported("prediction", _off),
     Unsupported("web_search_options", _off),
+    # vLLM's older structured-output knobs (the constraints themselves are implemented)
+    Unsupported("guided_whitespace_pattern", _off),
+    Unsupported("guided_decoding_backend", lambda v: v in (None, "auto", "guidance", "llguidance"),
+                "the grammar engine is llguidance"),
 )
 
 
