@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 DECODE_ATTENTION_CHOICES = ("auto", "torch", "cpu", "triton")  # attention/selector.py's backends
-BF16_GEMM_CHOICES = ("auto", "tiled", "onednn")  # platform/cpu_linear.py's layouts
+BF16_GEMM_CHOICES = ("auto", "tiled", "onednn", "float32")  # platform/cpu_linear.py's layouts
 ENV_DEFAULTS = {  # EngineConfig field -> the environment variable its default comes from
     "cpu_kernels": "ITERSERVE_CPU_KERNELS",
     "bf16_gemm": "ITERSERVE_BF16_GEMM",
     "decode_attention": "ITERSERVE_DECODE_ATTENTION",
+    "measure_kernels": "ITERSERVE_MEASURE_KERNELS",
 }
 
 
@@ -114,6 +115,16 @@ class EngineConfig:
     bf16_gemm: Literal["auto", "tiled", "onednn"] = field(default_factory=lambda: _env("bf16_gemm", "auto"))
     decode_attention: Literal["auto", "torch", "cpu", "triton"] = field(
         default_factory=lambda: _env("decode_attention", "auto"))
+    # CPU: what "auto" above means is timed once per machine and model shape (platform/kernel_choice.py,
+    # cached under ~/.cache/iterserve/kernel_choice), including the 4-bit and Q8_0 twins' cut-overs;
+    # off: chosen by the CPU's flags and fixed thresholds. remeasure_kernels: ignore the cached table
+    measure_kernels: bool = field(default_factory=lambda: _env("measure_kernels", "1") != "0")
+    remeasure_kernels: bool = False
+    # deterministic inference: a request's greedy text never depends on what shares its step. One
+    # kernel and one reduction order per op at every batch size: our row-independent bf16 GEMM for
+    # every projection, no quantised twins, every query (prefill ones too) through the per-sequence
+    # decode attention kernel, no inductor (docs/benchmarks.md has its cost)
+    batch_invariant: bool = False
     # scheduling
     batching: Literal["continuous", "static"] = "continuous"
     max_num_seqs: int = 16  # docs/seed-case.md
@@ -147,6 +158,16 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} (--{name.replace('_', '-')}, default from "
                                  f"{ENV_DEFAULTS[name]}): use one of {', '.join(choices)}")
+        if self.batch_invariant:
+            clash = {"compile": self.compile, "quantization=int4": self.quantization == "int4",
+                     f"bf16_gemm={self.bf16_gemm}": self.bf16_gemm not in ("auto", "tiled"),
+                     f"decode_attention={self.decode_attention}": self.decode_attention not in ("auto", "cpu"),
+                     "cpu_kernels off": not self.cpu_kernels}
+            bad = [name for name, on in clash.items() if on]
+            if bad:
+                raise ValueError(f"batch_invariant (--batch-invariant) runs one fixed kernel per op (the C++ CPU "
+                                 f"kernels' bf16 GEMM and decode attention, no twins, no inductor): drop "
+                                 f"{', '.join(bad)}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.block_size not in (1, 8, 16, 32, 64, 128):

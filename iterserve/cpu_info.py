@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import platform
 
 
 @functools.cache
@@ -17,3 +18,14 @@ def cpu_flags_line() -> str:
 def cpu_flags() -> frozenset[str]:
     """The flags as the kernel names them (avx512_bf16, amx_tile, ...)."""
     return frozenset(cpu_flags_line().partition(":")[2].split())
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    """The first `model name` line of /proc/cpuinfo (x86), else the machine's architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.partition(":")[2].strip() or platform.machine()

@@ -84,6 +84,9 @@ class LLMEngine:
             model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device))
             self.platform.prepare_model(model, src)
         else:
+            if config.batch_invariant:
+                raise ValueError("batch_invariant lays the weights out itself: let the engine load the model "
+                                 "(no `loaded=`)")
             model, mcfg, tokenizer = loaded
             param = next(model.parameters(), None)
             self.platform = get_platform(config, *((param.device, param.dtype) if param is not None else ()))

@@ -35,8 +35,9 @@ def apply_omp_wait(choice: str) -> None:
 
 
 ENGINE_ENV_HELP = (
-    "Environment: ITERSERVE_CPU_KERNELS=0, ITERSERVE_BF16_GEMM and ITERSERVE_DECODE_ATTENTION set the "
-    "defaults of --no-cpu-kernels, --bf16-gemm and --decode-attention (a flag given wins).")
+    "Environment: ITERSERVE_CPU_KERNELS=0, ITERSERVE_BF16_GEMM, ITERSERVE_DECODE_ATTENTION and "
+    "ITERSERVE_MEASURE_KERNELS=0 set the defaults of --no-cpu-kernels, --bf16-gemm, --decode-attention and "
+    "--no-measure-kernels (a flag given wins).")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,9 +61,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "first use); --no-cpu-kernels keeps to the torch and oneDNN paths, to compare or to step "
                         "around a broken compiler (default: on unless ITERSERVE_CPU_KERNELS=0)")
     g.add_argument("--bf16-gemm", choices=list(BF16_GEMM_CHOICES), default=d.bf16_gemm,
-                   help="the GEMM of the CPU bf16 projections: tiled (ours, where AVX512-BF16 exists), onednn, or "
-                        "auto: ours unless the CPU has AMX, where oneDNN's runs on AMX tiles "
-                        "(default: $ITERSERVE_BF16_GEMM, else auto)")
+                   help="the GEMM of the CPU bf16 projections: tiled (ours, where AVX512-BF16 exists), onednn "
+                        "(on AMX tiles where the CPU has them), float32 (a float32 copy of each weight), or auto: "
+                        "the fastest per shape as timed on this machine (--measure-kernels), else by CPU flags "
+                        "(ours unless the CPU has AMX) (default: $ITERSERVE_BF16_GEMM, else auto)")
+    g.add_argument("--measure-kernels", action=argparse.BooleanOptionalAction, default=d.measure_kernels,
+                   help="CPU: choose each projection's GEMM (ours, oneDNN's: AMX where present, float32), the "
+                        "4-bit / Q8_0 copies' cut-overs and the decode attention by timing them at start-up for "
+                        "this model's shapes (a few seconds, once: cached under ~/.cache/iterserve/kernel_choice "
+                        "per CPU, torch, sources and model); --no-measure-kernels decides by CPU flags and fixed "
+                        "thresholds (default: on unless ITERSERVE_MEASURE_KERNELS=0). --bf16-gemm and "
+                        "--decode-attention other than auto still force their choice")
+    g.add_argument("--remeasure-kernels", action="store_true",
+                   help="time the kernel candidates again instead of reading the cached table (after a BIOS, "
+                        "memory or load change)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="deterministic inference: the same request gives the same greedy text whatever shares its "
+                        "step and whatever the load (one kernel and reduction order per op at every batch size: "
+                        "our bf16 GEMM for every projection, no 4-bit / Q8_0 copies, every query through the "
+                        "per-sequence attention kernel). Needs the C++ CPU kernels with AVX512-BF16; slower "
+                        "(docs/benchmarks.md)")
     g.add_argument("--decode-attention", choices=list(DECODE_ATTENTION_CHOICES), default=d.decode_attention,
                    help="decode attention backend: torch (portable), cpu (the C++ kernel), triton (CUDA), or auto: "
                         "the device's kernel when it is there, else torch (default: $ITERSERVE_DECODE_ATTENTION, "

@@ -11,6 +11,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Triton reads this when a kernel is defined, and the engine (or inductor) may import the kernel
 # module before test_triton_attention.py runs: the tests only ever run Triton's interpreter
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# kernels by the CPU's flags and fixed cut-overs, as tests assert them; tests/test_kernel_choice.py
+# turns the timed choice on where it tests it (timings on a shared host would make layouts vary)
+os.environ.setdefault("ITERSERVE_MEASURE_KERNELS", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -63,3 +63,25 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    _per_query: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def per_query_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table [T, width], context length [T]) of every query of the step, each prefill
+        query as if it were a decode at its own position: what lets one decode kernel compute every
+        token alike, wherever it falls in a step (batch-invariant mode). Built once per step."""
+        if self._per_query is None:
+            tables, lens = [], []
+            if self.decode is not None:
+                tables.append(self.decode.block_tables)
+                lens.append(self.decode.context_lens)
+            if self.prefill is not None:
+                p = self.prefill
+                device = p.block_tables.device
+                n = torch.tensor(p.query_lens, device=device)
+                tables.append(p.block_tables.repeat_interleave(n, dim=0))
+                lens.append(torch.cat([torch.arange(ctx - q + 1, ctx + 1, device=device)
+                                       for q, ctx in zip(p.query_lens, p.context_lens)]))
+            width = max(t.shape[1] for t in tables)
+            tables = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]
+            self._per_query = (torch.cat(tables), torch.cat(lens))
+        return self._per_query

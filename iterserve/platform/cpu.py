@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from iterserve.attention.backend import AttentionBackend
+from iterserve.attention.cpu_backend import BatchInvariantCpuAttentionBackend
 from iterserve.attention.selector import select_attention_backend
 from iterserve.config import EngineConfig, ModelConfig, parse_size
 from iterserve.cpu_info import cpu_flags
@@ -20,11 +22,13 @@ from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import (bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
-                                           int4_kernel_available, optimize_cpu_linears)
+                                           int4_kernel_available, optimize_cpu_linears, tiled_gemm_vectorised)
+from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, choose_kernels,
+                                              kernel_choice_dir, shapes_of)
 
 log = logging.getLogger("iterserve.platform")
 
-Q8_HEAD_MAX_TOKENS = 4  # sampled rows; the Q8_0 LM head loses to bf16 from 8 (docs/profile.md)
+Q8_HEAD_MAX_TOKENS = 4  # sampled rows, when not measured; the Q8_0 LM head lost to bf16 from 8 (docs/profile.md)
 
 
 @functools.cache
@@ -43,30 +47,79 @@ class CpuPlatform(Platform):
         self.kernels: ModuleType | None = load_cpu_kernels() if config.cpu_kernels else None
         if not config.cpu_kernels:
             log.info("CPU kernels off (cpu_kernels=False): torch and oneDNN paths only")
-        super().__init__(config, device, dtype, select_attention_backend(config.decode_attention, device,
-                                                                         self.kernels))
+        if config.batch_invariant:
+            if self.kernels is None or not tiled_gemm_vectorised(self.kernels) or dtype != torch.bfloat16:
+                raise ValueError("batch_invariant on CPU needs bfloat16 and iterserve's C++ kernels built with "
+                                 "AVX512-BF16 (its GEMM computes every row alike); this run has "
+                                 f"dtype {str(dtype).removeprefix('torch.')} and "
+                                 f"{'no kernels' if self.kernels is None else 'a non-vectorised GEMM'}")
+            attention: AttentionBackend = BatchInvariantCpuAttentionBackend(self.kernels)
+        else:
+            attention = select_attention_backend(config.decode_attention, device, self.kernels)
+        super().__init__(config, device, dtype, attention)
         self.layout = bf16_gemm_layout(config.bf16_gemm, self.kernels)  # validates the choice too
         self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit twin
         self.q8_head_max_tokens = 0
+        self.kernel_choice: KernelChoice | None = None  # the measured table, when measured
 
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
-        """In bf16: weights laid out once for a bf16 GEMM (ours, or oneDNN's), and (quantization) a
-        4-bit twin of the projections and a Q8_0 twin of the LM head for steps of few tokens, where
-        decoding is bound by reading weights (platform/cpu_linear.py). The head's twin needs the
-        C++ CPU kernels."""
-        q = self.config.quantization
+        """In bf16: weights laid out once for a bf16 GEMM (ours, oneDNN's, or a float32 copy) and
+        (quantization) a 4-bit twin of the projections and a Q8_0 twin of the LM head for steps of
+        few tokens, where decoding is bound by reading weights (platform/cpu_linear.py). Which
+        layout and up to how many rows each twin runs are timed on this machine for this model's
+        shapes (platform/kernel_choice.py) unless measure_kernels is off or a flag forces them.
+        The head's twin needs the C++ CPU kernels."""
+        cfg = self.config
+        q = cfg.quantization
         if self.dtype != torch.bfloat16 or not bf16_linears_available(self.kernels):
             if q == "int4":
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
             return
+        if cfg.batch_invariant:  # one kernel for every row count: ours, which computes each row alike
+            n = optimize_cpu_linears(model, "tiled", 0, 0, self.kernels)
+            if any(isinstance(m, nn.Linear) and m.in_features % 2 for m in model.modules()):
+                raise ValueError("batch_invariant: a projection has an odd in_features, which our bf16 GEMM cannot run")
+            log.info("CPU bf16, batch-invariant: %d projections on our tiled bf16 GEMM, no quantised twins, every "
+                     "query through the decode attention kernel", n)
+            return
         use_int4 = q == "int4" or (q == "auto" and int4_kernel_available() and is_four_bit_checkpoint(source))
-        self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_int4 else 0
-        self.q8_head_max_tokens = Q8_HEAD_MAX_TOKENS if use_int4 and self.kernels is not None else 0
-        n = optimize_cpu_linears(model, self.layout, self.int4_max_tokens, self.q8_head_max_tokens, self.kernels)
-        log.info("CPU bf16: %d projections laid out for %s%s%s", n,
-                 "our tiled bf16 GEMM" if self.layout == "tiled" else "oneDNN",
-                 f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
-                 f", Q8_0 LM head for <= {self.q8_head_max_tokens} sampled rows" if self.q8_head_max_tokens else "")
+        use_q8_head = use_int4 and self.kernels is not None
+        plans = None
+        if cfg.measure_kernels:
+            plans = self._measure(model, use_int4, use_q8_head)
+        else:
+            self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_int4 else 0
+            self.q8_head_max_tokens = Q8_HEAD_MAX_TOKENS if use_q8_head else 0
+        n = optimize_cpu_linears(model, self.layout, self.int4_max_tokens, self.q8_head_max_tokens, self.kernels,
+                                 plans)
+        if plans is None:
+            log.info("CPU bf16: %d projections laid out for %s%s%s", n,
+                     "our tiled bf16 GEMM" if self.layout == "tiled" else self.layout,
+                     f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
+                     f", Q8_0 LM head for <= {self.q8_head_max_tokens} sampled rows" if self.q8_head_max_tokens else "")
+
+    def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool) -> dict[tuple[str, int, int], tuple[str, int]]:
+        """Times the candidates (or reads the cached table), logs the table, and returns the per-shape plan."""
+        cfg = self.config
+        mcfg = model.cfg
+        max_seqs = cfg.max_num_seqs if cfg.batching == "continuous" else cfg.max_batch_size
+        measure_attention = cfg.decode_attention == "auto" and self.kernels is not None
+        req = ChoiceRequest(shapes=shapes_of(model), buckets=batch_buckets(max_seqs), dtype=self.dtype,
+                            layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,
+                            q8_head=use_q8_head,
+                            attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
+                            if measure_attention else None)
+        choice = self.kernel_choice = choose_kernels(req, self.kernels, remeasure=cfg.remeasure_kernels)
+        how = (f"measured in {choice.seconds:.1f} s, cached in {kernel_choice_dir()}" if choice.source == "measured"
+               else f"read from the cache in {kernel_choice_dir()} (--remeasure-kernels to time again)")
+        log.info("CPU kernel choice (%s); ms per call at each step size:\n%s", how, choice.table())
+        if choice.decode_attention and choice.decode_attention != self.attention.name:
+            self.attention = select_attention_backend(choice.decode_attention, self.device, self.kernels)
+        self.int4_max_tokens = max((c.twin_max_tokens for c in choice.linears.values() if c.role == "proj"), default=0)
+        self.q8_head_max_tokens = max((c.twin_max_tokens for c in choice.linears.values() if c.role == "head"),
+                                      default=0)
+        return {(c.role, *map(int, key.split(":")[1].split("x"))): (c.layout, c.twin_max_tokens)
+                for key, c in choice.linears.items()}
 
     def num_kv_blocks(self, model_config: ModelConfig, profile_run: Callable[[], None]) -> int:
         cfg = self.config
@@ -75,5 +128,11 @@ class CpuPlatform(Platform):
         return max(1, parse_size(cfg.kv_cache_memory) // kv_bytes_per_block(model_config, cfg.block_size, self.dtype))
 
     def resolved(self) -> dict[str, Any]:
-        return {**super().resolved(), "cpu_kernels": self.kernels is not None, "bf16_gemm": self.layout,
-                "quantization": "int4" if self.int4_max_tokens else "none"}
+        layouts = sorted({c.layout for c in self.kernel_choice.linears.values()}) if self.kernel_choice else None
+        return {**super().resolved(), "cpu_kernels": self.kernels is not None,
+                "bf16_gemm": "/".join(layouts) if layouts else "tiled" if self.config.batch_invariant else self.layout,
+                "quantization": "int4" if self.int4_max_tokens else "none",
+                "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
+                "batch_invariant": self.config.batch_invariant,
+                "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else
+                ("fixed (batch_invariant)" if self.config.batch_invariant else "by CPU flags (measure_kernels off)")}

@@ -26,6 +26,7 @@ rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebu
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
@@ -101,7 +102,9 @@ def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
     return q.reshape(n, k).contiguous(), scales.contiguous()
 
 
-LAYOUTS = ("tiled", "onednn")  # our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight
+# our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight (on AMX tiles where the
+# CPU has them); a float32 copy of the weight (bf16 activations widened per call), for CPUs where bf16 is slow
+LAYOUTS = ("tiled", "onednn", "float32")
 BF16_GEMM_CHOICES = ("auto", *LAYOUTS)
 
 
@@ -111,13 +114,15 @@ def tiled_gemm_vectorised(kernels: ModuleType | None) -> bool:
 
 
 def bf16_gemm_layout(choice: str, kernels: ModuleType | None) -> str:
-    """The layout EngineConfig.bf16_gemm asks for on this CPU: `tiled` or `onednn` as given (tiled
-    only where our GEMM is vectorised), or `auto`: ours, except on a CPU with AMX, where oneDNN runs
-    bf16 on AMX tiles and ours was measured only against oneDNN's AVX-512 path, so AMX hosts keep
-    oneDNN unless told otherwise."""
+    """The layout EngineConfig.bf16_gemm asks for when nothing is measured: `tiled`, `onednn` or
+    `float32` as given (tiled only where our GEMM is vectorised), or `auto` by the CPU's flags: ours,
+    except on a CPU with AMX, where oneDNN runs bf16 on AMX tiles. (With measure_kernels on, the
+    platform times them instead: platform/kernel_choice.py.)"""
     if choice not in BF16_GEMM_CHOICES:
         raise ValueError(f"bf16_gemm={choice!r}: use one of {', '.join(BF16_GEMM_CHOICES)}")
-    if choice == "onednn" or (choice == "auto" and "amx_bf16" in cpu_flags()):
+    if choice in ("onednn", "float32"):
+        return choice
+    if choice == "auto" and "amx_bf16" in cpu_flags():
         return "onednn"
     return "tiled" if tiled_gemm_vectorised(kernels) else "onednn"
 
@@ -157,7 +162,8 @@ class CpuLinear(nn.Module):
             if twin == "q4_1":
                 self.register_buffer("twin_mins", packed[2], persistent=False)
         self.layout = layout
-        self.packed_weight = pack_bf16(w) if layout == "tiled" else torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        self.packed_weight = (pack_bf16(w) if layout == "tiled" else w.float().contiguous() if layout == "float32"
+                              else torch.ops.mkldnn._reorder_linear_weight(w, 16))
         self.weight = linear.weight if keep_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +192,8 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
     elif layout == "tiled":
         y = load_cpu_kernels().bf16_gemm(x, packed_weight, out_features)
+    elif layout == "float32":
+        y = torch.nn.functional.linear(x.float(), packed_weight).to(x.dtype)
     else:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return y if bias is None else y + bias
@@ -208,12 +216,15 @@ def four_bit_twin(in_features: int, kernels: ModuleType | None) -> str | None:
 
 
 def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_tokens: int = 0,
-                         q8_head_max_tokens: int = 0, kernels: ModuleType | None = None) -> int:
+                         q8_head_max_tokens: int = 0, kernels: ModuleType | None = None,
+                         plans: Mapping[tuple[str, int, int], tuple[str, int]] | None = None) -> int:
     """Swaps the decoder projections (4-bit twin if int4_max_tokens > 0) and the LM head (Q8_0 twin
     if q8_head_max_tokens > 0: 4 bits would round the logits; it keeps its weight, which it shares
     with the embedding) for CpuLinear in `layout` (a linear with an odd in_features takes oneDNN's).
-    `kernels`: the loaded CPU kernels, or None. The model must be bf16 on CPU. Returns the number
-    changed."""
+    `kernels`: the loaded CPU kernels, or None. `plans`: (role "proj"/"head", out, in) -> (layout,
+    twin's max tokens), a measured choice per shape (platform/kernel_choice.py) that replaces `layout`
+    and the twin thresholds for the shapes it names (a twin stays off where its figure is 0). The
+    model must be bf16 on CPU. Returns the number changed."""
     if layout == "tiled" and not tiled_gemm_vectorised(kernels):
         raise RuntimeError("layout tiled needs iterserve's CPU kernels built with AVX512-BF16")
     if layout == "onednn" and not prepack_available():
@@ -227,15 +238,21 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
         if not (isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16
                 and mod.weight.device.type == "cpu"):
             continue
-        lay = layout if mod.in_features % 2 == 0 else "onednn"
-        if name.startswith("layers."):
-            twin = four_bit_twin(mod.in_features, kernels) if int4_max_tokens else None
-            new = CpuLinear(mod, twin, int4_max_tokens, layout=lay)
-        elif name == "lm_head":
-            fits = q8_head_max_tokens and mod.in_features % GROUP_SIZE == 0
-            new = CpuLinear(mod, "q8_0" if fits else None, q8_head_max_tokens, keep_weight=True, layout=lay)
-        else:
+        role = "proj" if name.startswith("layers.") else "head" if name == "lm_head" else None
+        if role is None:
             continue
+        lay, proj_max, head_max = layout, int4_max_tokens, q8_head_max_tokens
+        plan = (plans or {}).get((role, mod.out_features, mod.in_features))
+        if plan is not None:
+            lay, proj_max, head_max = plan[0], plan[1] if int4_max_tokens else 0, plan[1] if q8_head_max_tokens else 0
+        if lay == "tiled" and mod.in_features % 2:
+            lay = "onednn"
+        if role == "proj":
+            twin = four_bit_twin(mod.in_features, kernels) if proj_max else None
+            new = CpuLinear(mod, twin, proj_max, layout=lay)
+        else:
+            fits = head_max and mod.in_features % GROUP_SIZE == 0
+            new = CpuLinear(mod, "q8_0" if fits else None, head_max, keep_weight=True, layout=lay)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
         changed += 1

@@ -1,0 +1,341 @@
+"""Which kernel each CPU projection and the decode attention get, chosen by timing them on this
+machine rather than by its feature flags.
+
+Flags say what a CPU can run, not what runs fastest: oneDNN on AMX beat our AVX512-BF16 GEMM on one
+host and lost on another, and where the 4-bit twin stops paying depends on the memory bandwidth.
+So, once per model shape and machine, `choose_kernels` builds each candidate for the model's real
+projection shapes (random weights of the same shape: only the shape matters for speed) and times it
+at the step sizes the engine will run (`batch_buckets`):
+
+- the bf16 layouts: our tiled AVX512-BF16 GEMM, oneDNN's prepacked weight (which runs on AMX tiles
+  where the CPU has them, so on an AMX host AMX is one of the measured candidates), and float32
+  (where bf16 is emulated or slow);
+- the quantised twins, when the model has them (4-bit for the projections, Q8_0 for the LM head):
+  each twin's cut-over (`twin_max_tokens`) is the largest bucket up to which it beat the chosen
+  layout at every bucket;
+- the decode attention backends (the C++ kernel, torch's SDPA).
+
+A layout is picked per shape by its time relative to the best at each bucket, summed over buckets
+(a scale-free score, so the 64-row bucket does not drown the decode sizes). One layout per shape:
+two would double the weights' memory.
+
+The table is cached as JSON under the user's cache folder (`kernel_choice_dir`), keyed by everything
+that changes the answer: CPU model and flags, torch version, thread count, the hash of the kernels'
+and this layer's sources, dtype, the model's shapes and the buckets. A second start reads it back
+for free; `EngineConfig.remeasure_kernels` measures again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from iterserve.attention.backend import AttentionBackend, TorchAttentionBackend
+from iterserve.attention.cpu_backend import CpuKernelAttentionBackend
+from iterserve.attention.metadata import DecodeMetadata
+from iterserve.cpu_info import cpu_flags_line, cpu_model_name
+from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, four_bit_twin, prepack_available,
+                                           tiled_gemm_vectorised)
+
+log = logging.getLogger("iterserve.platform")
+
+CHOICE_VERSION = 1  # bump when the meaning of a cached table changes
+PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
+GIVE_UP = 2.5  # a layout this many times slower than the best at a step size is not timed further
+TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed its cut-over
+ATTENTION_CONTEXT = 256  # tokens of context per sequence when timing decode attention
+# the files whose contents decide what a candidate computes and how fast
+SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py")] + sorted(
+    (Path(__file__).resolve().parent.parent / "csrc").iterdir())
+
+
+def kernel_choice_dir() -> Path:
+    """Where chosen tables are cached: $XDG_CACHE_HOME/iterserve/kernel_choice (~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "iterserve" / "kernel_choice"
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The decode step sizes to time: powers of two up to the most sequences a step decodes, and that
+    number itself. (The projections are also timed at PREFILL_ROWS; the LM head, which sees only
+    sampled rows, and the decode attention are not.)"""
+    sizes = {1 << i for i in range(max(1, max_num_seqs).bit_length()) if 1 << i <= max_num_seqs}
+    return sorted(sizes | {max_num_seqs})
+
+
+def time_call(fn: Callable[[], object], min_reps: int = 3, max_reps: int = 20, min_seconds: float = 0.004) -> float:
+    """Best of a few calls after one warm-up (the minimum: a shared host's noise only adds)."""
+    fn()
+    best, total, n = math.inf, 0.0, 0
+    while n < min_reps or (total < min_seconds and n < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, total, n = min(best, dt), total + dt, n + 1
+    return best
+
+
+def measure(candidates: Mapping[str, Callable[[int], Callable[[], object]]], buckets: Sequence[int],
+            timer: Callable[[Callable[[], object]], float] = time_call,
+            give_up: Mapping[str, float] | None = None) -> dict[str, dict[int, float]]:
+    """Seconds per call of each candidate at each bucket (smallest first); `candidates[name](rows)`
+    returns the call. A candidate slower than `give_up[name]` (default GIVE_UP) times the best at a
+    bucket is not timed at the larger ones (inf there): it cannot win, and timing it costs start-up."""
+    times: dict[str, dict[int, float]] = {name: {} for name in candidates}
+    live = list(candidates)
+    for b in buckets:
+        for name in live:
+            times[name][b] = timer(candidates[name](b))
+        best = min(times[name][b] for name in live)
+        live = [n for n in live if times[n][b] <= (give_up or {}).get(n, GIVE_UP) * best]
+        for name in candidates:
+            times[name].setdefault(b, math.inf)
+    return times
+
+
+def pick_fastest(times: Mapping[str, Mapping[int, float]]) -> str:
+    """The candidate with the least total time relative to the best at each bucket."""
+    buckets = next(iter(times.values())).keys()
+    best = {b: min(t[b] for t in times.values()) for b in buckets}
+    return min(times, key=lambda name: sum(times[name][b] / best[b] for b in buckets))
+
+
+def twin_cutover(twin: Mapping[int, float], base: Mapping[int, float]) -> int:
+    """The largest bucket up to which the twin was faster than the base at every bucket (0: never)."""
+    cut = 0
+    for b in sorted(twin):
+        if twin[b] >= base[b]:
+            break
+        cut = b
+    return cut
+
+
+@dataclass
+class LinearChoice:
+    role: str  # "proj" (a decoder projection) or "head" (the LM head)
+    layout: str  # one of cpu_linear.LAYOUTS
+    twin: str | None  # the quantised twin measured for it, if any
+    twin_max_tokens: int  # rows up to which the twin runs (0: never)
+    ms: dict[str, dict[int, float]]  # candidate -> bucket -> ms per call
+
+
+@dataclass
+class KernelChoice:
+    buckets: list[int]  # the step sizes timed (the head and the attention: the decode ones only)
+    linears: dict[str, LinearChoice]  # "role:NxK" -> its choice
+    decode_attention: str | None  # None: not measured (forced, or one candidate)
+    attention_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    seconds: float = 0.0  # measuring time (0 when read from the cache)
+    source: str = "measured"  # or "cache"
+
+    def plan(self, role: str, out_features: int, in_features: int) -> LinearChoice | None:
+        return self.linears.get(f"{role}:{out_features}x{in_features}")
+
+    def summary(self) -> dict[str, Any]:
+        """The table for /v1/scheduler and benchmark JSON: per shape its layout and twin cut-over."""
+        return {"source": self.source, "seconds": round(self.seconds, 2), "buckets": self.buckets,
+                "linears": {k: {"layout": c.layout, "twin": c.twin, "twin_max_tokens": c.twin_max_tokens}
+                            for k, c in self.linears.items()},
+                "decode_attention": self.decode_attention}
+
+    def table(self) -> str:
+        """The chosen table, one line per shape with each candidate's ms at every bucket."""
+        head = "rows " + " ".join(f"{b:>6d}" for b in self.buckets)
+        lines = [f"{'':32s}{head}"]
+        for key, c in self.linears.items():
+            chosen = c.layout + (f" + {c.twin}<={c.twin_max_tokens}" if c.twin_max_tokens else "")
+            lines.append(f"{key} -> {chosen}")
+            for name, ms in c.ms.items():
+                lines.append(f"  {name:30s}" + "".join(_cell(ms.get(b)) for b in self.buckets))
+        if self.attention_ms:
+            lines.append(f"decode attention ({ATTENTION_CONTEXT} tokens of context) -> {self.decode_attention}")
+            for name, ms in self.attention_ms.items():
+                lines.append(f"  {name:30s}" + "".join(_cell(ms.get(b)) for b in self.buckets))
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KernelChoice:
+        def ints(d: dict) -> dict[str, dict[int, float]]:
+            return {n: {int(b): v for b, v in ms.items()} for n, ms in d.items()}
+        linears = {k: LinearChoice(**{**c, "ms": ints(c["ms"])}) for k, c in data["linears"].items()}
+        return cls(buckets=data["buckets"], linears=linears, decode_attention=data["decode_attention"],
+                   attention_ms=ints(data["attention_ms"]), seconds=0.0, source="cache")
+
+
+def _cell(ms: float | None) -> str:
+    return f"{ms:7.3f}" if ms is not None and math.isfinite(ms) else f"{'-':>7s}"
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha1()
+    for path in SOURCES:
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def choice_key(shapes: Sequence[tuple[str, int, int]], buckets: Sequence[int], dtype: torch.dtype,
+               candidates: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything that changes which kernel wins; the cache file is named by its hash."""
+    return {"version": CHOICE_VERSION, "cpu": cpu_model_name(),
+            "flags": hashlib.sha1(cpu_flags_line().encode()).hexdigest()[:12], "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "sources": _sources_hash(), "dtype": str(dtype),
+            "shapes": [list(s) for s in shapes], "buckets": list(buckets), "candidates": dict(candidates)}
+
+
+def cache_path(key: Mapping[str, Any], folder: Path | None = None) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return (folder or kernel_choice_dir()) / f"{digest}.json"
+
+
+def load_cached(key: Mapping[str, Any], folder: Path | None = None) -> KernelChoice | None:
+    """The cached table for exactly this key, or None (missing, unreadable, or another key)."""
+    path = cache_path(key, folder)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != json.loads(json.dumps(key)):
+            return None
+        return KernelChoice.from_json(data["choice"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached(key: Mapping[str, Any], choice: KernelChoice, folder: Path | None = None) -> None:
+    path = cache_path(key, folder)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "choice": choice.to_json()}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: measure again next time, but run
+        log.warning("could not cache the kernel choice in %s: %s", path.parent, exc)
+
+
+# ---- candidates ------------------------------------------------------------------------------------
+def _linear(out_features: int, in_features: int) -> nn.Linear:
+    lin = nn.Linear(in_features, out_features, bias=False, device="meta")
+    lin.weight = nn.Parameter(torch.randn(out_features, in_features).mul_(0.02).bfloat16(), requires_grad=False)
+    return lin
+
+
+def layout_candidates(in_features: int, kernels: ModuleType | None) -> list[str]:
+    """The bf16 layouts that can run a projection with this many inputs on this machine."""
+    ok = {"tiled": tiled_gemm_vectorised(kernels) and in_features % 2 == 0, "onednn": prepack_available(),
+          "float32": True}
+    return [name for name in LAYOUTS if ok[name]]
+
+
+def linear_candidates(lin: nn.Linear, layouts: Sequence[str], twin: str | None
+                      ) -> dict[str, Callable[[int], Callable[[], object]]]:
+    """One factory per layout (and for the twin, run at every row count), each CpuLinear as the
+    model will hold it, so the op's own overhead is in the figure."""
+    mods = {name: CpuLinear(lin, layout=name) for name in layouts}
+    if twin:
+        mods[twin] = CpuLinear(lin, twin, 1 << 30, layout=layouts[0])
+
+    def factory(mod: CpuLinear) -> Callable[[int], Callable[[], object]]:
+        def make(rows: int) -> Callable[[], object]:
+            x = torch.randn(rows, lin.in_features).bfloat16()
+            return lambda: mod(x)
+        return make
+    return {name: factory(mod) for name, mod in mods.items()}
+
+
+def attention_candidates(backends: Mapping[str, AttentionBackend], num_heads: int, num_kv_heads: int,
+                         head_dim: int, block_size: int, dtype: torch.dtype
+                         ) -> dict[str, Callable[[int], Callable[[], object]]]:
+    """Each backend's decode at `rows` sequences of ATTENTION_CONTEXT tokens each."""
+    per_seq = -(-ATTENTION_CONTEXT // block_size)
+
+    def factory(backend: AttentionBackend) -> Callable[[int], Callable[[], object]]:
+        def make(rows: int) -> Callable[[], object]:
+            shape = (rows * per_seq, block_size, num_kv_heads, head_dim)
+            k, v = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+            meta = DecodeMetadata(block_tables=torch.arange(rows * per_seq).view(rows, per_seq),
+                                  context_lens=torch.full((rows,), ATTENTION_CONTEXT), max_context_len=ATTENTION_CONTEXT)
+            q = torch.randn(rows, num_heads, head_dim).to(dtype)
+            return lambda: backend.decode(q, k, v, meta, head_dim ** -0.5)
+        return make
+    return {name: factory(b) for name, b in backends.items()}
+
+
+@dataclass
+class ChoiceRequest:
+    """What `choose_kernels` measures: the model's projection shapes, what may vary, and the step sizes."""
+    shapes: list[tuple[str, int, int]]  # (role, out_features, in_features), role "proj" or "head"
+    buckets: list[int]
+    dtype: torch.dtype
+    layout: str | None = None  # forced layout (EngineConfig.bf16_gemm), or None: measured
+    four_bit: bool = False  # the projections get a 4-bit twin to time
+    q8_head: bool = False  # the LM head gets a Q8_0 twin to time
+    attention: tuple[int, int, int, int] | None = None  # (heads, kv heads, head_dim, block_size): measured
+
+
+def shapes_of(model: nn.Module) -> list[tuple[str, int, int]]:
+    """The distinct (role, out, in) of the bf16 CPU linears optimize_cpu_linears will replace."""
+    seen: dict[tuple[str, int, int], None] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu":
+            role = "head" if name == "lm_head" else "proj" if name.startswith("layers.") else None
+            if role:
+                seen[role, mod.out_features, mod.in_features] = None
+    return list(seen)
+
+
+def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bool = False,
+                   folder: Path | None = None) -> KernelChoice:
+    """The cached table for this machine and model, or a new measurement (saved for next time)."""
+    attn_names = ((["cpu"] if kernels is not None else []) + ["torch"]) if req.attention else []
+    described = {"layout": req.layout, "four_bit": req.four_bit, "q8_head": req.q8_head,
+                 "attention": list(req.attention or ()), "attention_candidates": attn_names,
+                 "kernels": kernels is not None}
+    key = choice_key(req.shapes, req.buckets, req.dtype, described)
+    if not remeasure:
+        cached = load_cached(key, folder)
+        if cached is not None:
+            return cached
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    proj_buckets = sorted({*req.buckets, max(PREFILL_ROWS, *req.buckets)})
+    linears: dict[str, LinearChoice] = {}
+    with torch.inference_mode():
+        for role, n, k in req.shapes:
+            layouts = [req.layout] if req.layout else layout_candidates(k, kernels)
+            if req.layout == "tiled" and k % 2:
+                layouts = ["onednn"]  # as optimize_cpu_linears does for an odd in_features
+            twin = (four_bit_twin(k, kernels) if role == "proj" and req.four_bit else
+                    "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
+            buckets = proj_buckets if role == "proj" else req.buckets
+            sec = measure(linear_candidates(_linear(n, k), layouts, twin), buckets,
+                          give_up={twin: TWIN_GIVE_UP} if twin else None)
+            base = {name: t for name, t in sec.items() if name != twin}
+            layout = pick_fastest(base)
+            cut = twin_cutover(sec[twin], sec[layout]) if twin else 0
+            linears[f"{role}:{n}x{k}"] = LinearChoice(role, layout, twin, cut, _ms(sec))
+        attention, attn_ms = None, {}
+        if len(attn_names) > 1:
+            heads, kv_heads, head_dim, block_size = req.attention
+            backends = {"cpu": CpuKernelAttentionBackend(kernels), "torch": TorchAttentionBackend()}
+            sec = measure(attention_candidates({n: backends[n] for n in attn_names}, heads, kv_heads, head_dim,
+                                               block_size, req.dtype), req.buckets)
+            attention, attn_ms = pick_fastest(sec), _ms(sec)
+    choice = KernelChoice(proj_buckets, linears, attention, attn_ms, time.perf_counter() - t0)
+    save_cached(key, choice, folder)
+    return choice
+
+
+def _ms(sec: Mapping[str, Mapping[int, float]]) -> dict[str, dict[int, float]]:
+    return {name: {b: round(s * 1e3, 4) for b, s in t.items()} for name, t in sec.items()}

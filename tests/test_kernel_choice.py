@@ -1,0 +1,115 @@
+"""Kernel choice by measurement (platform/kernel_choice.py): the chooser follows the clock, not the
+CPU's flags, and its cached table comes back for the same machine and model and not for another."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from iterserve.config import EngineConfig
+from iterserve.engine import LLMEngine
+from iterserve.platform import kernel_choice as kc
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_linear import CpuLinear, prepack_available, tiled_gemm_vectorised
+
+
+def _sleepy(seconds: float):
+    def make(rows: int):
+        return lambda: time.sleep(seconds)
+    return make
+
+
+def test_measure_picks_the_faster_of_two_candidates():
+    fast, slow = _sleepy(0.0005), _sleepy(0.003)
+    assert kc.pick_fastest(kc.measure({"a": slow, "b": fast}, [1, 2])) == "b"
+    assert kc.pick_fastest(kc.measure({"a": fast, "b": slow}, [1, 2])) == "a"
+
+
+def test_a_candidate_far_behind_is_not_timed_further():
+    times = kc.measure({"fast": _sleepy(0.0005), "slow": _sleepy(0.01)}, [1, 2, 4])
+    assert times["slow"][1] > times["fast"][1] and times["slow"][4] == float("inf")
+
+
+def test_twin_cutover_is_the_last_bucket_where_the_twin_led_throughout():
+    base = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+    assert kc.twin_cutover({1: 0.5, 2: 0.8, 4: 1.2, 8: 0.9}, base) == 2  # 8 does not count: 4 lost
+    assert kc.twin_cutover({1: 1.5, 2: 0.5, 4: 0.5, 8: 0.5}, base) == 0
+
+
+def _slowed(layout: str, seconds: float, real=kc.linear_candidates):
+    """kc.linear_candidates with `layout` made artificially slow (a sleep before each call)."""
+    def candidates(lin, layouts, twin):
+        out = real(lin, layouts, twin)
+        make = out[layout]
+        out[layout] = lambda rows: (lambda f: (lambda: (time.sleep(seconds), f())))(make(rows))
+        return out
+    return candidates
+
+
+def _request(**kw) -> kc.ChoiceRequest:
+    return kc.ChoiceRequest(shapes=[("proj", 64, 128)], buckets=[1, 2], dtype=torch.bfloat16, **kw)
+
+
+@pytest.mark.skipif(not (tiled_gemm_vectorised(load_cpu_kernels()) and prepack_available()),
+                    reason="needs both our AVX512-BF16 GEMM and oneDNN bf16")
+@pytest.mark.parametrize("slow,expected", [("tiled", "onednn"), ("onednn", "tiled")])
+def test_choose_kernels_takes_the_other_layout_when_one_is_made_slow(monkeypatch, tmp_path, slow, expected):
+    monkeypatch.setattr(kc, "layout_candidates", lambda in_features, kernels: ["tiled", "onednn"])
+    monkeypatch.setattr(kc, "linear_candidates", _slowed(slow, 0.005))
+    choice = kc.choose_kernels(_request(), load_cpu_kernels(), remeasure=True, folder=tmp_path)
+    assert choice.plan("proj", 64, 128).layout == expected
+    assert choice.source == "measured" and choice.seconds > 0
+
+
+def test_cache_round_trips_and_misses_on_another_key(monkeypatch, tmp_path):
+    kernels = load_cpu_kernels()
+    first = kc.choose_kernels(_request(), kernels, folder=tmp_path)
+    assert first.source == "measured" and len(list(tmp_path.glob("*.json"))) == 1
+    again = kc.choose_kernels(_request(), kernels, folder=tmp_path)
+    assert again.source == "cache" and again.summary()["linears"] == first.summary()["linears"]
+    assert again.linears == first.linears  # every figure comes back, inf and int buckets included
+    # another key (model shape, torch version, CPU): measured anew, in a file of its own
+    other = kc.choose_kernels(kc.ChoiceRequest(shapes=[("proj", 32, 128)], buckets=[1, 2], dtype=torch.bfloat16),
+                              kernels, folder=tmp_path)
+    assert other.source == "measured"
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert kc.choose_kernels(_request(), kernels, folder=tmp_path).source == "measured"
+    monkeypatch.undo()
+    monkeypatch.setattr(kc, "cpu_model_name", lambda: "Another CPU")
+    assert kc.load_cached(kc.choice_key([("proj", 64, 128)], [1, 2], torch.bfloat16, {}), tmp_path) is None
+    monkeypatch.undo()
+    assert kc.choose_kernels(_request(), kernels, folder=tmp_path).source == "cache"
+    assert kc.choose_kernels(_request(), kernels, remeasure=True, folder=tmp_path).source == "measured"
+
+
+def test_a_damaged_cache_file_is_measured_again(tmp_path):
+    kernels = load_cpu_kernels()
+    kc.choose_kernels(_request(), kernels, folder=tmp_path)
+    next(tmp_path.glob("*.json")).write_text("{not json")
+    assert kc.choose_kernels(_request(), kernels, folder=tmp_path).source == "measured"
+
+
+@pytest.mark.skipif(not prepack_available(), reason="needs oneDNN bf16")
+def test_engine_lays_out_each_projection_as_measured(tiny_model_dir, monkeypatch, tmp_path):
+    """The engine's start-up measures (cache under XDG_CACHE_HOME), applies the table to every
+    projection, and reports it in its resolved config (what /v1/scheduler and benchmarks show);
+    a second start reads it back; --bf16-gemm still forces a layout."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = dict(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="16MiB", measure_kernels=True,
+               max_num_seqs=4)
+    eng = LLMEngine(EngineConfig(**cfg))
+    resolved = eng.resolved_config()["kernel_choice"]
+    assert resolved["source"] == "measured" and resolved["buckets"] == [1, 2, 4, 64]
+    choice = eng.platform.kernel_choice
+    for name, mod in eng.model.named_modules():
+        if isinstance(mod, CpuLinear):
+            role = "head" if name == "lm_head" else "proj"
+            assert mod.layout == choice.plan(role, mod.out_features, mod.in_features).layout, name
+    assert list((tmp_path / "iterserve" / "kernel_choice").glob("*.json"))
+    assert LLMEngine(EngineConfig(**cfg)).resolved_config()["kernel_choice"]["source"] == "cache"
+    forced = LLMEngine(EngineConfig(**cfg, bf16_gemm="float32"))
+    assert {c.layout for c in forced.platform.kernel_choice.linears.values()} == {"float32"}
+    assert all(m.layout == "float32" for m in forced.model.modules() if isinstance(m, CpuLinear))
+    off = LLMEngine(EngineConfig(**{**cfg, "measure_kernels": False}))
+    assert off.platform.kernel_choice is None and "CPU flags" in off.resolved_config()["kernel_choice"]
