@@ -5,6 +5,7 @@ cold, with each library's cache bypassed) and, per decode step, filling the toke
 constrained requests and applying it to a [16, vocab] float32 logits tensor. The 16 matchers are
 walked through a real JSON document token by token so the masks are those of mid-generation states.
 
+    .venv/bin/pip install xgrammar   # not a dependency of iterserve
     .venv/bin/python benchmarks/grammar_backends.py [--steps 40] [--repeats 3]
 """
 from __future__ import annotations
@@ -19,7 +20,11 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
-import xgrammar as xgr
+
+try:
+    import xgrammar as xgr
+except ImportError:  # not a dependency: only this comparison uses it
+    raise SystemExit("this comparison needs xgrammar: .venv/bin/pip install xgrammar") from None
 
 from iterserve.model.loader import load_tokenizer, resolve_model
 
