@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from iterserve.bench.compare import replay
+from iterserve.bench.conversation import ConversationOptions, build_conversations, run_conversations
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.report import ModeRun
 from iterserve.bench.workload import WORKLOADS, RequestSpec, build_prompts, bursty, make_workload, trace
@@ -36,7 +37,7 @@ from iterserve.llm import LLM
 from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.sim.profile import Profile
 from iterserve.sampling import SamplingParams
-from iterserve.sim.simulator import simulate
+from iterserve.sim.simulator import conversation_plans, simulate
 from iterserve.sim.step_model import StepFeatures, step_features
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -59,9 +60,19 @@ def workload(kind: str, n: int, rate: float, args: argparse.Namespace) -> list[R
         every = max(n / (3 * rate), 1.0)
         return bursty(n, base_rate=base, peak_rate=6 * base, burst_every_s=every, burst_len_s=every / 5,
                       seed=args.seed, input_len=(16, 256), output_len=(8, 128), **lim)
-    if kind in WORKLOADS:  # e.g. a multi-turn generator added to the workload module
+    if kind in WORKLOADS and kind != "multi-turn":
         return make_workload(kind, num_requests=n, rate=rate, seed=args.seed, **lim)
     raise SystemExit(f"unknown workload {kind!r}")
+
+
+# multi-turn: the load is the number of concurrent conversations (closed loop within each)
+CONVERSATIONS = {"light": 2, "near": 8, "over": 24}
+
+
+def conversation_options(load: str, args: argparse.Namespace) -> ConversationOptions:
+    return ConversationOptions(num_conversations=CONVERSATIONS[load], turns=3 if args.tiny else 6,
+                               system_prompt_len=64 if args.tiny else 400, user_len=(16, 64),
+                               output_len=args.max_output_len, think_time_s=1.0, stagger_s=2.0, seed=args.seed)
 
 
 def engine_config(flags: list[str], model: str):
@@ -121,7 +132,7 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="smoke run: 6 requests, one load, quick profile")
     args = p.parse_args()
     if args.tiny:
-        args.num_requests, args.loads, args.workloads = 6, "near", "bursty,conversation"
+        args.num_requests, args.loads, args.workloads = 6, "light", "bursty,conversation,multi-turn"
         args.max_input_len, args.max_output_len = 64, 16
     args.out.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.server_args) + ["--max-input-len", str(args.max_input_len),
@@ -132,13 +143,29 @@ def main() -> int:
         subprocess.run(cmd + (["--quick", "--repeats", "1"] if args.tiny else []), check=True)
     profile = Profile.load(prof_path)
     tokenizer = load_tokenizer(resolve_model(args.model))
-    first = workload(args.workloads.split(",")[0], args.num_requests, 1.0, args)
+    rows, raw = [], []
+    first = workload(next(k for k in args.workloads.split(",") if k != "multi-turn"), args.num_requests, 1.0, args)
     check = step_check(args.model, MODE_FLAGS["continuous"] + extra, first, profile)
     print(check, file=sys.stderr)
     kinds = [k for k in args.workloads.split(",") if k in ("conversation", "bursty") or k in WORKLOADS]
     skipped = sorted(set(args.workloads.split(",")) - set(kinds))
+    if "multi-turn" in kinds:  # conversations, not a request list: sized by their number
+        kinds.remove("multi-turn")
+        for load in args.loads.split(","):
+            opts = conversation_options(load, args)
+            for mode in args.modes.split(","):
+                flags = MODE_FLAGS[mode] + extra
+                with ServerProcess([args.model, *flags], log_path=args.out / f"server-multi-{load}-{mode}.log") as srv:
+                    result = asyncio.run(run_conversations(srv.base_url, build_conversations(opts, tokenizer),
+                                                           endpoint="completions", progress=False))
+                real = result.summary()
+                sim = simulate([], engine_config(flags, args.model), profile,
+                               conversations=conversation_plans(opts)).result.summary()
+                err = errors(real, sim)
+                rows.append(("multi-turn", load, mode, err))
+                raw.append({"workload": "multi-turn", "load": load, "mode": mode, "conversations": opts.num_conversations,
+                            "real": real, "sim": sim, "errors": err})
     # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
-    rows, raw = [], []
     for kind in kinds:
         probe = workload(kind, args.num_requests, 1.0, args)
         sat = [dataclasses.replace(s, arrival_s=0.0) for s in probe]
@@ -178,7 +205,7 @@ def main() -> int:
     print(table)
     print(f"\n{check}")
     if skipped:
-        print(f"\nskipped (no such workload here yet): {', '.join(skipped)}")
+        print(f"\nskipped (unknown workload): {', '.join(skipped)}")
     (args.out / "validation.json").write_text(json.dumps({"profile": profile.to_dict(), "runs": raw,
                                                           "table": table, "step_check": check}, indent=1))
     print(f"wrote {args.out / 'validation.json'}", file=sys.stderr)
