@@ -70,8 +70,8 @@ CONVERSATIONS = {"light": 2, "near": 8, "over": 24}
 
 
 def conversation_options(load: str, args: argparse.Namespace) -> ConversationOptions:
-    return ConversationOptions(num_conversations=CONVERSATIONS[load], turns=3 if args.tiny else 6,
-                               system_prompt_len=64 if args.tiny else 400, user_len=(16, 64),
+    return ConversationOptions(num_conversations=CONVERSATIONS[load], turns=2 if args.tiny else 6,
+                               system_prompt_len=32 if args.tiny else 400, user_len=(8, 16) if args.tiny else (16, 64),
                                output_len=args.max_output_len, think_time_s=1.0, stagger_s=2.0, seed=args.seed)
 
 
@@ -129,11 +129,12 @@ def main() -> int:
     p.add_argument("--max-output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/sim-validation"))
-    p.add_argument("--tiny", action="store_true", help="smoke run: 6 requests, one load, quick profile")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke run: 6 requests (2 conversations of 2 turns), one load, quick profile")
     args = p.parse_args()
     if args.tiny:
-        args.num_requests, args.loads, args.workloads = 6, "light", "bursty,conversation,multi-turn"
-        args.max_input_len, args.max_output_len = 64, 16
+        args.num_requests, args.loads = 6, "light"
+        args.max_input_len, args.max_output_len = 128, 16
     args.out.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.server_args) + ["--max-input-len", str(args.max_input_len),
                                              "--max-output-len", str(args.max_output_len)]
@@ -165,6 +166,8 @@ def main() -> int:
                 rows.append(("multi-turn", load, mode, err))
                 raw.append({"workload": "multi-turn", "load": load, "mode": mode, "conversations": opts.num_conversations,
                             "real": real, "sim": sim, "errors": err})
+                print(f"multi-turn {load} {mode}: {real['completed']} / {sim['completed']} turns completed "
+                      f"(real / sim), {real['failed']} / {sim['failed']} failed", file=sys.stderr)
     # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
     for kind in kinds:
         probe = workload(kind, args.num_requests, 1.0, args)
