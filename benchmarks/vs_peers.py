@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from iterserve.bench.common import load_average
+from iterserve.bench.machine import figures_line, machine_figures
 from iterserve.bench.peers import PeerInstall, System, Unavailable, serving
-from iterserve.bench.summary import default_raw_dir, git_commit, host_info, write_json
+from iterserve.bench.summary import default_raw_dir, git_commit, write_json
+from iterserve.bench.vllm_bench import QUICK_SETTINGS, SETTINGS, bench_table, run_bench
 from iterserve.bench.vs_peers import (DEFAULT_PEERS_HOME, TRANSFORMERS, Plan, Report, build_workloads, engine_flags,
                                       markdown, measure, notes, parse_args, plan_from_args, report_table,
                                       summarise)
@@ -78,6 +80,8 @@ def run_all(args: argparse.Namespace, report: Report) -> None:
             with serving(system, install, args.model, log_dir, args.startup_timeout) as started:
                 _say(f"{system.label}: up after {started.startup_s:.1f} s at {started.base_url}")
                 workloads = measure(started.base_url, work, _say)
+                if args.vllm_bench:
+                    workloads.update(vllm_bench(args, install, started.base_url, system.label))
             report.systems[system.label] = {
                 "kind": system.kind, "settings": started.settings, "startup_s": started.startup_s,
                 "loadavg_before": load_before, "loadavg_after": load_average(), "workloads": workloads}
@@ -90,11 +94,27 @@ def run_all(args: argparse.Namespace, report: Report) -> None:
     _say(f"iterserve logs in {log_dir}")
 
 
+def vllm_bench(args: argparse.Namespace, install: PeerInstall, base_url: str, label: str) -> dict[str, Any]:
+    """`vllm bench serve` against one running server, each setting as workload "vllm_bench:NAME"."""
+    vllm, tokenizer = install.home / "vvenv" / "bin" / "vllm", install.home / "model" / "smollm2-135m-hf"
+    out: dict[str, Any] = {}
+    for setting in QUICK_SETTINGS if args.quick else SETTINGS:
+        if not vllm.exists() or not tokenizer.exists():
+            out[f"vllm_bench:{setting.name}"] = {"error": f"needs {vllm} and {tokenizer} (../shared/peers/setup_vllm.sh)"}
+            continue
+        m = run_bench(vllm, base_url, tokenizer, setting, args.raw_dir / "vllm_bench" / label)
+        out[f"vllm_bench:{setting.name}"] = m
+        _say(f"  vllm bench serve {setting.name}: {m}")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report = Report(plan_from_args(args))
     args.raw_dir = args.raw_dir or default_raw_dir("vs_peers")
     started, load_start = datetime.now().astimezone().isoformat(timespec="seconds"), load_average()
+    host = machine_figures()
+    _say(figures_line(host))
     try:
         run_all(args, report)
     except KeyboardInterrupt:  # every server is already stopped by then: report what ran
@@ -102,15 +122,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say("interrupted: reporting what finished")
     lines = report_table(report, args.systems)
     table = markdown(lines)
-    print("\n".join([table, *notes(report)]))
+    print("\n".join([figures_line(host), table, *notes(report)]))
+    bench = {label: {k.partition(":")[2]: w for k, w in r["workloads"].items() if k.startswith("vllm_bench:")}
+             for label, r in report.systems.items()}
+    if args.vllm_bench:
+        print("vllm bench serve:\n" + bench_table(bench))
     command = ["python", "benchmarks/vs_peers.py", *(sys.argv[1:] if argv is None else argv)]
     result = {"date": started, "finished": datetime.now().astimezone().isoformat(timespec="seconds"),
-              "command": shlex.join(command), "commit": git_commit(), "host": host_info(),
+              "command": shlex.join(command), "commit": git_commit(), "host": host,
               "raw": str(args.raw_dir / "vs_peers.json"),
               "loadavg_at_start": load_start, "loadavg_at_end": load_average(),
               "plan": dataclasses.asdict(report.plan), "order": [s.label for s in args.systems],
               "interrupted": report.interrupted, "skipped": report.skipped,
-              "table": {"rows": lines, "markdown": table}, "systems": report.systems, "offline": report.offline}
+              "table": {"rows": lines, "markdown": table},
+              "vllm_bench_table": bench_table(bench) if args.vllm_bench else None, "systems": report.systems, "offline": report.offline}
     write_json(args.raw_dir / "vs_peers.json", result, compact=True)
     write_json(args.out, summarise(result))
     _say(f"wrote {args.out}; raw records in {args.raw_dir}")

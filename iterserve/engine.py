@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
 from iterserve.model.loader import load_model, resolve_model
-from iterserve.platform.base import kv_bytes_per_block
+from iterserve.platform.base import kv_bytes_per_block, user_cache_dir
 from iterserve.platform.selector import get_platform
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
 from iterserve.runner import ModelRunner
@@ -124,6 +125,9 @@ class LLMEngine:
     def _compile_model(self) -> None:
         if not hasattr(self.model, "compile_decoder"):
             raise ValueError(f"compile: {type(self.model).__name__} has no compile_decoder()")
+        # inductor's FX graph and AOT autograd caches (on by default) in the user's cache, not /tmp,
+        # so a restart, even after a reboot, loads the compiled graphs instead of compiling them
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(user_cache_dir() / "inductor"))
         t0 = time.perf_counter()
         self.model.compile_decoder()
         self.runner.warm_up()

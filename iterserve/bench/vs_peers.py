@@ -19,6 +19,12 @@ plus ~2-3 minutes of vLLM start-up):
               tokens (issue 3's mix), seed 0: p50 / p95 latency, p95 TTFT, output tok/s
   offline     (--offline) benchmarks/offline_vs_hf.py's mixed-length set in this process:
               iterserve's engine vs transformers `generate` in static batches of 8
+  vllm bench  (--vllm-bench) vLLM's own client, `vllm bench serve`, against each server: random
+              128 in / 64 out at 4 req/s (32 prompts), and prefill-heavy 1024 / 16 at 1 req/s
+              (iterserve/bench/vllm_bench.py); its own table
+
+The run first prints the host: CPU model, cores, the speed-deciding flags, a copy bandwidth and a
+bf16 GEMM figure (iterserve/bench/machine.py), which also go into the JSON.
 
 Usage (repo root; benchmarks/vs_peers.py runs it, this module holds the plan, the metrics and
 the table, which the tests import):
@@ -311,6 +317,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, help="workload seed (default 0)")
     ap.add_argument("--offline", action="store_true",
                     help="also run offline_vs_hf.py's comparison against transformers (slow: ~10 min)")
+    ap.add_argument("--vllm-bench", action="store_true",
+                    help="also run vLLM's `vllm bench serve` client ($PEERS/vvenv) against each server "
+                         "(random 128/64 at 4 req/s and prefill-heavy 1024/16 at 1 req/s; --quick: 4 short ones)")
     ap.add_argument("--offline-requests", type=int, help="offline requests (default 64, quick 4)")
     ap.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
                     help="the peer scripts (default: ../shared/peers from the repo root)")

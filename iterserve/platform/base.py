@@ -7,7 +7,9 @@ ask which device they drive.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,12 @@ from iterserve.model.loader import ModelSource
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def user_cache_dir() -> Path:
+    """iterserve's folder in the user's cache ($XDG_CACHE_HOME/iterserve, else ~/.cache/iterserve):
+    the measured kernel table (platform/kernel_choice.py) and inductor's compiled graphs."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "iterserve"
 
 
 def parse_dtype(name: str) -> torch.dtype:

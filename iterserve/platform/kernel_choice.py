@@ -45,6 +45,7 @@ from iterserve.attention.backend import AttentionBackend, TorchAttentionBackend
 from iterserve.attention.cpu_backend import CpuKernelAttentionBackend
 from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
+from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, four_bit_twin, prepack_available,
                                            tiled_gemm_vectorised)
 
@@ -62,8 +63,7 @@ SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kerne
 
 def kernel_choice_dir() -> Path:
     """Where chosen tables are cached: $XDG_CACHE_HOME/iterserve/kernel_choice (~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "iterserve" / "kernel_choice"
+    return user_cache_dir() / "kernel_choice"
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -1,0 +1,47 @@
+"""Two figures that say what kind of machine a benchmark ran on, printed beside its results: memory
+bandwidth (a large tensor copy: decoding small batches is bound by reading weights) and bf16 GEMM
+throughput through torch (prefill and large batches are bound by it; on AMX hosts oneDNN uses the
+tiles). Hosts of one "kind" differ 2x in both, so a result without them cannot be compared.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from iterserve.bench.summary import host_info
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
+    """GB/s of a `mib` MiB tensor copy, counting the bytes read and written (as STREAM's copy)."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), reps) / 1e9
+
+
+def bf16_gemm_gflops(n: int = 1024, reps: int = 5) -> float:
+    """GFLOP/s of an n x n x n bfloat16 matmul through torch (oneDNN: AMX tiles where present)."""
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    return 2 * n**3 / _best(lambda: torch.mm(a, b), reps) / 1e9
+
+
+def machine_figures() -> dict[str, Any]:
+    """host_info() plus the bandwidth and GEMM figures, and torch's thread count for them."""
+    return {**host_info(), "copy_gb_s": round(copy_bandwidth_gbs(), 1),
+            "bf16_gemm_1024_gflop_s": round(bf16_gemm_gflops(), 1), "torch_threads": torch.get_num_threads()}
+
+
+def figures_line(fig: dict[str, Any]) -> str:
+    return (f"host: {fig['cpu']}, {fig['cores']} cores, {' '.join(fig['isa'])}; copy {fig['copy_gb_s']} GB/s, "
+            f"bf16 GEMM 1024^3 {fig['bf16_gemm_1024_gflop_s']} GFLOP/s ({fig['torch_threads']} threads)")
