@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 from PIL import Image  # noqa: E402  (matplotlib's dependency)
 
-from browser import open_browser  # noqa: E402  (sibling script)
+from iterserve.bench.browser import open_browser  # noqa: E402
 from iterserve.bench.launcher import ServerProcess  # noqa: E402
 
 CONDITIONS = ("none", "stream", "browser")

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from iterserve.bench.client import RunResult, run_load  # noqa: E402
 from iterserve.bench.conversation import ConversationOptions, build_conversations, run_conversations  # noqa: E402
 from iterserve.bench.launcher import ServerProcess  # noqa: E402
-from iterserve.bench.workload import _len_arg, build_prompts, constant  # noqa: E402
+from iterserve.bench.workload import len_arg, build_prompts, constant  # noqa: E402
 from iterserve.model.loader import load_tokenizer, resolve_model  # noqa: E402
 
 
@@ -62,8 +62,8 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-prompt-len", type=int, default=400)
-    p.add_argument("--user-len", type=_len_arg, default=(32, 96))
-    p.add_argument("--output-len", type=_len_arg, default=64)
+    p.add_argument("--user-len", type=len_arg, default=(32, 96))
+    p.add_argument("--output-len", type=len_arg, default=64)
     p.add_argument("--think-time", type=float, default=1.0)
     p.add_argument("--stagger", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,7 @@ import pytest
 
 from iterserve.bench import workload as wl
 from iterserve.bench.client import _PREFIX_CACHE_RE, prefix_cache_delta, run_load
-from iterserve.bench.conversation import (ConversationOptions, _body, build_conversations, later_turn_stats,
+from iterserve.bench.conversation import (ConversationOptions, turn_body, build_conversations, later_turn_stats,
                                           run_conversations)
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.workload import WorkloadError
@@ -36,11 +36,11 @@ def test_conversations_share_one_system_prompt_and_are_seeded() -> None:
 
 def test_each_turn_resends_the_whole_history() -> None:
     conv = build_conversations(ConversationOptions(num_conversations=1, turns=2, system_prompt_len=20))[0]
-    first = _body(conv, 0, "m", chat=True, ignore_eos=True)["messages"]
+    first = turn_body(conv, 0, "m", chat=True, ignore_eos=True)["messages"]
     conv.history += [{"role": "user", "content": conv.user_turns[0]}, {"role": "assistant", "content": "ANSWER"}]
-    second = _body(conv, 1, "m", chat=True, ignore_eos=True)["messages"]
+    second = turn_body(conv, 1, "m", chat=True, ignore_eos=True)["messages"]
     assert second[: len(first)] == first and second[len(first)]["content"] == "ANSWER"
-    prompt = _body(conv, 1, "m", chat=False, ignore_eos=True)["prompt"]
+    prompt = turn_body(conv, 1, "m", chat=False, ignore_eos=True)["prompt"]
     assert prompt.startswith("System: " + conv.system_prompt) and "Assistant: ANSWER" in prompt
 
 

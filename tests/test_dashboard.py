@@ -1,12 +1,11 @@
 """The live dashboard: the stream's aggregation, the stream over real HTTP, and the page in headless
-Chromium (Debian's chromium, installed by benchmarks/browser.py when missing) against a real server
+Chromium (Debian's chromium, installed by iterserve/bench/browser.py when missing) against a real server
 on loopback with the tiny model: it receives step records, redraws, draws the block map, asks for
 the API key, and reconnects after a restart."""
 from __future__ import annotations
 
 import json
 import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,14 +15,13 @@ import pytest
 from app_server import AppServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from iterserve.bench.browser import open_browser
 from iterserve.bench.launcher import ServerProcess
 from iterserve.core.block_hash import hash_block_chain
 from iterserve.core.block_pool import BlockPool
 from iterserve.engine import StepRecord
 from iterserve.server.dashboard import aggregate_steps, percentile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from browser import open_browser  # noqa: E402  (benchmarks/browser.py)
 
 MODEL = "tiny"
 KEY = "s3cret-key"

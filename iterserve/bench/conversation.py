@@ -24,7 +24,7 @@ from tqdm import tqdm
 from iterserve.bench.client import (CONNECT_TIMEOUT_S, GRACE_S, ClientError, RequestRecord, RunResult,
                                     api_root, prefix_cache_counters, prefix_cache_delta, resolve_served_model,
                                     stream_request)
-from iterserve.bench.workload import LenSpec, WorkloadError, _sample_lengths, prose_source
+from iterserve.bench.workload import LenSpec, WorkloadError, sample_lengths, prose_source
 
 
 @dataclass
@@ -67,8 +67,8 @@ def build_conversations(opts: ConversationOptions, tokenizer: Any = None) -> lis
     system = "You are a helpful assistant. Use the following reference text.\n\n" + source.text(opts.system_prompt_len, 0)
     n, t = opts.num_conversations, opts.turns
     starts = np.sort(rng.uniform(0.0, opts.stagger_s, n)) if opts.stagger_s else np.zeros(n)
-    user_lens = _sample_lengths(opts.user_len, n * t, rng, "user_len").reshape(n, t)
-    out_lens = _sample_lengths(opts.output_len, n * t, rng, "output_len").reshape(n, t)
+    user_lens = sample_lengths(opts.user_len, n * t, rng, "user_len").reshape(n, t)
+    out_lens = sample_lengths(opts.output_len, n * t, rng, "output_len").reshape(n, t)
     thinks = rng.exponential(opts.think_time_s, (n, t)) if opts.think_time_s else np.zeros((n, t))
     convs = []
     for c in range(n):
@@ -89,7 +89,7 @@ def _flatten(messages: Sequence[dict[str, str]]) -> str:
     return "".join(f"{names[m['role']]}: {m['content']}\n\n" for m in messages) + "Assistant:"
 
 
-def _body(conv: Conversation, turn: int, model: str, chat: bool, ignore_eos: bool) -> dict[str, Any]:
+def turn_body(conv: Conversation, turn: int, model: str, chat: bool, ignore_eos: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": conv.output_lens[turn], "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
     messages = _messages(conv, turn)
@@ -129,7 +129,7 @@ async def run_conversations(base_url: str, convs: Sequence[Conversation], model:
         async def talk(conv: Conversation) -> None:
             await asyncio.sleep(max(0.0, t0 + conv.start_s - time.perf_counter()))
             for turn in range(len(conv.user_turns)):
-                body = _body(conv, turn, model, endpoint == "chat", ignore_eos)
+                body = turn_body(conv, turn, model, endpoint == "chat", ignore_eos)
                 rec = RequestRecord(len(records), time.perf_counter() - t0,
                                     _approx_tokens(body), conv.output_lens[turn],
                                     conversation=conv.index, turn=turn)

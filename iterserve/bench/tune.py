@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import json
 import random
 import shlex
 import sys

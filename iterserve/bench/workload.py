@@ -128,12 +128,12 @@ def _synthetic(arrivals: np.ndarray, rng: np.random.Generator,
         raise TypeError(f"unknown workload keyword(s): {', '.join(sorted(unknown))}")
     n = arrivals.size
     return _specs(arrivals,
-                  _sample_lengths(lengths.get("input_len", 128), n, rng, "input_len"),
-                  _sample_lengths(lengths.get("output_len", 128), n, rng, "output_len"),
+                  sample_lengths(lengths.get("input_len", 128), n, rng, "input_len"),
+                  sample_lengths(lengths.get("output_len", 128), n, rng, "output_len"),
                   lengths.get("max_input_len"), lengths.get("max_output_len"))
 
 
-def _sample_lengths(spec: LenSpec, n: int, rng: np.random.Generator, name: str) -> np.ndarray:
+def sample_lengths(spec: LenSpec, n: int, rng: np.random.Generator, name: str) -> np.ndarray:
     if isinstance(spec, (int, np.integer)):
         return np.full(n, int(spec))
     try:
@@ -397,7 +397,7 @@ class _TokenText:
 
 # ---------------------------------------------------------------- command line
 
-def _len_arg(text: str) -> LenSpec:
+def len_arg(text: str) -> LenSpec:
     """`128` or `64:512` (inclusive uniform range)."""
     try:
         parts = [int(p) for p in text.split(":")]
@@ -430,9 +430,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-start", type=int, default=0, metavar="ROW", help="trace: rows to skip")
     g.add_argument("--num-requests", type=int, default=None,
                    help=f"default {DEFAULT_NUM_REQUESTS}, or the whole trace")
-    g.add_argument("--input-len", type=_len_arg, default=128, metavar="N|LO:HI",
+    g.add_argument("--input-len", type=len_arg, default=128, metavar="N|LO:HI",
                    help="prompt tokens (synthetic workloads)")
-    g.add_argument("--output-len", type=_len_arg, default=128, metavar="N|LO:HI",
+    g.add_argument("--output-len", type=len_arg, default=128, metavar="N|LO:HI",
                    help="output tokens (synthetic workloads)")
     g.add_argument("--max-input-len", type=int, default=None, help="clamp prompt lengths")
     g.add_argument("--max-output-len", type=int, default=None, help="clamp output lengths")
@@ -442,7 +442,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("multi-turn workload (--workload multi-turn)")
     m.add_argument("--conversations", type=int, default=8, metavar="N", help="concurrent conversations")
     m.add_argument("--turns", type=int, default=6, help="turns per conversation")
-    m.add_argument("--user-len", type=_len_arg, default=(32, 96), metavar="N|LO:HI",
+    m.add_argument("--user-len", type=len_arg, default=(32, 96), metavar="N|LO:HI",
                    help="tokens of each new user message (answers are --output-len)")
     m.add_argument("--think-time", type=float, default=1.0, metavar="S",
                    help="mean pause (exponential) between an answer and the next turn")

@@ -27,7 +27,7 @@ import numpy as np
 from iterserve.bench.client import RequestRecord, RunResult
 from iterserve.bench.conversation import ConversationOptions
 from iterserve.bench.timeline import Timeline
-from iterserve.bench.workload import RequestSpec, _sample_lengths
+from iterserve.bench.workload import RequestSpec, sample_lengths
 from iterserve.config import EngineConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
@@ -170,8 +170,8 @@ def conversation_plans(opts: ConversationOptions) -> list[ConversationPlan]:
     rng = np.random.default_rng(opts.seed)
     n, t = opts.num_conversations, opts.turns
     starts = np.sort(rng.uniform(0.0, opts.stagger_s, n)) if opts.stagger_s else np.zeros(n)
-    user_lens = _sample_lengths(opts.user_len, n * t, rng, "user_len").reshape(n, t)
-    out_lens = _sample_lengths(opts.output_len, n * t, rng, "output_len").reshape(n, t)
+    user_lens = sample_lengths(opts.user_len, n * t, rng, "user_len").reshape(n, t)
+    out_lens = sample_lengths(opts.output_len, n * t, rng, "output_len").reshape(n, t)
     thinks = rng.exponential(opts.think_time_s, (n, t)) if opts.think_time_s else np.zeros((n, t))
     return [ConversationPlan(c, float(starts[c]), opts.system_prompt_len, [int(x) for x in user_lens[c]],
                              [int(x) for x in out_lens[c]], [float(x) for x in thinks[c]]) for c in range(n)]

@@ -1,4 +1,5 @@
-"""Headless Chromium for the dashboard's tests, its benchmark and its screenshot.
+"""Headless Chromium for the dashboard's tests, its benchmark and its screenshot (needs the dev
+extra's selenium; imported only by those).
 
 Debian's `chromium` and `chromium-driver` packages, driven by Selenium with the driver's path given,
 so Selenium never tries to download a browser or a driver. When either is missing, `ensure_chromium`
