@@ -4,6 +4,7 @@ on loopback with the tiny model: it receives step records, redraws, draws the bl
 the API key, and reconnects after a restart."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -20,7 +21,9 @@ from iterserve.bench.launcher import ServerProcess
 from iterserve.core.block_hash import hash_block_chain
 from iterserve.core.block_pool import BlockPool
 from iterserve.engine import StepRecord
-from iterserve.server.dashboard import aggregate_steps, percentile
+from iterserve.sampling import SamplingParams
+from iterserve.server.async_engine import AsyncEngine
+from iterserve.server.dashboard import SchedulerStream, StreamConfig, aggregate_steps, percentile
 
 
 MODEL = "tiny"
@@ -113,6 +116,51 @@ def test_block_map_shows_cached_and_shared_blocks():
     pool.free("a")
     pool.free("b")
     assert pool.block_map().held == () and set(pool.block_map().cached) == {0, 1}
+
+
+def test_hub_in_process_gathers_only_while_read_and_closes_a_slow_reader(make_engine):
+    """The hub over a real AsyncEngine (tiny model): steps taken with no stream open are not
+    gathered; a reader gets hello then ticks whose steps add up to the engine's; a reader that
+    stops reading is closed after max_backlog ticks instead of being sent a gap; shutdown ends it."""
+    engine = AsyncEngine(make_engine(num_kv_blocks=64, max_model_len=256), warmup=False)
+    hub = SchedulerStream(engine, {"step_limit": 4}, StreamConfig(interval_s=0.02, max_backlog=4))
+
+    async def generate(n: int) -> None:
+        streams = [await engine.add_request(f"r{i}-{n}", [5, 6, 7, 8 + i], SamplingParams(max_tokens=8, ignore_eos=True))
+                   for i in range(n)]
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    async def drain(stream) -> list[bytes]:
+        return [chunk async for chunk in stream]
+
+    async def go() -> tuple[list[bytes], list[bytes], list[bytes]]:
+        engine.start()
+        await generate(3)  # nobody reads: nothing may be gathered
+        assert hub._pending == [] and engine.state.step_count > 0
+        reader = hub.subscribe()
+        events = [await anext(reader)]
+        load = asyncio.create_task(generate(6))
+        while not (load.done() and json.loads(events[-1].split(b"data: ")[1])["running"] == 0):
+            events.append(await anext(reader))
+        slow = hub.subscribe()
+        await anext(slow)  # its hello; then it stops reading
+        await asyncio.sleep(0.02 * 12)
+        rest = await asyncio.wait_for(drain(slow), 5)  # what was queued, then the end of its stream
+        engine.begin_shutdown()
+        tail = await asyncio.wait_for(drain(reader), 5)  # shutdown ends every stream (uvicorn waits for them)
+        await engine.stop()
+        return events, rest, tail
+
+    events, rest, tail = asyncio.run(go())
+    parsed = [json.loads(e.split(b"data: ")[1]) for e in events]
+    assert events[0].startswith(b"event: hello") and parsed[0]["config"] == {"step_limit": 4}
+    ticks = [t for t in parsed[1:] if t["steps"]]
+    assert sum(t["steps"] for t in ticks) == ticks[-1]["last_step"] - ticks[0]["first_step"] + 1
+    assert ticks[-1]["last_step"] == engine.state.step_count and ticks[0]["first_step"] > 1
+    assert 1 <= len(rest) <= 4  # closed at the backlog bound, not left to grow
+    assert len(tail) <= 4
 
 
 # ---- the stream over real HTTP ----------------------------------------------------------------
