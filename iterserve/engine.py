@@ -220,7 +220,7 @@ class LLMEngine:
             try:
                 req.grammar = self.structured.new_grammar(future.result())
             except StructuredOutputError as e:
-                req.status = RequestStatus.FINISHED_ABORTED
+                req.status = RequestStatus.FINISHED_ERROR
                 req.times.finished = time.monotonic()
                 self.requests.pop(rid, None)
                 out = self._output(req, [], None, finished=True)
@@ -240,23 +240,33 @@ class LLMEngine:
             raise RequestRejected(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
                                   f"{num_prompt + params.max_tokens} exceeds max_model_len {self.max_model_len}")
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                      error: str | None = None) -> bool:
+        """Ends a request early: the client went away (abort), or `error` says why (status error or
+        shutdown). Its final output comes with the next step (or abort_all)."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
         if self._compiling.pop(request_id, None) is not None:
-            req.status = RequestStatus.FINISHED_ABORTED
+            req.status = status
+            req.error = error
             self._release([(req, 0)], time.monotonic(), self._pending, finished_ids=None)
             return True
         released = self.scheduler.abort_request(request_id)
-        req.status = RequestStatus.FINISHED_ABORTED
+        req.status = status
+        req.error = error
         self._release(released or [], time.monotonic(), self._pending, finished_ids=None)
         return True
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                  error: str | None = None) -> list[RequestOutput]:
         """Aborts every request; returns their final outputs (and any not yet returned)."""
         for rid in list(self.requests):
-            self.abort_request(rid)
+            try:
+                self.abort_request(rid, status, error)
+            except Exception:  # noqa: BLE001 - after a failed step the state may be odd: free what we can
+                log.exception("abort of %s failed", rid)
+                self.requests.pop(rid, None)
         outputs, self._pending = self._pending, []
         return outputs
 
@@ -270,15 +280,22 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. If scheduling or the forward pass raises, the outputs of requests that had
+        already ended (aborts) are kept for the next call rather than lost with the exception; an
+        error in one request's own processing (detokenisation, stop strings) ends only that request."""
         outputs, self._pending = self._pending, []
-        if self._compiling:
-            self._admit_compiled(outputs)
-        now = time.monotonic()
-        sched = self.scheduler.schedule(now)
-        if sched.is_empty:
-            return outputs
-        t0 = time.perf_counter()
-        results = self.runner.execute(sched)
+        try:
+            if self._compiling:
+                self._admit_compiled(outputs)
+            now = time.monotonic()
+            sched = self.scheduler.schedule(now)
+            if sched.is_empty:
+                return outputs
+            t0 = time.perf_counter()
+            results = self.runner.execute(sched)
+        except BaseException:
+            self._pending = outputs + self._pending
+            raise
         duration = time.perf_counter() - t0
         now = time.monotonic()
         finished: list[tuple[str, int]] = []
@@ -287,25 +304,36 @@ class LLMEngine:
             req.num_computed_tokens += res.scheduled.num_tokens
             if res.token_id is None or req.is_finished:  # mid-prompt chunk, or a member held after it stopped
                 continue
-            req.append_token(res.token_id, now)
-            if res.logprob is not None:
-                req.logprobs.append(res.logprob)
-            status = req.check_stop_token(self.max_model_len)
-            req.detokenize_step(self.tokenizer)
-            if req.check_stop_strings():
-                status = RequestStatus.FINISHED_STOPPED
-            if status is None:
-                outputs.append(self._output(req, [res.token_id], res.logprob))
-                continue
-            req.status = status
-            released = self.scheduler.finish(req)
-            if not any(r is req for r, _ in released):  # held by the scheduler (until its batch ends)
-                outputs.append(self._output(req, [res.token_id], res.logprob, finished=False))
-            else:
-                req.times.finished = now
-            self._release(released, now, outputs, finished, new_tokens={req.request_id: res})
+            try:
+                self._process_token(req, res, now, outputs, finished)
+            except Exception as e:  # noqa: BLE001 - this request's problem: end it, not the step
+                log.exception("processing the new token of %s failed; ending that request", req.request_id)
+                self.abort_request(req.request_id, RequestStatus.FINISHED_ERROR,
+                                   f"internal error processing the output ({type(e).__name__}); the request was ended")
         self._record(sched, duration, finished, now)
+        if self._pending:  # requests ended by an error above: their final outputs go out with this step
+            outputs.extend(self._pending)
+            self._pending = []
         return outputs
+
+    def _process_token(self, req: Request, res, now: float, outputs: list[RequestOutput], finished) -> None:
+        req.append_token(res.token_id, now)
+        if res.logprob is not None:
+            req.logprobs.append(res.logprob)
+        status = req.check_stop_token(self.max_model_len)
+        req.detokenize_step(self.tokenizer)
+        if req.check_stop_strings():
+            status = RequestStatus.FINISHED_STOPPED
+        if status is None:
+            outputs.append(self._output(req, [res.token_id], res.logprob))
+            return
+        req.status = status
+        released = self.scheduler.finish(req)
+        if not any(r is req for r, _ in released):  # held by the scheduler (until its batch ends)
+            outputs.append(self._output(req, [res.token_id], res.logprob, finished=False))
+        else:
+            req.times.finished = now
+        self._release(released, now, outputs, finished, new_tokens={req.request_id: res})
 
     def _release(self, released, now, outputs, finished_ids, new_tokens=None) -> None:
         for r, freed in released:
@@ -323,7 +351,7 @@ class LLMEngine:
             finished=finished, finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             times=req.times, new_logprobs=[logprob] if logprob is not None else [],
-            output_text=req.output_text,
+            output_text=req.output_text, error=req.error if finished else None,
         )
 
     def _record(self, sched: SchedulerOutput, duration: float, finished, now: float) -> None:

@@ -22,12 +22,15 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
+    FINISHED_ABORTED = "abort"  # the client went away
+    FINISHED_ERROR = "error"  # the engine failed it (a failed step, a detokeniser error)
+    FINISHED_SHUTDOWN = "shutdown"  # the server stopped before it finished
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
+                        RequestStatus.FINISHED_SHUTDOWN)
 
 
 class RequestRejected(ValueError):
@@ -82,6 +85,7 @@ class Request:
         # shares those blocks (only the last, partial block is computed again per sibling)
         self.prefix_leader: Request | None = None
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # why it ended, for FINISHED_ERROR / FINISHED_SHUTDOWN
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
         self.logprobs: list = []
         self.generator: torch.Generator | None = None

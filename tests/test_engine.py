@@ -345,3 +345,44 @@ def test_profile_run_is_one_prefill_at_the_token_budget(tiny_loaded):
     k_cache = runner.kv_caches[0][0]
     assert all(k_cache[b].abs().sum() > 0 for b in range(3)) and k_cache[3:].abs().sum() == 0
     assert k_cache[2, 8:].abs().sum() == 0  # token 40 onwards was never written
+
+
+def test_failed_step_keeps_outputs_of_requests_already_ended(make_engine):
+    """An abort's final output waits for the next step; a step that then fails must not lose it."""
+    llm = make_engine()
+    for rid in ("a", "b"):
+        llm.add_request(params=SamplingParams(max_tokens=50, ignore_eos=True), request_id=rid,
+                        prompt_token_ids=[1, 2, 3])
+    llm.step()
+    llm.abort_request("a")
+    real = llm.runner.execute
+
+    def broken(sched):
+        raise RuntimeError("injected")
+
+    llm.runner.execute = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.step()
+    llm.runner.execute = real
+    finished = [o for o in llm.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in finished] == [("a", "abort")]
+
+
+def test_error_in_one_requests_processing_ends_only_it(make_engine, monkeypatch):
+    llm = make_engine()
+    real = Request.detokenize_step
+
+    def poisoned(self, tokenizer):
+        if self.request_id == "bad":
+            raise ValueError("decoder exploded")
+        return real(self, tokenizer)
+
+    monkeypatch.setattr(Request, "detokenize_step", poisoned)
+    for rid in ("bad", "good"):
+        llm.add_request(params=SamplingParams(max_tokens=5, ignore_eos=True), request_id=rid, prompt_token_ids=[1, 2, 3])
+    ends = {}
+    while llm.has_unfinished_requests():
+        ends.update({o.request_id: o for o in llm.step() if o.finished})
+    assert ends["bad"].finish_reason == "error" and "ValueError" in ends["bad"].error
+    assert ends["good"].finish_reason == "length" and ends["good"].num_output_tokens == 5
+    assert llm.pool.usage().used_blocks == 0

@@ -20,6 +20,8 @@ import pytest
 from iterserve.bench.launcher import ServerProcess
 from iterserve.server.protocol import MAX_TOKEN_IDS, UNSUPPORTED_FIELDS
 
+pytestmark = pytest.mark.slow  # real sockets: a 100 MB upload, chunked bodies, Host headers
+
 KEY = "sk-hardening"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 16 * 2**20

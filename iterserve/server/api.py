@@ -140,8 +140,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not engine.alive or not engine.ready.is_set():
-            return error_response("the engine loop is not running (yet)", 503)
+        reason = engine.health()
+        if reason is not None:
+            return error_response(reason, 503, headers={"Retry-After": str(settings.retry_after_s)})
         return Response(status_code=200)
 
     @app.get("/metrics")

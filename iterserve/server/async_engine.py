@@ -1,4 +1,4 @@
-"""AsyncEngine: the engine's step loop in one dedicated thread, fed and read from asyncio.
+"""AsyncEngine: the engine's step loop in one dedicated thread, fed and read from asyncio, watched.
 
 Why one thread that owns the engine: LLMEngine is not thread-safe, and its steps must never wait
 for HTTP work (parsing, tokenising, writing sockets). HTTP handlers hand new requests and aborts to
@@ -6,6 +6,17 @@ the thread through a command list; the thread applies them between steps, so an 
 within one step. Each step's outputs go back to the event loop in one `call_soon_threadsafe`, which
 puts them on per-request asyncio queues. When there is nothing to do the thread sleeps on a
 condition, until the scheduler's next deadline if it has one (a static batch's timeout).
+
+Why a watchdog: an accepted request must end with its output or a clear error, never hang, and
+/health must say when the engine cannot serve. A step that raises fails the requests in flight and
+the loop goes on; `max_consecutive_failures` failed steps in a row (a sticky device fault) or any
+BaseException (a Rust panic from the tokenizer, ...) declare the engine dead: the thread fails every
+open request in a `finally` and exits. A step that runs past `step_timeout` (a deadlocked kernel
+pool, a GPU hang) is seen from the event loop, which fails the open requests itself, since the
+engine thread cannot.
+
+Shutdown drains: `drain()` stops admitting (503), lets running requests finish for up to its
+timeout, then aborts the rest with finish reason "shutdown".
 """
 from __future__ import annotations
 
@@ -19,12 +30,14 @@ from dataclasses import dataclass, field
 
 from iterserve.core.block_pool import BlockUsage
 from iterserve.engine import LLMEngine, StepRecord
-from iterserve.request import RequestOutput, RequestRejected, RequestTimes
+from iterserve.request import RequestOutput, RequestRejected, RequestStatus, RequestTimes
 from iterserve.sampling import SamplingParams
 
 log = logging.getLogger("iterserve.server")
 
 NO_PROGRESS_POLL_S = 0.01  # unfinished work but nothing schedulable (should not happen; never spin)
+WATCHDOG_PERIOD_S = 0.25
+STEP_FAILED = "internal error in the engine step; the request was aborted"
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,8 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.finished = False
+        self.finished = False  # the consumer has read the last output
+        self.closed = False  # the last output has been queued (by the engine or the watchdog)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
@@ -103,8 +117,17 @@ class _Call:
 
 
 @dataclass
+class _StopAdmitting:
+    """Shutdown has begun: refuse new requests, let running ones go on."""
+
+
+@dataclass
 class _Drain:
-    """Stop admitting; abort everything in flight (server shutdown)."""
+    """Shutdown's deadline passed: abort everything in flight."""
+
+
+def error_output(request_id: str, message: str, reason: str = "error") -> RequestOutput:
+    return RequestOutput(request_id, [], "", True, reason, 0, 0, RequestTimes(time.monotonic()), error=message)
 
 
 @dataclass
@@ -113,6 +136,8 @@ class AsyncEngine:
     busy_window_s: float = 10.0
     history: int = 4096  # step records kept for /v1/scheduler
     warmup: bool = True  # one short generation in the engine thread before it reports ready
+    step_timeout: float | None = 60.0  # a step running longer makes /health 503 and fails open requests
+    max_consecutive_failures: int = 3  # failed steps in a row that declare the engine dead
     step_listeners: list[Callable[[StepRecord], None]] = field(default_factory=list)  # engine thread
     finish_listeners: list[Callable[[RequestOutput], None]] = field(default_factory=list)  # loop thread
     failure_listeners: list[Callable[[], None]] = field(default_factory=list)  # engine thread, per failed step
@@ -124,12 +149,18 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._open: dict[str, RequestStream] = {}  # loop thread only: admitted, last output not yet queued
+        self._watchdog: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None
         self._draining = False
         self._progressed = False
         self._lock = threading.Lock()  # guards steps and busy
         self.steps: deque[StepRecord] = deque(maxlen=self.history)
         self.busy = BusyWindow(self.busy_window_s, self.engine.start_time)
         self.shutting_down = False  # loop-side view, for fast 503s
+        self.dead_reason: str | None = None  # set once, by the engine thread, when it stops serving for good
+        self.step_started: float | None = None  # time.monotonic() of the step in progress (engine thread)
+        self.consecutive_failures = 0
         self.ready = threading.Event()  # set once warmed up; /health answers 200 from then on
         self.state = self._take_state()
         self.engine.step_listeners.append(self._on_step)
@@ -139,24 +170,87 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="iterserve-engine", daemon=True)
         self._thread.start()
+        self._watchdog = self._loop.create_task(self._watch())
 
     async def stop(self) -> None:
-        """Aborts what is left and joins the engine thread."""
+        """Aborts what is left and joins the engine thread (unless it hangs in a step)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
-        if self._thread is not None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._thread is not None and self.hung_for() is None:
             await asyncio.to_thread(self._thread.join)
+        self._fail_open("the server stopped before the request finished", "shutdown")
 
     def begin_shutdown(self) -> None:
-        """Safe from a signal handler: takes no lock, only schedules the drain on the loop."""
+        """Safe from a signal handler: takes no lock, only schedules the refusal on the loop."""
         self.shutting_down = True
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._submit, _StopAdmitting())
+
+    def begin_drain(self, timeout: float, on_done: Callable[[], None]) -> None:
+        """Safe from a signal handler: starts `drain(timeout)` on the loop, then calls on_done."""
+        self.shutting_down = True
+        if self._loop is None or self._loop.is_closed():
+            on_done()
+            return
+
+        def start() -> None:
+            self._drain_task = asyncio.ensure_future(self.drain(timeout))
+            self._drain_task.add_done_callback(lambda _: on_done())
+
+        self._loop.call_soon_threadsafe(start)
+
+    def abort_in_flight(self) -> None:
+        """Safe from a signal handler: aborts every request now (finish reason "shutdown")."""
+        self.shutting_down = True
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._submit, _Drain())
+
+    async def drain(self, timeout: float) -> None:
+        """Stops admitting, waits up to `timeout` s for the open requests to finish, aborts the rest
+        (finish reason "shutdown") and waits until they have their final output."""
+        self.begin_shutdown()
+        deadline = time.monotonic() + timeout
+        if self._open:
+            log.info("draining: %d request(s) in flight, up to %.0f s", len(self._open), timeout)
+        while self._open and time.monotonic() < deadline and self.alive:
+            await asyncio.sleep(0.05)
+        if self._open:
+            log.info("drain timeout: aborting %d request(s)", len(self._open))
+            self._submit(_Drain())
+            end = time.monotonic() + 5.0
+            while self._open and time.monotonic() < end and self.alive and self.hung_for() is None:
+                await asyncio.sleep(0.02)
+            self._fail_open("the server shut down before the request finished", "shutdown")
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    def hung_for(self) -> float | None:
+        """Seconds the current step has run, when that is longer than step_timeout."""
+        started = self.step_started
+        if started is None or self.step_timeout is None:
+            return None
+        running = time.monotonic() - started
+        return running if running > self.step_timeout else None
+
+    def health(self) -> str | None:
+        """None when the engine can serve; otherwise why not (what /health answers with its 503)."""
+        if self.dead_reason is not None:
+            return f"the engine is dead: {self.dead_reason}"
+        if self._thread is None or not self.ready.is_set():
+            return "the engine is starting"
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        hung = self.hung_for()
+        if hung is not None:
+            return f"an engine step has been running for {hung:.0f} s (--step-timeout {self.step_timeout:g})"
+        if self.shutting_down:
+            return "the server is shutting down"
+        return None
 
     # ---- requests (event loop side) -----------------------------------------------------------------
     async def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
@@ -173,8 +267,10 @@ class AsyncEngine:
         """Returns once the engine has accepted the request; raises RequestRejected otherwise, so
         the caller can answer with an error before any streaming starts. prefix_leader: see
         LLMEngine.add_request (parallel sampling)."""
-        if self.shutting_down or not self.alive:
+        if self.shutting_down:
             raise RequestRejected("the server is shutting down", status_code=503)
+        if not self.alive or self.hung_for() is not None:  # (still warming up is fine: it queues)
+            raise RequestRejected(self.health() or "the engine is not running", status_code=503)
         self.engine.check_limits(len(prompt_token_ids), params)  # reads config only: thread-safe
         stream = RequestStream(request_id)
         admitted = asyncio.get_running_loop().create_future()
@@ -186,6 +282,8 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
+        if not stream.closed:
+            self._open[request_id] = stream
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -212,8 +310,49 @@ class AsyncEngine:
         with self._lock:
             return self.busy.fraction(time.monotonic())
 
+    # ---- the watchdog (event loop side) ----------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Fails the open requests when a step hangs past step_timeout or the engine thread has died
+        without delivering their end (it always tries, in a finally)."""
+        reported = False
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            hung = self.hung_for()
+            if hung is not None:
+                if not reported:
+                    log.error("engine step running for %.1f s (> step_timeout %g s): failing %d open request(s)",
+                              hung, self.step_timeout, len(self._open))
+                    reported = True
+                for rid in list(self._open):
+                    self.abort(rid)  # applied if the step ever returns
+                self._fail_open(f"the engine step hung for more than {self.step_timeout:g} s; "
+                                "the request was aborted", "error")
+            else:
+                if reported:
+                    log.warning("the hung engine step returned")
+                reported = False
+            if self._thread is not None and not self._thread.is_alive() and self._open:
+                self._fail_open(f"the engine stopped: {self.dead_reason or 'its thread exited'}", "error")
+
+    def _fail_open(self, message: str, reason: str) -> None:
+        pairs = [(stream, error_output(rid, message, reason)) for rid, stream in list(self._open.items())]
+        self._deliver(pairs)
+
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a panic or exit must not leave clients waiting
+            self.dead_reason = f"{type(e).__name__} in the engine thread"
+            log.critical("engine thread died (%s); failing every open request", type(e).__name__, exc_info=True)
+        finally:
+            self.step_started = None
+            if self.dead_reason is not None or not self._stop:
+                self.dead_reason = self.dead_reason or "the engine thread exited"
+                self._fail_streams(f"the engine stopped: {self.dead_reason}")
+            log.info("engine loop stopped")
+
+    def _serve(self) -> None:
         if self.warmup:  # in this thread: torch's per-thread set-up is part of what gets warmed
             t0 = time.perf_counter()
             self.engine.step_listeners.remove(self._on_step)
@@ -238,18 +377,29 @@ class AsyncEngine:
             try:
                 self._apply(commands, outputs)
                 if stop:
-                    self._drain(outputs)
+                    outputs.extend(self.engine.abort_all(RequestStatus.FINISHED_SHUTDOWN,
+                                                         "the server stopped before the request finished"))
                 elif self.engine.has_unfinished_requests():
                     before = self.engine.step_count
-                    outputs.extend(self.engine.step())
+                    self.step_started = time.monotonic()
+                    try:
+                        outputs.extend(self.engine.step())
+                    finally:
+                        self.step_started = None
                     self._progressed = self.engine.step_count != before
-            except Exception:  # a bug must not hang every client: fail them and carry on
-                log.exception("engine step failed; aborting all requests")
+                    self.consecutive_failures = 0
+            except Exception:  # a bug or a device fault: fail the requests in flight, and go on
+                self.consecutive_failures += 1
+                log.exception("engine step failed (%d in a row); failing the requests in flight",
+                              self.consecutive_failures)
                 for fn in self.failure_listeners:
                     fn()
-                self._fail_all("internal error in the engine step", outputs)
+                outputs.extend(self.engine.abort_all(RequestStatus.FINISHED_ERROR, STEP_FAILED))
+                if self.consecutive_failures >= self.max_consecutive_failures:
+                    self.dead_reason = f"{self.consecutive_failures} engine steps failed in a row"
+                    log.critical("%s: the engine stops serving", self.dead_reason)
+                    stop = True
             self._publish(outputs)
-        log.info("engine loop stopped")
 
     def _idle_timeout(self) -> float | None:
         """How long to sleep: None = until a command, 0 = not at all."""
@@ -268,8 +418,15 @@ class AsyncEngine:
                 self._admit(cmd)
             elif isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, _StopAdmitting):
+                self._draining = True
             elif isinstance(cmd, _Drain):
-                self._drain(outputs)
+                self._draining = True
+                n = len(self.engine.requests)
+                outputs.extend(self.engine.abort_all(RequestStatus.FINISHED_SHUTDOWN,
+                                                     "the server shut down before the request finished"))
+                if n:
+                    log.info("aborted %d in-flight request(s) for shutdown", n)
             elif isinstance(cmd, _Call):
                 try:
                     cmd.fn()
@@ -288,26 +445,20 @@ class AsyncEngine:
                 self._streams[cmd.request_id] = cmd.stream
             except RequestRejected as e:
                 error = e
-            except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
+            except Exception:  # noqa: BLE001 - a bad request must not stop the loop
                 log.exception("add_request failed for %s", cmd.request_id)
-                error = RequestRejected(f"internal error admitting the request: {e}", status_code=500)
+                error = RequestRejected("internal error admitting the request", status_code=500)
         self._loop.call_soon_threadsafe(_settle, cmd.admitted, error)
 
-    def _drain(self, outputs: list[RequestOutput]) -> None:
-        self._draining = True
-        n = len(self.engine.requests)
-        outputs.extend(self.engine.abort_all())
-        if n:
-            log.info("aborted %d in-flight request(s) for shutdown", n)
-
-    def _fail_all(self, message: str, outputs: list[RequestOutput]) -> None:
-        for rid, stream in list(self._streams.items()):
-            outputs.append(RequestOutput(rid, [], "", True, "abort", 0, 0, RequestTimes(time.monotonic()),
-                                         error=message))
+    def _fail_streams(self, message: str) -> None:
+        """From the dying engine thread: every stream it still owns gets an error as its end."""
+        pairs = [(stream, error_output(rid, message)) for rid, stream in self._streams.items()]
+        self._streams.clear()
+        if pairs and self._loop is not None and not self._loop.is_closed():
             try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001
-                log.exception("abort of %s after a failed step also failed", rid)
+                self._loop.call_soon_threadsafe(self._deliver, pairs)
+            except RuntimeError:  # the loop closed meanwhile: nobody is waiting any more
+                pass
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         pairs = []
@@ -341,15 +492,17 @@ class AsyncEngine:
     # ---- back on the event loop ---------------------------------------------------------------------
     def _deliver(self, pairs: list[tuple[RequestStream, RequestOutput]]) -> None:
         for stream, out in pairs:
+            if stream.closed:  # already ended by the watchdog
+                continue
             stream.queue.put_nowait(out)
             if out.finished:
+                stream.closed = True
+                self._open.pop(stream.request_id, None)
                 for fn in self.finish_listeners:
                     try:
                         fn(out)
                     except Exception:  # noqa: BLE001 - metrics/logging must not break delivery
                         log.exception("finish listener failed")
-
-
 def warm_up(engine: LLMEngine) -> None:
     """One short generation (a prefill and a decode step) and one tokenisation of each kind before
     serving, so that the first client does not pay one-time set-up costs (lazy kernel and

@@ -2,9 +2,10 @@
 
 Flags are the engine's (engine_args.add_engine_args, named as vLLM names them) plus the server's own. A
 YAML file given with --config may set the same keys (with dashes or underscores); a flag given on
-the command line wins over the file, the file over the built-in default. SIGINT / SIGTERM stop
-accepting, abort what is in flight (clients get finish_reason "abort"), stop the engine thread and
-exit 0.
+the command line wins over the file, the file over the built-in default. SIGINT / SIGTERM drain:
+new requests get 503, running ones finish for up to --shutdown-timeout seconds, the rest end with an
+error (a non-streaming client gets 503, a stream an error event); then the engine thread stops and
+the process exits 0.
 """
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from typing import Any
 from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 from iterserve.config import parse_size
 
+log = logging.getLogger("iterserve.server")
+
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 GRACEFUL_SHUTDOWN_S = 10  # after aborting in-flight requests, how long connections may take to close
 
@@ -65,6 +69,16 @@ def add_parser(subparsers) -> None:
     g.add_argument("--vllm-metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="also export metrics under vLLM's vllm:* names, for its dashboards and routers "
                         "(default on)")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM / SIGINT: stop admitting (503, /health 503), let running requests finish "
+                        "for up to this many seconds, then abort the rest; a second signal aborts at once "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    g.add_argument("--step-timeout", type=float, default=60.0,
+                   help="an engine step running longer than this many seconds turns /health to 503 and fails "
+                        "the open requests (a hung kernel or device); 0 = never (default 60)")
+    g.add_argument("--max-consecutive-step-failures", type=int, default=3,
+                   help="engine steps failing in a row that declare the engine dead: /health 503, every "
+                        "request refused (default 3)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue bound: beyond it new requests get HTTP 503 with Retry-After (default: unbounded)")
     g.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503 (default 1)")
@@ -129,6 +143,10 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     args.api_key = args.api_key or os.environ.get("ITERSERVE_API_KEY") or None
     if isinstance(args.max_request_bytes, str):
         args.max_request_bytes = parse_size(args.max_request_bytes)
+    if args.shutdown_timeout < 0 or args.step_timeout < 0:
+        raise ValueError("--shutdown-timeout and --step-timeout must be >= 0")
+    if args.max_consecutive_step_failures < 1:
+        raise ValueError("--max-consecutive-step-failures must be >= 1")
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1KiB")
     if isinstance(args.allowed_hosts, str):
@@ -147,7 +165,9 @@ def build_server(args: argparse.Namespace, loaded=None):
     from iterserve.server.async_engine import AsyncEngine
     from iterserve.server.serving import ServerSettings
 
-    engine = AsyncEngine(LLMEngine(engine_config_from_args(args, model=args.model), loaded=loaded))
+    engine = AsyncEngine(LLMEngine(engine_config_from_args(args, model=args.model), loaded=loaded),
+                         step_timeout=args.step_timeout or None,
+                         max_consecutive_failures=args.max_consecutive_step_failures)
     settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                               retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
                               metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
@@ -171,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gc.freeze()
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
-    make_server(uv_config, on_exit=engine.begin_shutdown).run()
+    make_server(uv_config, engine, args.shutdown_timeout).run()
     return 0
 
 
@@ -196,18 +216,29 @@ def check_bind(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def make_server(config, on_exit):
-    """A uvicorn.Server that aborts in-flight requests on the first signal (rather than waiting for
-    every stream to end) and exits 0 after the clean shutdown (rather than re-raising the signal).
-    uvicorn is imported here, not at module import, to keep `iterserve --help` fast."""
+def make_server(config, engine, shutdown_timeout: float):
+    """A uvicorn.Server that drains on the first signal and exits 0 afterwards (rather than
+    re-raising the signal). Draining keeps the socket open, so that clients get a 503 with
+    Retry-After (and /health a 503) instead of a refused connection while the running requests
+    finish; once they have (or shutdown_timeout passed and the rest were aborted) uvicorn shuts
+    down as usual. A second signal skips the wait. uvicorn is imported here, not at module
+    import, to keep `iterserve --help` fast."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        drain_started = False
+
         def handle_exit(self, sig, frame) -> None:
-            first = not self.should_exit
-            super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()
-            if first:
-                on_exit()
+            if not self.drain_started and not self.should_exit:
+                self.drain_started = True
+                log.info("signal %s: draining for up to %g s", getattr(sig, "name", sig), shutdown_timeout)
+                engine.begin_drain(shutdown_timeout, on_done=self.drained)
+                return
+            super().handle_exit(sig, frame)  # a second signal: abort now and exit
+            engine.abort_in_flight()
+
+        def drained(self) -> None:
+            self.should_exit = True
 
     return Server(config)

@@ -132,14 +132,16 @@ class BodyLimitMiddleware:
 
 class RejectionCounterMiddleware:
     """Calls `count(status)` for every error answer (>= 400) to a request the engine never admitted
-    (the route marks admitted requests in scope state): 400, 401, 404, 413, 503 ... by status."""
+    (the route marks admitted requests in scope state): 400, 401, 404, 413, 503 ... by status.
+    /health's 503 is a probe's answer, not a refused request."""
 
-    def __init__(self, app, count: Callable[[int], None]) -> None:
+    def __init__(self, app, count: Callable[[int], None], skip_paths: tuple[str, ...] = ("/health",)) -> None:
         self.app = app
         self.count = count
+        self.skip_paths = skip_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.skip_paths:
             await self.app(scope, receive, send)
             return
 
