@@ -153,7 +153,7 @@ def test_runner_base_exception_kills_the_engine_cleanly(tiny_loaded, tiny_model_
 
         def panicking(sched):
             calls["n"] += 1
-            if calls["n"] == 20:
+            if calls["n"] >= 20 and len(srv.llm.requests) == 6:  # all six admitted
                 raise Panic("tokenizer panicked")
             return srv.real_execute(sched)
 
@@ -173,19 +173,26 @@ def test_runner_base_exception_kills_the_engine_cleanly(tiny_loaded, tiny_model_
 
 
 def test_runner_failing_every_step_declares_the_engine_dead(tiny_loaded, tiny_model_dir):
+    """A sticky fault: each failed step fails the requests in it; the third in a row declares the engine
+    dead, and from then on requests are refused with 503 instead of being accepted to fail."""
     with LiveServer(tiny_loaded, tiny_model_dir, max_consecutive_failures=3) as srv:
         def broken(sched):
             raise RuntimeError("sticky device fault")
 
         srv.llm.runner.execute = broken
-        results = run_clients(srv.url, 4)
-        _, failed = assert_each_ended_clearly(results)
-        assert len(failed) == 4 and not any("sticky" in r["error"]["message"] for r in failed)  # no internals
+        failed = []
+        for i in range(3):
+            assert health(srv.url)[0] == 200  # not dead yet
+            failed += assert_each_ended_clearly(run_clients(srv.url, 1))[1]  # one request, one failed step
+        assert len(failed) == 3 and not any("sticky" in r["error"]["message"] for r in failed)  # no internals
         status, reason = health(srv.url)
         assert status == 503 and "3 engine steps failed in a row" in reason
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and "dead" in refused.json()["error"]["message"]
         m = srv.metrics()
         assert metric(m, "iterserve:engine_step_failures_total") == 3
-        assert metric(m, "iterserve:request_failure_total", reason="error") == 4
+        assert metric(m, "iterserve:request_failure_total", reason="error") == 3
+        assert metric(m, "iterserve:request_rejected_total", status_code="503") == 1
         assert srv.engine.state.kv.used_blocks == 0
 
 
