@@ -278,7 +278,7 @@ def test_detokeniser_error_ends_only_its_request(tiny_loaded, tiny_model_dir, mo
         prompts = [[POISON, 5, 6], [POISON, 9, 9], [7, 8, 9], [11, 12, 13]]  # streamed, not, streamed, not
         results = run_clients(srv.url, 4, max_tokens=40, prompts=prompts)
         done, failed = assert_each_ended_clearly(results)
-        assert [r in failed for r in results] == [True, True, False, False]
+        assert [r in failed for r in results] == [True, True, False, False], results
         assert all("processing the output" in r["error"]["message"] for r in failed)
         assert results[1]["status"] == 500  # non-streaming: an error status, not 200
         assert all(r["tokens"] == 40 for r in done)
