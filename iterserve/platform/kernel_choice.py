@@ -55,6 +55,8 @@ CHOICE_VERSION = 1  # bump when the meaning of a cached table changes
 PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
 GIVE_UP = 2.5  # a layout this many times slower than the best at a step size is not timed further
 TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed its cut-over
+COPIES_BYTES = 48 << 20  # bf16 bytes of distinct weights one timed call of a projection reads
+MAX_COPIES = 32
 ATTENTION_CONTEXT = 256  # tokens of context per sequence when timing decode attention
 # the files whose contents decide what a candidate computes and how fast
 SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py")] + sorted(
@@ -74,34 +76,44 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(sizes | {max_num_seqs})
 
 
-def time_call(fn: Callable[[], object], min_reps: int = 3, max_reps: int = 20, min_seconds: float = 0.004) -> float:
-    """Best of a few calls after one warm-up (the minimum: a shared host's noise only adds). A call
-    that takes over 10 ms is timed once more only: it is far from any fast candidate anyway."""
-    t0 = time.perf_counter()
-    fn()
-    if time.perf_counter() - t0 > 0.01:
-        min_reps = 1
-    best, total, n = math.inf, 0.0, 0
-    while n < min_reps or (total < min_seconds and n < max_reps):
+def time_round_robin(calls: Mapping[str, Callable[[], object]], min_reps: int = 3, max_reps: int = 20,
+                     min_seconds: float = 0.004) -> dict[str, float]:
+    """Best time of each call, the calls taking turns (A, B, C, A, B, C, ...) after one warm-up each,
+    so a burst of another process's work on a shared host hits them all rather than one. A call that
+    took over 10 ms at its warm-up is timed once more only: it is far from any fast candidate."""
+    best: dict[str, float] = {}
+    reps: dict[str, int] = {}
+    for name, fn in calls.items():
         t0 = time.perf_counter()
         fn()
-        dt = time.perf_counter() - t0
-        best, total, n = min(best, dt), total + dt, n + 1
-    return best
+        reps[name] = 1 if time.perf_counter() - t0 > 0.01 else min_reps
+        best[name] = math.inf
+    total = dict.fromkeys(calls, 0.0)
+    done = dict.fromkeys(calls, 0)
+    while True:
+        todo = [n for n in calls if done[n] < reps[n] or (total[n] < min_seconds and done[n] < max_reps)]
+        if not todo:
+            return best
+        for name in todo:
+            t0 = time.perf_counter()
+            calls[name]()
+            dt = time.perf_counter() - t0
+            best[name], total[name], done[name] = min(best[name], dt), total[name] + dt, done[name] + 1
 
 
 def measure(candidates: Mapping[str, Callable[[int], Callable[[], object]]], buckets: Sequence[int],
-            timer: Callable[[Callable[[], object]], float] = time_call,
             give_up: Mapping[str, float] | None = None) -> dict[str, dict[int, float]]:
     """Seconds per call of each candidate at each bucket (smallest first); `candidates[name](rows)`
     returns the call. A candidate slower than `give_up[name]` (default GIVE_UP) times the best at a
-    bucket is not timed at the larger ones (inf there): it cannot win, and timing it costs start-up."""
+    bucket is not timed at the larger ones (inf there): it cannot win, and timing it costs start-up.
+    The best is that of the candidates without a `give_up` of their own (the layouts, not a twin,
+    which only has to beat them)."""
     times: dict[str, dict[int, float]] = {name: {} for name in candidates}
     live = list(candidates)
     for b in buckets:
-        for name in live:
-            times[name][b] = timer(candidates[name](b))
-        best = min(times[name][b] for name in live)
+        for name, t in time_round_robin({name: candidates[name](b) for name in live}).items():
+            times[name][b] = t
+        best = min([times[n][b] for n in live if n not in (give_up or {})] or [times[n][b] for n in live])
         live = [n for n in live if times[n][b] <= (give_up or {}).get(n, GIVE_UP) * best]
         for name in candidates:
             times[name].setdefault(b, math.inf)
@@ -235,6 +247,13 @@ def _linear(out_features: int, in_features: int) -> nn.Linear:
     return lin
 
 
+def num_copies(out_features: int, in_features: int) -> int:
+    """How many distinct weights of a shape one timed call runs through: enough to fill
+    COPIES_BYTES, so each is read from memory as in a real step (a model's weights are far larger
+    than the CPU's caches), not from a cache that one small weight called again and again would sit in."""
+    return max(1, min(MAX_COPIES, -(-COPIES_BYTES // (2 * out_features * in_features))))
+
+
 def layout_candidates(in_features: int, kernels: ModuleType | None) -> list[str]:
     """The bf16 layouts that can run a projection with this many inputs on this machine."""
     ok = {"tiled": tiled_gemm_vectorised(kernels) and in_features % 2 == 0, "onednn": prepack_available(),
@@ -242,20 +261,21 @@ def layout_candidates(in_features: int, kernels: ModuleType | None) -> list[str]
     return [name for name in LAYOUTS if ok[name]]
 
 
-def linear_candidates(lin: nn.Linear, layouts: Sequence[str], twin: str | None
+def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None
                       ) -> dict[str, Callable[[int], Callable[[], object]]]:
-    """One factory per layout (and for the twin, run at every row count), each CpuLinear as the
-    model will hold it, so the op's own overhead is in the figure."""
-    mods = {name: CpuLinear(lin, layout=name) for name in layouts}
+    """One factory per layout (and for the twin, run at every row count); a call runs x through
+    every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
+    own overhead and the weights' memory traffic are in the figure."""
+    mods = {name: [CpuLinear(lin, layout=name) for lin in lins] for name in layouts}
     if twin:
-        mods[twin] = CpuLinear(lin, twin, 1 << 30, layout=layouts[0])
+        mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
 
-    def factory(mod: CpuLinear) -> Callable[[int], Callable[[], object]]:
+    def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
         def make(rows: int) -> Callable[[], object]:
-            x = torch.randn(rows, lin.in_features).bfloat16()
-            return lambda: mod(x)
+            x = torch.randn(rows, lins[0].in_features).bfloat16()
+            return lambda: [mod(x) for mod in copies]
         return make
-    return {name: factory(mod) for name, mod in mods.items()}
+    return {name: factory(copies) for name, copies in mods.items()}
 
 
 def attention_candidates(backends: Mapping[str, AttentionBackend], num_heads: int, num_kv_heads: int,
@@ -323,8 +343,10 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             twin = (four_bit_twin(k, kernels) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
             buckets = proj_buckets if role == "proj" else req.buckets
-            sec = measure(linear_candidates(_linear(n, k), layouts, twin), buckets,
+            copies = num_copies(n, k)
+            sec = measure(linear_candidates([_linear(n, k) for _ in range(copies)], layouts, twin), buckets,
                           give_up={twin: TWIN_GIVE_UP} if twin else None)
+            sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name != twin}
             layout = pick_fastest(base)
             cut = twin_cutover(sec[twin], sec[layout]) if twin else 0
