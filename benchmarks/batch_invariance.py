@@ -1,6 +1,6 @@
 """How many greedy texts change with what shares their step, default kernels against --batch-invariant.
 
-The same 12 prompts (tests/test_batch_invariant.py's) run alone, in one batch of 16 (4 fillers),
+The same 12 prompts (iterserve/testing.py's, as tests/test_batch_invariant.py) run alone, in one batch of 16 (4 fillers),
 and under KV pressure (--max-num-seqs 8 --num-kv-blocks 24: preemption and recompute); for each
 mode it prints how many of the 12 texts differ from the alone run. Speed cost of the mode:
 `python benchmarks/ab_decode.py --configs '{}' '{"batch_invariant": true}' --batch 1 16`.
@@ -20,9 +20,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from iterserve.bench.summary import run_info, write_json  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_batch_invariant import FILLERS, PROMPTS  # noqa: E402  (one list of prompts for both)
+from iterserve.testing import BATCH_INVARIANCE_FILLERS as FILLERS  # noqa: E402
+from iterserve.testing import BATCH_INVARIANCE_PROMPTS as PROMPTS  # noqa: E402
 
 
 def texts(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:

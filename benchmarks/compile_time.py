@@ -18,28 +18,31 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from iterserve.bench.summary import run_info, write_json
+from decode_speed import run  # sibling script (running this one puts its folder first on sys.path)
 
-CHILD = r"""
-import json, os, sys, time
-t0 = time.perf_counter()
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-from decode_speed import run
+from iterserve.bench.summary import run_info, write_json
 from iterserve.llm import LLM
-llm = LLM(sys.argv[1], compile=sys.argv[2] == "1")
-ready = time.perf_counter() - t0
-steps = {b: run(llm, b, int(sys.argv[3]), 64)["ms_per_step"] for b in map(int, sys.argv[4].split(","))}
-print("RESULT " + json.dumps({"ready_s": ready, "load_s": llm.engine.load_seconds, "ms_per_step": steps}))
-"""
+
+
+
+def child(model: str, compile: bool, tokens: int, batches: list[int]) -> None:
+    """One start, in this fresh process: the time until the engine is ready, then ms per decode step."""
+    t0 = time.perf_counter()
+    llm = LLM(model, compile=compile)
+    ready = time.perf_counter() - t0
+    steps = {b: run(llm, b, tokens, 64)["ms_per_step"] for b in batches}
+    print("RESULT " + json.dumps({"ready_s": ready, "load_s": llm.engine.load_seconds, "ms_per_step": steps}))
 
 
 def start(model: str, compile: bool, cache: str, tokens: int, batches: list[int]) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "ITERSERVE_MEASURE_KERNELS": "0",
            "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    out = subprocess.run([sys.executable, "-c", CHILD, model, "1" if compile else "0", str(tokens),
-                          ",".join(map(str, batches))], env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, __file__, "--child", "--model", model, "--tokens", str(tokens),
+                          "--batch", *map(str, batches), *(["--compile"] if compile else [])],
+                         env=env, capture_output=True, text=True, check=False)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"child failed:\n{out.stderr[-3000:]}")
@@ -52,7 +55,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one start (this script, again)
+    ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        child(args.model, args.compile, args.tokens, args.batch)
+        return
     info = run_info(["python", "benchmarks/compile_time.py", *sys.argv[1:]])
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
         rows = {"eager": start(args.model, False, cache, args.tokens, args.batch),

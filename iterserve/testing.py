@@ -20,3 +20,21 @@ CHATS = [
      {"role": "user", "content": "Name another novel by her."}],
     [{"role": "user", "content": "Give me one tip for writing clean Python code."}],
 ]
+
+# tests/test_batch_invariant.py and benchmarks/batch_invariance.py: 12 prose prompts whose greedy
+# texts are compared alone, in a step of 16 (with the 4 fillers) and under KV pressure
+BATCH_INVARIANCE_PROMPTS = [
+    "The history of the printing press begins in",
+    "Here is a recipe for a simple tomato soup:",
+    "Photosynthesis is the process by which",
+    "def fibonacci(n):",
+    "The three largest cities in Europe are",
+    "Once upon a time, in a village by the sea,",
+    "To change a flat tyre on a bicycle, first",
+    "The main causes of the French Revolution were",
+    "A haiku about autumn leaves:",
+    "In machine learning, overfitting means",
+    "The best way to learn a new language is",
+    "Water boils at a lower temperature on a mountain because",
+]
+BATCH_INVARIANCE_FILLERS = ["Tell me about the moon.", "List five prime numbers:", "Why is the sky blue?", "SELECT * FROM"]

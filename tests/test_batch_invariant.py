@@ -18,26 +18,13 @@ from iterserve.llm import LLM
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import tiled_gemm_vectorised
 from iterserve.sampling import SamplingParams
+from iterserve.testing import BATCH_INVARIANCE_FILLERS as FILLERS
+from iterserve.testing import BATCH_INVARIANCE_PROMPTS as PROMPTS
 
 pytestmark = [pytest.mark.real_model,
               pytest.mark.skipif(not tiled_gemm_vectorised(load_cpu_kernels()),
                                  reason="batch_invariant needs the C++ kernels' AVX512-BF16 GEMM")]
 
-PROMPTS = [
-    "The history of the printing press begins in",
-    "Here is a recipe for a simple tomato soup:",
-    "Photosynthesis is the process by which",
-    "def fibonacci(n):",
-    "The three largest cities in Europe are",
-    "Once upon a time, in a village by the sea,",
-    "To change a flat tyre on a bicycle, first",
-    "The main causes of the French Revolution were",
-    "A haiku about autumn leaves:",
-    "In machine learning, overfitting means",
-    "The best way to learn a new language is",
-    "Water boils at a lower temperature on a mountain because",
-]
-FILLERS = ["Tell me about the moon.", "List five prime numbers:", "Why is the sky blue?", "SELECT * FROM"]
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
