@@ -20,7 +20,7 @@ from iterserve.bench.client import ClientError, parse_slo, print_table
 from iterserve.bench.conversation import ConversationOptions
 from iterserve.bench.compare import write_report
 from iterserve.bench.report import MODES, ModeRun, direction_notes, saturation_summary
-from iterserve.bench.tune import slo_met
+from iterserve.bench.tune import parse_int_list, slo_met
 from iterserve.bench.common import one_line
 from iterserve.bench.workload import WorkloadError, add_workload_args, describe_workload, workload_from_args
 from iterserve.config import EngineConfig
@@ -272,16 +272,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", conflict_handler="resolve",
                        help="fewest replicas (and their max-num-seqs) meeting SLOs at a rate, by simulation",
@@ -291,7 +281,7 @@ def add_plan_parser(sub: Any) -> None:
     _sim_args(p)
     p.add_argument("--target-rate", type=float, required=True, metavar="R", help="requests/s to plan for")
     p.add_argument("--margin", type=float, default=0.2, help="plan for this much more traffic (default 0.2)")
-    p.add_argument("--seqs-grid", type=_int_list, default=[8, 16, 32, 64], metavar="N,N,...",
+    p.add_argument("--seqs-grid", type=parse_int_list, default=[8, 16, 32, 64], metavar="N,N,...",
                    help="max-num-seqs values to try (default 8,16,32,64)")
     p.add_argument("--max-replicas", type=int, default=256, help="give up above this many (default 256)")
     p.set_defaults(func=cmd_plan, router="least-loaded")
