@@ -104,6 +104,11 @@ def message_chars(messages: list[ChatMessage]) -> int:
                for m in messages)
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -314,6 +319,7 @@ class OpenAIServing:
             watcher.cancel()
             if not consumer.done():
                 consumer.cancel()
+                consumer.add_done_callback(_retrieve)  # a cancelled gather's error, or asyncio logs it
                 self._abort_unfinished(streams)
         return outputs if consumer.done() and not consumer.cancelled() else None
 
