@@ -1,7 +1,9 @@
 """The FastAPI app: routes, OpenAI-style errors, the guards (middleware.py), lifespan of the engine thread.
 
 `build_app(async_engine, settings)` wires an AsyncEngine (not yet started) into an app; the
-lifespan starts its thread and stops it after the server has drained. Every error, including
+lifespan starts its thread and stops it after the server has drained. `build_api` is the API
+itself, shared with the Ray Serve ingress (serve_ray/ingress.py), which adds its own health,
+metrics and scheduler routes over its replicas. Every error, including
 FastAPI's own validation errors (422 by default) and unknown routes, is answered in OpenAI's
 JSON error format with the status OpenAI would use. Nothing in an answer names a file path, and
 with --api-key nothing but /health and the dashboard's page (no data: it asks for the key) answers
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -69,12 +72,12 @@ def step_dict(rec: StepRecord, start_time: float) -> dict:
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The single-process server: the API over one local engine, plus its health, metrics,
+    scheduler and dashboard."""
     llm = engine.engine
-    serving = OpenAIServing(engine, settings)
     info = engine_info(llm, settings.served_model_name, model_name(llm.config.model))
     metrics = ServerMetrics(engine, settings.served_model_name, vllm_names=settings.vllm_metrics, info=info)
     engine.finish_listeners.append(log_finished)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,6 +87,57 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         yield
         await engine.stop()
 
+    app = build_api(OpenAIServing(engine, settings), settings, metrics.on_rejected, lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    app.include_router(dashboard_router(SchedulerStream(engine, info)))
+    app.mount("/dashboard/static", static_files(), name="dashboard-static")
+
+    @app.get("/health")
+    async def health():
+        reason = engine.health()
+        if reason is not None:
+            return error_response(reason, 503, headers={"Retry-After": str(settings.retry_after_s)})
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/scheduler")
+    async def scheduler(since_step: int | None = Query(None, ge=0, description="only steps after this one")):
+        return scheduler_state(engine, info, since_step)
+
+    return app
+
+
+def scheduler_state(engine: AsyncEngine, info: dict, since_step: int | None = None) -> dict:
+    """What /v1/scheduler answers: the live batch, KV cache, prefix cache, configuration (`info`)
+    and recent steps."""
+    llm = engine.engine
+    state, cfg = engine.state, llm.config
+    kv = state.kv
+    return {
+        "batching": cfg.batching, "running": state.running, "waiting": state.waiting,
+        "kv_cache": {"used_blocks": kv.used_blocks, "total_blocks": kv.total_blocks, "usage": kv.usage,
+                     "tokens_stored": kv.tokens_stored, "internal_fragmentation": kv.internal_fragmentation},
+        "busy_fraction": engine.busy_fraction(), "uptime_s": time.monotonic() - llm.start_time,
+        "step": state.step_count, "num_preemptions_total": state.num_preemptions_total,
+        "num_recomputed_tokens_total": state.num_recomputed_tokens,
+        "prefix_cache": {"enabled": llm.pool.enable_caching, "queries": state.prefix_cache_queries,
+                         "hits": state.prefix_cache_hits, "hit_rate": state.prefix_cache_hit_rate,
+                         "cached_free_blocks": kv.cached_free_blocks},
+        "config": info,
+        "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
+    }
+
+
+def build_api(serving: OpenAIServing, settings: ServerSettings, count_rejected: Callable[[int], None],
+              lifespan) -> FastAPI:
+    """The OpenAI-compatible API (guards, errors, generation, models, tokenize) over `serving`, whose
+    engine is either the local AsyncEngine or the Ray ingress's remote one (serve_ray/): both
+    servers are built from this one function. The caller adds /health, /metrics and /v1/scheduler."""
+    llm, engine = serving.llm, serving.engine
+    created = int(time.time())
     app = FastAPI(title="iterserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server over a continuous-batching engine")
     # add_middleware puts each one outside those added before: the last added runs first
@@ -93,10 +147,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     if settings.allowed_hosts and "*" not in settings.allowed_hosts:
         app.add_middleware(HostCheckMiddleware, allowed=settings.allowed_hosts)
-    app.add_middleware(RejectionCounterMiddleware, count=metrics.on_rejected)
-    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
-    app.include_router(dashboard_router(SchedulerStream(engine, info)))
-    app.mount("/dashboard/static", static_files(), name="dashboard-static")
+    app.add_middleware(RejectionCounterMiddleware, count=count_rejected)
+    app.state.settings = settings
 
     # ---- errors ---------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -138,17 +190,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                                             "owned_by": "iterserve", "root": model_name(llm.config.model),
                                             "max_model_len": llm.max_model_len}]}
 
-    @app.get("/health")
-    async def health():
-        reason = engine.health()
-        if reason is not None:
-            return error_response(reason, 503, headers={"Retry-After": str(settings.retry_after_s)})
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
@@ -176,24 +217,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return llm.tokenizer.decode(body.tokens)
 
         return {"prompt": await asyncio.to_thread(decode)}
-
-    @app.get("/v1/scheduler")
-    async def scheduler(since_step: int | None = Query(None, ge=0, description="only steps after this one")):
-        state, cfg = engine.state, llm.config
-        kv = state.kv
-        return {
-            "batching": cfg.batching, "running": state.running, "waiting": state.waiting,
-            "kv_cache": {"used_blocks": kv.used_blocks, "total_blocks": kv.total_blocks, "usage": kv.usage,
-                         "tokens_stored": kv.tokens_stored, "internal_fragmentation": kv.internal_fragmentation},
-            "busy_fraction": engine.busy_fraction(), "uptime_s": time.monotonic() - llm.start_time,
-            "step": state.step_count, "num_preemptions_total": state.num_preemptions_total,
-            "num_recomputed_tokens_total": state.num_recomputed_tokens,
-            "prefix_cache": {"enabled": llm.pool.enable_caching, "queries": state.prefix_cache_queries,
-                             "hits": state.prefix_cache_hits, "hit_rate": state.prefix_cache_hit_rate,
-                             "cached_free_blocks": kv.cached_free_blocks},
-            "config": info,
-            "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
-        }
 
     def openapi() -> dict:
         """FastAPI documents a 422 for every body; this server answers 400 instead, as OpenAI does."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 from iterserve.config import parse_size
+from iterserve.serve_ray.policy import POLICIES, RouterConfig
 
 log = logging.getLogger("iterserve.server")
 
@@ -82,6 +83,26 @@ def add_parser(subparsers) -> None:
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue bound: beyond it new requests get HTTP 503 with Retry-After (default: unbounded)")
     g.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503 (default 1)")
+    r = p.add_argument_group("scale-out on Ray Serve (docs/scale-out.md; needs pip install 'iterserve[ray]')")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="run N engine replicas on Ray Serve behind one OpenAI-compatible ingress (default: one "
+                        "engine in this process, no Ray)")
+    r.add_argument("--ray-address", default=None,
+                   help="with --replicas: join this Ray cluster (e.g. auto, or ray://head:10001) instead of "
+                        "starting a local one")
+    r.add_argument("--threads-per-replica", type=int, default=None,
+                   help="with --replicas: torch threads and CPUs reserved per replica (default: this machine's "
+                        "cores split evenly between replicas, at least 1); on CUDA each replica also takes one GPU")
+    r.add_argument("--router", default="prefix", choices=list(POLICIES),
+                   help="with --replicas: which replica gets a request. prefix (default): the one expected to "
+                        "hold the longest prefix of it in its prefix cache, falling back to the least loaded; "
+                        "least-loaded: fewest running + waiting; round-robin")
+    r.add_argument("--router-min-match-blocks", type=int, default=RouterConfig.min_match_blocks,
+                   help="prefix router: a best match shorter than this many KV blocks routes by load "
+                        f"(default {RouterConfig.min_match_blocks})")
+    r.add_argument("--router-imbalance-threshold", type=int, default=RouterConfig.imbalance_threshold,
+                   help="prefix router: when the busiest replica has more than this many requests above the "
+                        f"idlest, route by load (default {RouterConfig.imbalance_threshold})")
     g.add_argument("--config", default=None,
                    help="YAML file with the same keys as these flags (e.g. max-num-seqs: 32); flags win")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -163,16 +184,20 @@ def build_server(args: argparse.Namespace, loaded=None):
     from iterserve.engine import LLMEngine
     from iterserve.server.api import build_app
     from iterserve.server.async_engine import AsyncEngine
-    from iterserve.server.serving import ServerSettings
 
     engine = AsyncEngine(LLMEngine(engine_config_from_args(args, model=args.model), loaded=loaded),
                          step_timeout=args.step_timeout or None,
                          max_consecutive_failures=args.max_consecutive_step_failures)
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                              retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
-                              metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
-                              vllm_metrics=args.vllm_metrics)
-    return engine, build_app(engine, settings)
+    return engine, build_app(engine, server_settings(args))
+
+
+def server_settings(args: argparse.Namespace):
+    from iterserve.server.serving import ServerSettings
+
+    return ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                          retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
+                          metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
+                          vllm_metrics=args.vllm_metrics)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -183,6 +208,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.port)  # fail in a second, not after loading the model
     setup_logging(args.log_level == "debug")
     logging.getLogger("iterserve").setLevel(args.log_level.upper())
+    if args.replicas is not None:
+        return serve_replicas(args)
     engine, app = build_server(args)
     # As vLLM does: move everything that exists now (model, tokenizer, libraries) out of the garbage
     # collector's reach. Otherwise a full collection walks millions of startup objects while holding
@@ -193,6 +220,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
     make_server(uv_config, engine, args.shutdown_timeout).run()
     return 0
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    """--replicas N: the same API on Ray Serve (iterserve/serve_ray). Ray is an optional dependency,
+    imported only here so that the single-process server never needs it."""
+    try:
+        from iterserve.serve_ray.app import ScaleOutConfig, run_until_signal
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "ray":
+            raise
+        raise SystemExit("--replicas needs Ray Serve, which is not installed: pip install 'iterserve[ray]' "
+                         "(or pip install 'ray[serve]')") from None
+    config = engine_config_from_args(args, model=args.model)
+    router = RouterConfig(policy=args.router, block_size=config.block_size,
+                          min_match_blocks=args.router_min_match_blocks,
+                          imbalance_threshold=args.router_imbalance_threshold)
+    scale = ScaleOutConfig(replicas=args.replicas, threads_per_replica=args.threads_per_replica, router=router)
+    return run_until_signal(config, server_settings(args), scale, args.host, args.port, args.ray_address)
 
 
 def default_allowed_hosts(bind_host: str) -> list[str] | None:

@@ -1,0 +1,207 @@
+"""`iterserve serve --replicas`: a real local Ray cluster (started here), 2 replicas of the tiny model
+with one thread each, behind the ingress; the official openai client and raw HTTP against it.
+
+One module-scoped cluster keeps the start-up cost (Ray, Serve, two engines) to once; the test that
+kills a replica runs last.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from iterserve.config import EngineConfig
+from iterserve.serve_ray.app import APP_NAME, ScaleOutConfig, start
+from iterserve.serve_ray.policy import RouterConfig
+from iterserve.server.serving import ServerSettings
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    port = free_port()
+    config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory="64MiB", max_model_len=2048)
+    settings = ServerSettings(served_model_name=MODEL)
+    scale = ScaleOutConfig(replicas=2, threads_per_replica=1, router=RouterConfig(policy="prefix"))
+    start(config, settings, scale, "127.0.0.1", port,
+          ray_init={"num_cpus": 4, "object_store_memory": 200 * 2**20, "include_dashboard": False,
+                    "log_to_driver": False})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=10).status_code == 200 and \
+                        len(httpx.get(base + "/v1/scheduler", timeout=10).json()["replicas"]) == 2:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("the Ray Serve application did not become ready in 180 s")
+        yield base
+    finally:
+        serve.delete(APP_NAME)
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture
+def client(cluster):
+    return openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def replica_of(base: str, request_id: str) -> str:
+    """Which replica admitted request_id, from the aggregated step records."""
+    for _ in range(50):
+        for st in httpx.get(base + "/v1/scheduler", params={"since_step": 0}, timeout=10).json()["steps"]:
+            if any(a["request_id"] == request_id for a in st["admitted"]):
+                return st["replica"]
+        time.sleep(0.1)
+    raise AssertionError(f"{request_id} is in no replica's step records")
+
+
+def test_completions_and_chat_through_openai_client(client):
+    out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    again = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0)
+    assert again.choices[0].text == out.choices[0].text  # greedy: same text whichever replica
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=4, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+
+
+def test_errors_are_the_servers_own(client, cluster):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    r = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000},
+                   timeout=30)
+    assert r.status_code == 400 and "max_output_len 2048" in r.json()["error"]["message"]  # the replicas' limits
+    r = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}, timeout=30)
+    assert r.status_code == 400 and "best_of" in r.json()["error"]["message"]
+
+
+def test_sixteen_concurrent_clients_all_complete(client, cluster):
+    def one(i: int) -> int:
+        return client.completions.create(model=MODEL, prompt=f"client {i} says", max_tokens=8,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(one, range(16))) == [8] * 16
+    sched = httpx.get(cluster + "/v1/scheduler", timeout=10).json()
+    assert len(sched["replicas"]) == 2 and sched["running"] == 0
+
+
+def test_metrics_label_each_replica(cluster):
+    text = httpx.get(cluster + "/metrics", timeout=10).text
+    replicas = {r["replica"] for r in httpx.get(cluster + "/v1/scheduler", timeout=10).json()["replicas"]}
+    for rid in replicas:
+        assert f'iterserve:num_requests_running{{model_name="{MODEL}",replica="{rid}"}}' in text
+    assert 'replica="ingress"' in text
+
+
+def test_prefix_router_keeps_conversations_on_one_replica(client, cluster):
+    """Each turn extends the previous turn's prompt and answer; every turn of a conversation goes to
+    one replica, and the conversations use both."""
+    homes = []
+    for conv in range(4):
+        prompt = f"Conversation number {conv} begins with a long opening line about topic {conv * 7} " * 3
+        seen = set()
+        for turn in range(3):
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+            seen.add(replica_of(cluster, out.id))
+            prompt += out.choices[0].text + f" and then turn {turn} asks more about it."
+        assert len(seen) == 1, f"conversation {conv} was split over {seen}"
+        homes.append(seen.pop())
+    assert len(set(homes)) == 2, homes
+
+
+def test_disconnect_frees_blocks_on_its_replica(cluster):
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", cluster + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert first
+            busy = [s for s in http.get(cluster + "/v1/scheduler").json()["replicas"] if s["running"]]
+            assert len(busy) == 1 and busy[0]["kv_cache"]["used_blocks"] > 0
+            replica = busy[0]["replica"]
+        # leaving the block closed the connection mid-stream
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            state = {s["replica"]: s for s in http.get(cluster + "/v1/scheduler").json()["replicas"]}
+            if state[replica]["running"] == 0 and state[replica]["kv_cache"]["used_blocks"] == 0:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"replica {replica} still holds the aborted request: {state[replica]}")
+
+
+def test_killed_replica_loses_no_request_silently(cluster):
+    """A replica killed mid-load: each request either completes in full or ends with a clear error;
+    none hangs; Serve restarts the replica."""
+    def one(i: int) -> str:
+        body = {"model": MODEL, "prompt": f"request {i} of the load", "max_tokens": 600, "ignore_eos": True}
+        if i % 2:
+            with httpx.stream("POST", cluster + "/v1/completions", json={**body, "stream": True}, timeout=90) as r:
+                if r.status_code != 200:
+                    return f"error {r.status_code}"
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", events[-3:]  # the stream always ends properly
+            if any('"error"' in e for e in events):
+                return "error"
+            assert sum(1 for e in events if '"text"' in e) >= 1
+            return "ok"
+        r = httpx.post(cluster + "/v1/completions", json=body, timeout=90)
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 600
+            return "ok"
+        assert r.json()["error"]["message"]
+        return f"error {r.status_code}"
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            busy = [s for s in httpx.get(cluster + "/v1/scheduler", timeout=10).json()["replicas"]
+                    if s["running"] >= 2]
+            if busy:
+                break
+            time.sleep(0.1)
+        assert busy, "the load never reached the replicas"
+        os.kill(busy[0]["pid"], signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futures]  # never hangs
+    assert "ok" in results and any(r.startswith("error") for r in results), results
+    deadline = time.monotonic() + 120  # Serve replaces the dead replica
+    while time.monotonic() < deadline:
+        if len(httpx.get(cluster + "/v1/scheduler", timeout=10).json()["replicas"]) == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("Serve did not restart the killed replica")
+    out = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 3},
+                     timeout=60)
+    assert out.status_code == 200
