@@ -2,12 +2,11 @@
 
 Requests are validated, tokenised and formatted here by OpenAIServing, exactly as in the
 single-process server; RemoteEngine sends each one to a replica. /health, /metrics and /v1/scheduler
-are the ingress's own: they ask every replica (through the router, pinned with target_replica) and
-answer for all of them, each replica's series labelled replica="<id>".
+are the ingress's own: they answer for every replica from its latest report (the routing stats each
+replica pushes every stats period), each replica's series labelled replica="<id>".
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -21,13 +20,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from iterserve.serve_ray.remote_engine import RemoteEngine
-from iterserve.serve_ray.policy import live_policy
+from iterserve.serve_ray.policy import live_router
 from iterserve.server.api import build_api
 from iterserve.server.middleware import error_response
 from iterserve.server.serving import OpenAIServing, ServerSettings
 
 log = logging.getLogger("iterserve.serve_ray")
-REPLICA_CALL_TIMEOUT_S = 10.0  # a replica that does not answer a stats call in this time is left out
 
 
 def merge_metrics(texts: dict[str, str]) -> bytes:
@@ -106,35 +104,32 @@ def build_ingress_app(remote: RemoteEngine, settings: ServerSettings, replicas: 
     app = build_api(OpenAIServing(remote, settings), settings, on_rejected, lifespan)
     app.state.engine = remote
 
-    async def each_replica(method: str, **kwargs) -> list:
-        """method's answer from every replica that answers in time (a dead one is left out)."""
-        policy = live_policy(deployment_name)
-        ids = sorted(policy.replicas) if policy is not None else []
-        calls = [asyncio.wait_for(getattr(replicas, method).remote(target_replica=rid, **kwargs),
-                                  REPLICA_CALL_TIMEOUT_S) for rid in ids]
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        for rid, a in zip(ids, answers):
-            if isinstance(a, BaseException):
-                log.warning("replica %s did not answer %s: %r", rid, method, a)
-        return [a for a in answers if not isinstance(a, BaseException)]
+    def reports() -> dict[str, dict]:
+        """Each replica's latest report (routing stats, at most stats_period_s old)."""
+        router = live_router(deployment_name)
+        return {rid: rep for rid, rep in sorted(router.reports().items()) if "scheduler" in rep} if router else {}
 
     @app.get("/health")
     async def health():
-        ready = [r for r in await each_replica("ready") if r]
-        if not ready:
+        if not any(rep.get("ready") for rep in reports().values()):
             return error_response("no engine replica is ready (yet)", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus():
-        texts = dict(await each_replica("metrics_text"))
+        texts = {rid: rep["metrics"] for rid, rep in reports().items()}
         texts["ingress"] = generate_latest(registry).decode()
         return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/scheduler")
     async def scheduler(since_step: int | None = Query(None, ge=0, description="only steps after this one "
                                                           "(each replica numbers its own)")):
-        states = sorted(await each_replica("scheduler", since_step=since_step), key=lambda s: s["replica"])
+        states = []
+        for rep in reports().values():
+            state = dict(rep["scheduler"])
+            if since_step is not None:
+                state["steps"] = [st for st in state["steps"] if st["step"] > since_step]
+            states.append(state)
         return aggregate_scheduler(states, router)
 
     return app

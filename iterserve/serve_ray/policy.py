@@ -29,17 +29,17 @@ from dataclasses import dataclass, field
 from iterserve.core.block_hash import BlockHash, hash_block_chain
 
 POLICIES = ("round-robin", "least-loaded", "prefix")
-_LIVE_POLICIES: dict[str, "RoutingPolicy"] = {}  # deployment name -> its router's policy in this process
+_LIVE_ROUTERS: dict[str, object] = {}  # deployment name -> its request router in this process
 
 
-def register_policy(deployment: str, policy: "RoutingPolicy") -> None:
-    """router.py registers its policy; the ingress reads the replica list from it (live_policy) for
-    its per-replica /metrics and /v1/scheduler."""
-    _LIVE_POLICIES[deployment] = policy
+def register_router(deployment: str, router: object) -> None:
+    """router.py registers each router here (a module Serve does not ship by value); the ingress
+    reads the replicas' latest reports from it (live_router) for /health, /metrics, /v1/scheduler."""
+    _LIVE_ROUTERS[deployment] = router
 
 
-def live_policy(deployment: str) -> "RoutingPolicy | None":
-    return _LIVE_POLICIES.get(deployment)
+def live_router(deployment: str) -> object | None:
+    return _LIVE_ROUTERS.get(deployment)
 
 
 @dataclass

@@ -109,25 +109,19 @@ class EngineReplica:
         return EngineInfo(llm.config, llm.max_model_len, llm.max_input_len, llm.max_output_len,
                           llm.model_config.vocab_size, tuple(llm.model_config.eos_token_ids), llm.config.block_size)
 
-    async def record_routing_stats(self) -> dict[str, float]:
+    async def record_routing_stats(self) -> dict:
         """Serve calls this every request_routing_stats_period_s (and so starts the engine as soon as
-        the replica is up); the router reads it (policy.ReplicaLoad)."""
-        state = self._started().state
-        return {"running": state.running, "waiting": state.waiting, "kv_usage": state.kv.usage,
-                "received_total": self.received_total}
-
-    async def ready(self, target_replica: str | None = None) -> bool:
+        the replica is up) and hands the answer to the router in the ingress. Besides the load the
+        router needs (policy.ReplicaLoad), it carries what the ingress shows for this replica: its
+        /v1/scheduler answer with the latest steps and its Prometheus text. Pushed, not pulled: a
+        call pinned to one replica through Serve's routing can wait behind its queue-length probes."""
         engine = self._started()
-        return engine.alive and engine.ready.is_set()
-
-    async def scheduler(self, since_step: int | None = None, target_replica: str | None = None) -> dict:
-        self._started()
-        return {"replica": self.replica_id, "pid": os.getpid(),
-                **scheduler_state(self.engine, self.settings, since_step)}
-
-    async def metrics_text(self, target_replica: str | None = None) -> tuple[str, str]:
-        self._started()
-        return self.replica_id, self.metrics.render().decode()
+        state = engine.state
+        return {"running": state.running, "waiting": state.waiting, "kv_usage": state.kv.usage,
+                "received_total": self.received_total, "ready": engine.alive and engine.ready.is_set(),
+                "scheduler": {"replica": self.replica_id, "pid": os.getpid(),
+                              **scheduler_state(engine, self.settings)},
+                "metrics": self.metrics.render().decode()}
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine thread died is restarted."""
