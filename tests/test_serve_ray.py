@@ -66,6 +66,17 @@ def client(cluster):
     return openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
+def wait_for(fn, what: str, timeout: float = 20.0):
+    """The ingress shows replicas' state as they last reported it (every stats period): poll."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def replica_of(base: str, request_id: str) -> str:
     """Which replica admitted request_id, from the aggregated step records."""
     for _ in range(50):
@@ -110,8 +121,9 @@ def test_sixteen_concurrent_clients_all_complete(client, cluster):
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         assert list(pool.map(one, range(16))) == [8] * 16
-    sched = httpx.get(cluster + "/v1/scheduler", timeout=10).json()
-    assert len(sched["replicas"]) == 2 and sched["running"] == 0
+    sched = wait_for(lambda: (s := httpx.get(cluster + "/v1/scheduler", timeout=10).json())["running"] == 0 and s,
+                     "both replicas idle")
+    assert len(sched["replicas"]) == 2 and all(r["step"] > 0 for r in sched["replicas"])  # both served
 
 
 def test_metrics_label_each_replica(cluster):
@@ -146,7 +158,8 @@ def test_disconnect_frees_blocks_on_its_replica(cluster):
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             assert first
-            busy = [s for s in http.get(cluster + "/v1/scheduler").json()["replicas"] if s["running"]]
+            busy = wait_for(lambda: [s for s in http.get(cluster + "/v1/scheduler").json()["replicas"]
+                                     if s["running"]], "the request running on a replica")
             assert len(busy) == 1 and busy[0]["kv_cache"]["used_blocks"] > 0
             replica = busy[0]["replica"]
         # leaving the block closed the connection mid-stream
