@@ -107,6 +107,12 @@ class RoutingPolicy:
             while len(rep.hashes) > self.config.max_blocks_per_replica:
                 rep.hashes.popitem(last=False)
 
+    def unrouted(self, replica_id: str) -> None:
+        """A request counted on replica_id went elsewhere (its remembered blocks stay: a harmless guess)."""
+        rep = self.replicas.get(replica_id)
+        if rep is not None:
+            rep.routed_total = max(0, rep.routed_total - 1)
+
     # ---- choice ---------------------------------------------------------------------------------
     def load(self, replica_id: str) -> int:
         rep = self.replicas[replica_id]

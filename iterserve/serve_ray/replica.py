@@ -9,7 +9,6 @@ here, which frees its KV blocks at the next step boundary.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,8 +21,9 @@ from iterserve.config import EngineConfig
 from iterserve.engine import LLMEngine
 from iterserve.request import RequestOutput, RequestRejected
 from iterserve.sampling import SamplingParams
-from iterserve.server.api import log_finished, scheduler_state
+from iterserve.server.api import log_finished, model_name, scheduler_state
 from iterserve.server.async_engine import AsyncEngine
+from iterserve.server.dashboard import engine_info
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.serving import ServerSettings
 
@@ -58,7 +58,10 @@ class EngineReplica:
             torch.set_num_threads(config.num_threads)
         self.settings = settings
         self.engine = AsyncEngine(LLMEngine(config))
-        self.metrics = ServerMetrics(self.engine, settings.served_model_name, vllm_names=settings.vllm_metrics)
+        llm = self.engine.engine
+        self.info = engine_info(llm, settings.served_model_name, model_name(llm.config.model))
+        self.metrics = ServerMetrics(self.engine, settings.served_model_name, vllm_names=settings.vllm_metrics,
+                                     info=self.info)
         self.engine.finish_listeners.append(log_finished)
         self.received_total = 0
         try:
@@ -118,14 +121,13 @@ class EngineReplica:
         engine = self._started()
         state = engine.state
         return {"running": state.running, "waiting": state.waiting, "kv_usage": state.kv.usage,
-                "received_total": self.received_total, "ready": engine.alive and engine.ready.is_set(),
+                "received_total": self.received_total, "ready": engine.health() is None,
                 "scheduler": {"replica": self.replica_id, "pid": os.getpid(),
-                              **scheduler_state(engine, self.settings)},
+                              **scheduler_state(engine, self.info)},
                 "metrics": self.metrics.render().decode()}
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine thread died is restarted."""
-        engine = self._started()
-        await asyncio.sleep(0)
-        if not engine.alive:
-            raise RuntimeError("the engine loop is not running")
+        reason = self._started().health()
+        if reason is not None and self.engine.ready.is_set():  # not while warming up
+            raise RuntimeError(reason)

@@ -17,6 +17,7 @@ class IterserveRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         """Serve passes request_router_kwargs here: RouterConfig's fields."""
         self.policy = RoutingPolicy(RouterConfig(**kwargs))
+        self._tentative: dict[str, str] = {}  # request id -> replica it was counted on when ranked
         register_router(self._deployment_id.name, self)
 
     def reports(self) -> dict[str, dict]:
@@ -34,12 +35,21 @@ class IterserveRequestRouter(RequestRouter):
             stats = r.routing_stats or {}
             self.policy.report(rid, ReplicaLoad(**{k: stats[k] for k in ReplicaLoad.__dataclass_fields__
                                                    if k in stats}))
-        ranks = self.policy.rank(list(by_id), self._token_ids(pending_request))
+        ids = self._token_ids(pending_request)
+        ranks = self.policy.rank(list(by_id), ids)
+        if pending_request is not None and pending_request.metadata.call_method == "generate" and ranks[0]:
+            # counted now, not once sent: requests routed at the same moment must see each other
+            key = pending_request.metadata.request_id
+            if key not in self._tentative:
+                self._tentative[key] = ranks[0][0]
+                self.policy.routed(ranks[0][0], ids)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        if pending_request.metadata.call_method == "generate":
+        guess = self._tentative.pop(pending_request.metadata.request_id, None)
+        if guess is not None and guess != replica_id.unique_id:  # Serve took another rank
+            self.policy.unrouted(guess)
             self.policy.routed(replica_id.unique_id, self._token_ids(pending_request))
 
     def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
