@@ -88,7 +88,8 @@ def run_until_signal(engine_config: EngineConfig, settings: ServerSettings, scal
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    ray_init = {} if ray_address else {"include_dashboard": False}
+    # a local cluster: no dashboard, and a small object store (only token ids and outputs travel)
+    ray_init = {} if ray_address else {"include_dashboard": False, "object_store_memory": 256 * 2**20}
     start(engine_config, settings, scale, host, port, ray_address, ray_init)
     log.info("serving %d replica(s) of %s on http://%s:%d (router %s, %d thread(s) each)", scale.replicas,
              engine_config.model, host, port, scale.router.policy, scale.threads())
