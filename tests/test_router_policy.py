@@ -63,3 +63,15 @@ def test_hashes_are_the_prefix_caches():
 def test_bad_router_name_is_refused():
     with pytest.raises(ValueError, match="round-robin"):
         RouterConfig(policy="random")
+
+
+def test_replicas_without_ray_says_how_to_install(monkeypatch):
+    import sys
+
+    from iterserve.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails as if it were not installed
+    for name in [m for m in sys.modules if m.startswith("iterserve.serve_ray.") and m != "iterserve.serve_ray.policy"]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(SystemExit, match=r"pip install 'iterserve\[ray\]'"):
+        main(["serve", "--replicas", "2", "--port", "0"])
