@@ -24,6 +24,7 @@ from iterserve.serve_ray.policy import RouterConfig
 from iterserve.server.serving import ServerSettings
 
 MODEL = "tiny"
+pytestmark = pytest.mark.slow  # starts a Ray cluster (processes): skipped by make test-fast
 
 
 def free_port() -> int:
