@@ -7,7 +7,6 @@ and meets the character bound), --max-model-len 1024.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import select
 import socket

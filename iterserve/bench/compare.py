@@ -29,7 +29,6 @@ import shlex
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
