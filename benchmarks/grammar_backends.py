@@ -26,6 +26,7 @@ try:
 except ImportError:  # not a dependency: only this comparison uses it
     raise SystemExit("this comparison needs xgrammar: .venv/bin/pip install xgrammar") from None
 
+from iterserve.bench.common import best_time
 from iterserve.model.loader import load_tokenizer, resolve_model
 
 SCHEMAS = {
@@ -47,12 +48,8 @@ DOC = json.dumps({"user": {"id": 12345, "tags": ["alpha", "beta", "gamma"]}, "st
 
 
 def timed(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """Best of `repeats` single calls, with no untimed call first: a compile is timed cold."""
+    return best_time(fn, repeats, warmup=False)
 
 
 def bench_xgrammar(hf_tok, vocab: int, eos: list[int], steps: int, repeats: int, batch: int) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from iterserve.attention.cpu_backend import CpuKernelAttentionBackend  # noqa: E402
+from iterserve.bench.common import best_time  # noqa: E402
 from iterserve.attention.metadata import DecodeMetadata  # noqa: E402
 from iterserve.attention.torch_attention import decode_attention  # noqa: E402
 from iterserve.platform.cpu_kernels import load_cpu_kernels  # noqa: E402
@@ -45,14 +45,7 @@ SHAPES = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM
 
 
 def best_ms(fn, rounds: int = 5, inner: int = 1) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best * 1e3
+    return best_time(fn, rounds, inner) * 1e3
 
 
 def linears(args) -> None:

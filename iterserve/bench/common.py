@@ -1,5 +1,5 @@
 """Helpers every benchmark tool shares, in one place: an error in one line, a Markdown table,
-latency statistics, the machine's load average, and pyplot without a display.
+latency statistics, best-of-N timing, the machine's load average, and pyplot without a display.
 
 Each exists once so that the tools' outputs agree (the same percentiles, the same table syntax) and a
 fix reaches all of them.
@@ -7,7 +7,8 @@ fix reaches all of them.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,20 @@ def latency_stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     p50, p95, p99 = np.percentile(ms, PERCENTILES)
     return {"mean": float(ms.mean()), "median": float(p50), "p95": float(p95), "p99": float(p99),
             "count": int(ms.size)}
+
+
+def best_time(fn: Callable[[], Any], rounds: int = 5, inner: int = 1, warmup: bool = True) -> float:
+    """Seconds per call of fn: the best of `rounds` rounds of `inner` calls each (the minimum is the
+    figure least moved by other processes), after one untimed call unless `warmup` is False."""
+    if warmup:
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
 
 
 def load_average() -> list[float] | None:

@@ -5,35 +5,25 @@ tiles). Hosts of one "kind" differ 2x in both, so a result without them cannot b
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
+from iterserve.bench.common import best_time
 from iterserve.bench.summary import host_info
-
-
-def _best(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
     """GB/s of a `mib` MiB tensor copy, counting the bytes read and written (as STREAM's copy)."""
     src = torch.ones(mib * 2**20 // 4)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), reps) / 1e9
+    return 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src), reps) / 1e9
 
 
 def bf16_gemm_gflops(n: int = 1024, reps: int = 5) -> float:
     """GFLOP/s of an n x n x n bfloat16 matmul through torch (oneDNN: AMX tiles where present)."""
     a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-    return 2 * n**3 / _best(lambda: torch.mm(a, b), reps) / 1e9
+    return 2 * n**3 / best_time(lambda: torch.mm(a, b), reps) / 1e9
 
 
 def machine_figures() -> dict[str, Any]:
