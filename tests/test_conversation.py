@@ -34,6 +34,20 @@ def test_conversations_share_one_system_prompt_and_are_seeded() -> None:
         ConversationOptions(turns=0)
 
 
+def test_distinct_system_prompts_change_only_the_system_prompts() -> None:
+    opts = ConversationOptions(num_conversations=4, turns=3, system_prompt_len=60, user_len=(5, 9), seed=2)
+    shared = build_conversations(opts)
+    distinct = build_conversations(ConversationOptions(**{**vars(opts), "system_prompts": "distinct"}))
+    assert len({c.system_prompt for c in distinct}) == 4 and shared[0].system_prompt not in \
+        {c.system_prompt for c in distinct}
+    assert [(c.start_s, c.user_turns, c.output_lens, c.think_s) for c in distinct] == \
+        [(c.start_s, c.user_turns, c.output_lens, c.think_s) for c in shared]
+    again = build_conversations(ConversationOptions(**{**vars(opts), "system_prompts": "distinct"}))
+    assert [c.system_prompt for c in again] == [c.system_prompt for c in distinct]
+    with pytest.raises(WorkloadError, match="system_prompts"):
+        ConversationOptions(system_prompts="each")
+
+
 def test_each_turn_resends_the_whole_history() -> None:
     conv = build_conversations(ConversationOptions(num_conversations=1, turns=2, system_prompt_len=20))[0]
     first = turn_body(conv, 0, "m", chat=True, ignore_eos=True)["messages"]

@@ -270,3 +270,8 @@ def test_multi_turn_conversations_grow_a_cached_history(capsys):
     assert all(r.prompt_tokens > 200 + 16 for r in later)
     assert run.stats["prefix_cache_hits"] > 0.6 * run.stats["prefix_cache_queries"]
     assert main(["simulate", "--profile", "/nonexistent.json", "--workload", "multi-turn"]) == 2
+    # distinct system prompts: the same conversations, but only each one's own history can hit
+    distinct = conversation_plans(ConversationOptions(**{**vars(opts), "system_prompts": "distinct"}))
+    assert [p.user_lens for p in distinct] == [p.user_lens for p in plans]
+    alone = simulate([], EngineConfig(), prof, conversations=distinct).stats
+    assert 0 < alone["prefix_cache_hits"] <= run.stats["prefix_cache_hits"] - 2 * 192

@@ -1,7 +1,10 @@
-"""Multi-turn chat traffic: N concurrent conversations over one shared system prompt.
+"""Multi-turn chat traffic: N concurrent conversations, over one shared system prompt or one each.
 
 Real chat traffic repeats itself: every turn of a conversation resends the system prompt and the
 whole history, and many users share one system prompt. This is the traffic a prefix cache is for.
+With `system_prompts="distinct"` each conversation has a system prompt (a reference document) of its
+own, so conversations share no prefix block and only a conversation's own history can hit: the case
+where which replica a conversation goes to decides its hit rate.
 
 Each conversation is closed loop within itself and open across conversations: a conversation
 starts at its own offset, sends turn 1, streams the answer, appends the answer to its history,
@@ -27,13 +30,18 @@ from iterserve.bench.client import (CONNECT_TIMEOUT_S, GRACE_S, ClientError, Req
 from iterserve.bench.workload import LenSpec, WorkloadError, sample_lengths, prose_source
 
 
+SYSTEM_PROMPTS = ("shared", "distinct")
+SYSTEM_PREAMBLE = "You are a helpful assistant. Use the following reference text.\n\n"
+
+
 @dataclass
 class ConversationOptions:
     """Everything that shapes the multi-turn workload (the bench CLI's `--conversations` etc.)."""
 
     num_conversations: int = 8
     turns: int = 6
-    system_prompt_len: int = 400  # tokens, shared by every conversation
+    system_prompt_len: int = 400  # tokens of each conversation's system prompt
+    system_prompts: str = "shared"  # "shared": one for all conversations; "distinct": one each
     user_len: LenSpec = (32, 96)  # tokens of each new user message
     output_len: LenSpec = 64  # max_tokens of each answer
     think_time_s: float = 1.0  # mean pause between an answer and the next turn (exponential)
@@ -44,6 +52,9 @@ class ConversationOptions:
         for name in ("num_conversations", "turns", "system_prompt_len"):
             if int(getattr(self, name)) < 1:
                 raise WorkloadError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.system_prompts not in SYSTEM_PROMPTS:
+            raise WorkloadError(f"system_prompts must be one of {', '.join(SYSTEM_PROMPTS)}, "
+                                f"got {self.system_prompts!r}")
         if self.think_time_s < 0 or self.stagger_s < 0:
             raise WorkloadError("think time and stagger must be >= 0")
 
@@ -60,11 +71,11 @@ class Conversation:
 
 
 def build_conversations(opts: ConversationOptions, tokenizer: Any = None) -> list[Conversation]:
-    """The conversations' fixed parts: start offsets, the shared system prompt, each turn's user
+    """The conversations' fixed parts: start offsets, the system prompt(s), each turn's user
     message, answer length and think time, all from `opts.seed`."""
     rng = np.random.default_rng(opts.seed)
     source = prose_source(tokenizer)
-    system = "You are a helpful assistant. Use the following reference text.\n\n" + source.text(opts.system_prompt_len, 0)
+    offsets = system_prompt_offsets(opts, source.size)
     n, t = opts.num_conversations, opts.turns
     starts = np.sort(rng.uniform(0.0, opts.stagger_s, n)) if opts.stagger_s else np.zeros(n)
     user_lens = sample_lengths(opts.user_len, n * t, rng, "user_len").reshape(n, t)
@@ -73,9 +84,21 @@ def build_conversations(opts: ConversationOptions, tokenizer: Any = None) -> lis
     convs = []
     for c in range(n):
         users = [source.text(int(user_lens[c, k]), int(rng.integers(0, source.size))) for k in range(t)]
+        system = SYSTEM_PREAMBLE + source.text(opts.system_prompt_len, offsets[c])
         convs.append(Conversation(c, float(starts[c]), system, users, [int(x) for x in out_lens[c]],
                                   [float(x) for x in thinks[c]]))
     return convs
+
+
+def system_prompt_offsets(opts: ConversationOptions, text_size: int) -> list[int]:
+    """Where in the prose each conversation's system prompt starts: 0 for all when shared; distinct
+    ones at offsets spread evenly over the text (never 0, so none equals the shared one) and so far
+    apart that no two share a leading block. Not drawn from the seed's generator, whose draws (and so
+    the other parts of the conversations) stay the same whichever kind of system prompt is chosen."""
+    n = opts.num_conversations
+    if opts.system_prompts == "shared":
+        return [0] * n
+    return [1 + (c * (text_size - 1)) // n for c in range(n)]
 
 
 def _messages(conv: Conversation, turn: int) -> list[dict[str, str]]:

@@ -442,6 +442,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("multi-turn workload (--workload multi-turn)")
     m.add_argument("--conversations", type=int, default=8, metavar="N", help="concurrent conversations")
     m.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    m.add_argument("--system-prompts", choices=("shared", "distinct"), default="shared",
+                   help="shared: every conversation starts with one system prompt; distinct: each its own "
+                        "(conversations then share no prefix, only their own history)")
     m.add_argument("--user-len", type=len_arg, default=(32, 96), metavar="N|LO:HI",
                    help="tokens of each new user message (answers are --output-len)")
     m.add_argument("--think-time", type=float, default=1.0, metavar="S",
@@ -461,7 +464,8 @@ def describe_workload(args: argparse.Namespace) -> dict[str, Any]:
                 "start": args.trace_start, "num_requests": args.num_requests, **clamps}
     if kind == "multi-turn":
         return {"kind": kind, "num_conversations": args.conversations, "turns": args.turns,
-                "system_prompt_len": args.system_prompt_len, "user_len": args.user_len,
+                "system_prompt_len": args.system_prompt_len, "system_prompts": args.system_prompts,
+                "user_len": args.user_len,
                 "output_len": args.output_len, "think_time_s": args.think_time,
                 "stagger_s": args.stagger, "seed": args.seed}
     per_kind = {

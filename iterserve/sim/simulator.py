@@ -43,6 +43,7 @@ SchedulerFactory = Callable[[EngineConfig, BlockPool, int], SchedulerBase]
 
 
 SYSTEM_PROMPT_ID = 1  # the shared system prompt's tokens; each request's own part starts with its own id
+DISTINCT_SYSTEM_PROMPT_IDS = 3_000_000  # + c: conversation c's own system prompt starts with it
 
 
 def prompt_ids(spec: RequestSpec) -> list[int]:
@@ -161,6 +162,11 @@ class ConversationPlan:
     user_lens: list[int]
     output_lens: list[int]
     think_s: list[float]
+    system_prompt_id: int = SYSTEM_PROMPT_ID  # the id its system prompt starts with (one per prompt)
+
+    def system_prompt_ids(self) -> list[int]:
+        """Conversations of one system prompt share all its blocks; distinct ones none (first id differs)."""
+        return [self.system_prompt_id] + [SYSTEM_PROMPT_ID] * (self.system_prompt_len - 1)
 
 
 def conversation_plans(opts: ConversationOptions) -> list[ConversationPlan]:
@@ -173,8 +179,10 @@ def conversation_plans(opts: ConversationOptions) -> list[ConversationPlan]:
     user_lens = sample_lengths(opts.user_len, n * t, rng, "user_len").reshape(n, t)
     out_lens = sample_lengths(opts.output_len, n * t, rng, "output_len").reshape(n, t)
     thinks = rng.exponential(opts.think_time_s, (n, t)) if opts.think_time_s else np.zeros((n, t))
+    shared = opts.system_prompts == "shared"
     return [ConversationPlan(c, float(starts[c]), opts.system_prompt_len, [int(x) for x in user_lens[c]],
-                             [int(x) for x in out_lens[c]], [float(x) for x in thinks[c]]) for c in range(n)]
+                             [int(x) for x in out_lens[c]], [float(x) for x in thinks[c]],
+                             SYSTEM_PROMPT_ID if shared else DISTINCT_SYSTEM_PROMPT_IDS + c) for c in range(n)]
 
 
 # ---------------------------------------------------------------- the run
@@ -275,7 +283,7 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
 
     turn_ids = itertools.count(2_000_000)  # ids of user messages: distinct from prompt_ids' own parts
     for conv in conversations:
-        push_turn(conv, 0, conv.start_s, [SYSTEM_PROMPT_ID] * conv.system_prompt_len)
+        push_turn(conv, 0, conv.start_s, conv.system_prompt_ids())
 
     i, n = 0, len(order)
     now = 0.0
