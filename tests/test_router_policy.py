@@ -14,13 +14,17 @@ def policy(name: str, **kw) -> RoutingPolicy:
 
 
 def first(p: RoutingPolicy, ids) -> str:
-    return p.rank(["a", "b"], ids)[0][0]
+    return p.rank(["a", "b"], p.block_hashes(ids))[0][0]
+
+
+def routed(p: RoutingPolicy, replica: str, ids) -> None:
+    p.routed(replica, p.block_hashes(ids))
 
 
 def test_prefix_follows_the_replica_that_holds_the_prompt():
     p = policy("prefix")
     conv = list(range(100, 112))
-    p.routed("b", conv)
+    routed(p, "b", conv)
     assert first(p, conv + [7, 8, 9, 10]) == "b"  # the next turn extends the prompt b computed
     assert first(p, [1, 2, 3, 4, 5]) == "a"  # no match: the replica holding less (ties on load)
 
@@ -28,14 +32,14 @@ def test_prefix_follows_the_replica_that_holds_the_prompt():
 def test_prefix_gives_way_to_load_beyond_the_threshold():
     p = policy("prefix", imbalance_threshold=2)
     conv = list(range(12))
-    p.routed("b", conv)
+    routed(p, "b", conv)
     p.report("b", ReplicaLoad(running=5, received_total=1))
     assert first(p, conv) == "a"
 
 
 def test_short_match_routes_by_load():
     p = policy("prefix", min_match_blocks=3)
-    p.routed("b", list(range(8)))  # two blocks held
+    routed(p, "b", list(range(8)))  # two blocks held
     p.report("a", ReplicaLoad(received_total=0))
     p.report("b", ReplicaLoad(running=1, received_total=1))
     assert first(p, list(range(8)) + [50, 51, 52, 53]) == "a"
@@ -43,8 +47,8 @@ def test_short_match_routes_by_load():
 
 def test_requests_in_transit_count_as_load():
     p = policy("least-loaded")
-    p.routed("a", None)
-    p.routed("a", None)  # sent, not yet reported by a
+    routed(p, "a", None)
+    routed(p, "a", None)  # sent, not yet reported by a
     assert first(p, None) == "b"
 
 
@@ -56,7 +60,7 @@ def test_round_robin_alternates():
 def test_hashes_are_the_prefix_caches():
     p = policy("prefix")
     ids = list(range(9))
-    p.routed("a", ids)
+    routed(p, "a", ids)
     assert set(p.replicas["a"].hashes) == set(hash_block_chain(ids, 4))
 
 
@@ -75,3 +79,17 @@ def test_replicas_without_ray_says_how_to_install(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(SystemExit, match=r"pip install 'iterserve\[ray\]'"):
         main(["serve", "--replicas", "2", "--port", "0"])
+
+
+def test_router_uses_only_serves_public_router_api():
+    """Serve's public request-router surface is all the router needs; if a Ray release moves it, or
+    the router picks up FIFOMixin (a chosen replica would go to the oldest pending request, not the
+    one it was ranked for), this fails here rather than as misrouted conversations."""
+    request_router = pytest.importorskip("ray.serve.request_router")
+    from iterserve.serve_ray.router import IterserveRequestRouter
+
+    assert {"RequestRouter", "PendingRequest", "RunningReplica", "ReplicaID", "FIFOMixin"} <= set(request_router.__all__)
+    assert request_router.FIFOMixin not in IterserveRequestRouter.__mro__
+    for hook in ("initialize_state", "choose_replicas", "on_request_routed", "update_replicas", "curr_replicas"):
+        assert hasattr(request_router.RequestRouter, hook), hook
+    assert isinstance(request_router.RunningReplica.routing_stats, property)

@@ -144,11 +144,8 @@ class Ingress:
         self.replicas, self.settings, self.router, self.max_retries = replicas, settings, router, max_retries
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
-        # Initialise the handle before deriving method/stream handles from it, so that they all share
-        # its one router (and the routing policy's memory); a derived handle of an uninitialised one
-        # would create a router of its own
-        if not self.replicas.is_initialized:
-            self.replicas._init()
+        # every handle derived from self.replicas (a method's, a stream's) shares its one router, and
+        # so the routing policy's memory: Serve initialises a handle before deriving one from it
         info = await self.replicas.describe.remote()
         remote = RemoteEngine(self.replicas, info, self.max_retries)
         return build_ingress_app(remote, self.settings, self.replicas, self.replicas.deployment_id.name, self.router)

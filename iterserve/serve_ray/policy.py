@@ -94,14 +94,21 @@ class RoutingPolicy:
                 rep.routed_total = load.received_total
             rep.load = load
 
-    def routed(self, replica_id: str, token_ids: list[int] | None) -> None:
+    def block_hashes(self, token_ids: list[int] | None) -> list[BlockHash] | None:
+        """A prompt's block hashes, which rank() and routed() take: computed once per request (a
+        request can be ranked several times), and only by the prefix policy (None otherwise)."""
+        if not token_ids or self.config.policy != "prefix":
+            return None
+        return hash_block_chain(token_ids, self.config.block_size)
+
+    def routed(self, replica_id: str, hashes: list[BlockHash] | None) -> None:
         """Records a request sent to replica_id: its prompt's blocks are (about to be) cached there."""
         rep = self.replicas.get(replica_id)
         if rep is None:
             return
         rep.routed_total += 1
-        if token_ids and self.config.policy == "prefix":
-            for h in hash_block_chain(token_ids, self.config.block_size):
+        if hashes:
+            for h in hashes:
                 rep.hashes[h] = None
                 rep.hashes.move_to_end(h)
             while len(rep.hashes) > self.config.max_blocks_per_replica:
@@ -128,8 +135,9 @@ class RoutingPolicy:
             n += 1
         return n
 
-    def rank(self, candidates: list[str], token_ids: list[int] | None) -> list[list[str]]:
-        """Candidates in order of preference, one per rank (Serve tries the first rank first)."""
+    def rank(self, candidates: list[str], hashes: list[BlockHash] | None) -> list[list[str]]:
+        """Candidates in order of preference, one per rank (Serve tries the first rank first);
+        hashes: block_hashes() of the prompt."""
         candidates = [c for c in candidates if c in self.replicas] or list(candidates)
         for c in candidates:
             self.replicas.setdefault(c, _Replica())
@@ -144,12 +152,11 @@ class RoutingPolicy:
         # conversations spread instead of all starting on the first replica
         by_load = sorted(candidates, key=lambda c: (self.load(c), self.replicas[c].load.kv_usage,
                                                     len(self.replicas[c].hashes)))
-        if policy == "least-loaded" or not token_ids:
+        if policy == "least-loaded" or not hashes:
             return [[c] for c in by_load]
         loads = [self.load(c) for c in candidates]
         if max(loads) - min(loads) > self.config.imbalance_threshold:
             return [[c] for c in by_load]
-        hashes = hash_block_chain(token_ids, self.config.block_size)
         matches = {c: self.match_blocks(c, hashes) for c in candidates}
         best = max(matches.values())
         if best < max(1, self.config.min_match_blocks):

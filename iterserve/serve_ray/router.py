@@ -1,10 +1,18 @@
 """IterserveRequestRouter: Ray Serve's RequestRouter running policy.RoutingPolicy in the ingress.
 
 Serve instantiates the router inside each handle's process (the ingress) and asks it to rank the
-candidate replicas for every call. A `generate` call is ranked by the policy from its token ids. Replicas' load, and the state the
-ingress shows per replica, arrive through Serve's routing stats (EngineReplica.record_routing_stats).
-Each router registers itself with policy.register_router (a function of another module: Serve
-ships this module by value, so a registry here, or any global object it names, would be a copy) so that the ingress can list the replicas.
+candidate replicas for every call. A `generate` call is ranked by the policy from its prompt's block
+hashes (computed once per request). Replicas' load, and the state the ingress shows per replica,
+arrive through Serve's routing stats (EngineReplica.record_routing_stats). Each router registers
+itself with policy.register_router (a function of another module: Serve ships this module by value,
+so a registry here, or any global object it names, would be a copy) so that the ingress can list
+the replicas.
+
+Only Serve's public request-router API is used (`ray.serve.request_router`, Ray >= 2.50 tested on
+2.60). The router relies on one behaviour of it: without FIFOMixin, a replica chosen for a request
+goes to that very request (Serve matches by request id), not to the oldest pending one; otherwise
+concurrent conversations would be sent where another one's prefix is. tests/test_serve_ray.py
+checks it under concurrency, tests/test_router_policy.py that FIFOMixin is not mixed in.
 """
 from __future__ import annotations
 
@@ -15,10 +23,12 @@ from iterserve.serve_ray.policy import ReplicaLoad, RouterConfig, RoutingPolicy,
 
 class IterserveRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
-        """Serve passes request_router_kwargs here: RouterConfig's fields."""
+        """Serve passes request_router_kwargs here: `deployment` (the name the ingress looks this
+        router up by) and RouterConfig's fields."""
+        register_router(kwargs.pop("deployment"), self)
         self.policy = RoutingPolicy(RouterConfig(**kwargs))
-        self._tentative: dict[str, str] = {}  # request id -> replica it was counted on when ranked
-        register_router(self._deployment_id.name, self)
+        # request id -> (replica it was counted on when first ranked, its prompt's block hashes)
+        self._tentative: dict[str, tuple[str, list | None]] = {}
 
     def reports(self) -> dict[str, dict]:
         """Each current replica's latest routing stats (EngineReplica.record_routing_stats)."""
@@ -35,40 +45,27 @@ class IterserveRequestRouter(RequestRouter):
             stats = r.routing_stats or {}
             self.policy.report(rid, ReplicaLoad(**{k: stats[k] for k in ReplicaLoad.__dataclass_fields__
                                                    if k in stats}))
-        ids = self._token_ids(pending_request)
-        ranks = self.policy.rank(list(by_id), ids)
-        if pending_request is not None and pending_request.metadata.call_method == "generate" and ranks[0]:
+        if pending_request is None or pending_request.metadata.call_method != "generate":
+            return [[by_id[rid] for rid in rank] for rank in self.policy.rank(list(by_id), None)]
+        key = pending_request.metadata.request_id
+        counted = self._tentative.get(key)
+        hashes = counted[1] if counted else self.policy.block_hashes(self._token_ids(pending_request))
+        ranks = self.policy.rank(list(by_id), hashes)
+        if counted is None and ranks[0]:
             # counted now, not once sent: requests routed at the same moment must see each other
-            key = pending_request.metadata.request_id
-            if key not in self._tentative:
-                self._tentative[key] = ranks[0][0]
-                self.policy.routed(ranks[0][0], ids)
+            self._tentative[key] = (ranks[0][0], hashes)
+            self.policy.routed(ranks[0][0], hashes)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        guess = self._tentative.pop(pending_request.metadata.request_id, None)
-        if guess is not None and guess != replica_id.unique_id:  # Serve took another rank
-            self.policy.unrouted(guess)
-            self.policy.routed(replica_id.unique_id, self._token_ids(pending_request))
-
-    def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
-        """The replica was ranked for this very request: it gets it. Serve's default hands a chosen
-        replica to the oldest pending request instead (FIFO), which under concurrency would send a
-        request where another one's prefix is. The
-        override is of the hook Serve's multiplexing mixin uses (a private name, checked by the
-        tests against the Ray version installed)."""
-        if request_metadata is None:
-            return None
-        for pr in self._pending_requests_to_fulfill:
-            if pr.metadata is request_metadata and not pr.future.done():
-                return pr
-        return None
+        counted = self._tentative.pop(pending_request.metadata.request_id, None)
+        if counted is not None and counted[0] != replica_id.unique_id:  # Serve took another rank
+            self.policy.unrouted(counted[0])
+            self.policy.routed(replica_id.unique_id, counted[1])
 
     @staticmethod
-    def _token_ids(pending_request: PendingRequest | None) -> list[int] | None:
-        if pending_request is None or pending_request.metadata.call_method != "generate":
-            return None
+    def _token_ids(pending_request: PendingRequest) -> list[int] | None:
         ids = pending_request.kwargs.get("prompt_token_ids")
         if ids is None and len(pending_request.args) > 1:
             ids = pending_request.args[1]
