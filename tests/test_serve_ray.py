@@ -105,6 +105,20 @@ def test_completions_and_chat_through_openai_client(client):
     assert text == chat.choices[0].message.content
 
 
+def test_streamed_outputs_coalesce_without_losing_tokens(client):
+    """Replicas merge the outputs of several steps into one message (stream_interval_s): every
+    token still arrives, with its logprob, in order."""
+    full = client.completions.create(model=MODEL, prompt="Count with me", max_tokens=24, temperature=0,
+                                     logprobs=1, extra_body={"ignore_eos": True})
+    chunks = [c for c in client.completions.create(model=MODEL, prompt="Count with me", max_tokens=24,
+                                                   temperature=0, logprobs=1, stream=True,
+                                                   extra_body={"ignore_eos": True}) if c.choices]
+    tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert tokens == full.choices[0].logprobs.tokens and len(tokens) == 24
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert len(chunks) < 24  # the tiny model steps faster than the interval: several tokens a chunk
+
+
 def test_errors_are_the_servers_own(client, cluster):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=2)
@@ -137,18 +151,22 @@ def test_metrics_label_each_replica(cluster):
 
 def test_prefix_router_keeps_conversations_on_one_replica(client, cluster):
     """Each turn extends the previous turn's prompt and answer; every turn of a conversation goes to
-    one replica, and the conversations use both."""
-    homes = []
-    for conv in range(4):
+    one replica, and the conversations use both. The conversations run concurrently, so their turns
+    are routed at the same moments: a router whose chosen replica went to another pending request
+    (Serve's FIFO matching instead of by request id) would split them."""
+    def talk(conv: int) -> set[str]:
         prompt = f"Conversation number {conv} begins with a long opening line about topic {conv * 7} " * 3
         seen = set()
         for turn in range(3):
             out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
             seen.add(replica_of(cluster, out.id))
             prompt += out.choices[0].text + f" and then turn {turn} asks more about it."
-        assert len(seen) == 1, f"conversation {conv} was split over {seen}"
-        homes.append(seen.pop())
-    assert len(set(homes)) == 2, homes
+        return seen
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        homes = list(pool.map(talk, range(4)))
+    assert all(len(seen) == 1 for seen in homes), f"a conversation was split: {homes}"
+    assert len(set.union(*homes)) == 2, homes
 
 
 def test_disconnect_frees_blocks_on_its_replica(cluster):

@@ -30,6 +30,14 @@ APP_NAME = "iterserve"
 REPLICA_DEPLOYMENT = "EngineReplica"
 
 
+# A local cluster started by `serve --replicas`: no dashboard; a small object store (only token ids
+# and outputs travel); and workers at normal priority. Ray starts its workers at nice 15 by default
+# (its daemons first), but here the workers are the server: replicas, ingress, HTTP proxy; niced,
+# they would yield the cores to anything else on the machine that a single-process server would not.
+LOCAL_CLUSTER = {"include_dashboard": False, "object_store_memory": 256 * 2**20,
+                 "_system_config": {"worker_niceness": 0}}
+
+
 @dataclass
 class ScaleOutConfig:
     """Every switch of the scale-out (the engine's are in EngineConfig, the HTTP layer's in ServerSettings)."""
@@ -40,12 +48,15 @@ class ScaleOutConfig:
     max_ongoing_requests: int = 256  # per replica, Serve's admission bound; --max-waiting is the engine's
     stats_period_s: float = 0.2  # how often replicas report their load to the router
     max_retries: int = 1  # re-sends of a request whose replica died before it produced output
+    stream_interval_s: float = 0.05  # replicas send a request's outputs at most this often (the first at once)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("--replicas must be >= 1")
         if self.threads_per_replica is not None and self.threads_per_replica < 1:
             raise ValueError("--threads-per-replica must be >= 1")
+        if self.stream_interval_s < 0:
+            raise ValueError("--stream-interval must be >= 0")
 
     def threads(self) -> int:
         return self.threads_per_replica or max(1, (os.cpu_count() or 1) // self.replicas)
@@ -53,6 +64,12 @@ class ScaleOutConfig:
 
 def uses_cuda(config: EngineConfig) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def math_env(threads: int) -> dict[str, str]:
+    """A replica's OpenMP threads: as many as it reserved, sleeping when idle instead of spinning
+    (a spinning thread takes a core from the other replicas and Ray's processes)."""
+    return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def build_application(engine_config: EngineConfig, settings: ServerSettings, scale: ScaleOutConfig):
@@ -63,13 +80,14 @@ def build_application(engine_config: EngineConfig, settings: ServerSettings, sca
         EngineReplica, name=REPLICA_DEPLOYMENT, num_replicas=scale.replicas,
         max_ongoing_requests=scale.max_ongoing_requests, health_check_period_s=2, health_check_timeout_s=30,
         ray_actor_options={"num_cpus": threads, "num_gpus": 1 if uses_cuda(engine_config) else 0,
-                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
+                           "runtime_env": {"env_vars": math_env(threads)}},
         request_router_config=RequestRouterConfig(
-            request_router_class=IterserveRequestRouter, request_router_kwargs=dataclasses.asdict(router),
+            request_router_class=IterserveRequestRouter,
+            request_router_kwargs={"deployment": REPLICA_DEPLOYMENT, **dataclasses.asdict(router)},
             request_routing_stats_period_s=scale.stats_period_s, request_routing_stats_timeout_s=5))
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind(engine_config, settings), settings, router.policy, scale.max_retries)
+                               ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": math_env(1)}})
+    return ingress.bind(replica.bind(engine_config, settings, scale.stream_interval_s), settings, router.policy, scale.max_retries)
 
 
 def start(engine_config: EngineConfig, settings: ServerSettings, scale: ScaleOutConfig, host: str, port: int,
@@ -88,8 +106,7 @@ def run_until_signal(engine_config: EngineConfig, settings: ServerSettings, scal
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    # a local cluster: no dashboard, and a small object store (only token ids and outputs travel)
-    ray_init = {} if ray_address else {"include_dashboard": False, "object_store_memory": 256 * 2**20}
+    ray_init = {} if ray_address else LOCAL_CLUSTER
     start(engine_config, settings, scale, host, port, ray_address, ray_init)
     log.info("serving %d replica(s) of %s on http://%s:%d (router %s, %d thread(s) each)", scale.replicas,
              engine_config.model, host, port, scale.router.policy, scale.threads())

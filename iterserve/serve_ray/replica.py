@@ -3,12 +3,17 @@
 The ingress has validated and tokenised the request already; a replica only admits it (or says why
 not: the 503 of --max-waiting is per replica) and streams its RequestOutputs back through a Serve
 streaming handle. The first item of every stream is the admission verdict, so the ingress can answer
-an error before it sends any byte, exactly as the single-process server does. When the ingress
+an error before it sends any byte, exactly as the single-process server does. Outputs are coalesced:
+the first is sent at once (time to first token is the engine's), later ones at most every
+`stream_interval_s`, merged into one (each Ray message costs CPU in this replica, the ingress and
+their event loops, on the same cores as the engines when one machine runs them all). When the ingress
 cancels the stream (its client went away) Serve cancels this generator, and the request is aborted
 here, which frees its KV blocks at the next step boundary.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
@@ -50,10 +55,21 @@ class EngineInfo:
     block_size: int
 
 
+def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order, the last
+    one's state (finished, reason, counts, times)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return dataclasses.replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
+                               text_delta="".join(o.text_delta for o in outputs),
+                               new_logprobs=[lp for o in outputs for lp in o.new_logprobs])
+
+
 class EngineReplica:
     """Deployed by app.py with serve.deployment(...) options (replicas, CPUs/GPUs, router)."""
 
-    def __init__(self, config: EngineConfig, settings: ServerSettings) -> None:
+    def __init__(self, config: EngineConfig, settings: ServerSettings, stream_interval_s: float = 0.0) -> None:
+        self.stream_interval_s = stream_interval_s
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.settings = settings
@@ -80,7 +96,8 @@ class EngineReplica:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, waited_s: float = 0.0,
                        prefix_leader: str | None = None) -> AsyncIterator[Admission | list[RequestOutput]]:
-        """Admission, then the request's outputs in batches (what arrived since the last yield).
+        """Admission, then the request's outputs, each list one output coalescing what arrived since
+        the last yield.
         waited_s: time already spent since arrival at the ingress (clocks differ between hosts)."""
         engine = self._started()
         self.received_total += 1
@@ -92,13 +109,18 @@ class EngineReplica:
             yield Admission(str(e), e.status_code, self.replica_id)
             return
         yield Admission(replica=self.replica_id)
+        sent_at = -float("inf")  # the first output goes at once
         try:
             while not stream.finished:
                 batch = [await stream.queue.get()]
+                wait = sent_at + self.stream_interval_s - time.monotonic()
+                if wait > 0 and not batch[-1].finished:
+                    await asyncio.sleep(wait)
                 while not stream.queue.empty():
                     batch.append(stream.queue.get_nowait())
                 stream.finished = batch[-1].finished
-                yield batch
+                sent_at = time.monotonic()
+                yield [coalesce(batch)]
         finally:
             if not stream.finished:  # cancelled: the ingress's client went away
                 engine.abort(request_id)

@@ -103,6 +103,10 @@ def add_parser(subparsers) -> None:
     r.add_argument("--router-imbalance-threshold", type=int, default=RouterConfig.imbalance_threshold,
                    help="prefix router: when the busiest replica has more than this many requests above the "
                         f"idlest, route by load (default {RouterConfig.imbalance_threshold})")
+    r.add_argument("--stream-interval", type=float, default=None, metavar="S",
+                   help="with --replicas: a replica sends a streamed request's new tokens at most every S seconds "
+                        "(the first token at once), fewer Ray messages for the same text; 0: every step "
+                        "(default 0.05)")
     g.add_argument("--config", default=None,
                    help="YAML file with the same keys as these flags (e.g. max-num-seqs: 32); flags win")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -236,7 +240,9 @@ def serve_replicas(args: argparse.Namespace) -> int:
     router = RouterConfig(policy=args.router, block_size=config.block_size,
                           min_match_blocks=args.router_min_match_blocks,
                           imbalance_threshold=args.router_imbalance_threshold)
-    scale = ScaleOutConfig(replicas=args.replicas, threads_per_replica=args.threads_per_replica, router=router)
+    interval = {} if args.stream_interval is None else {"stream_interval_s": args.stream_interval}
+    scale = ScaleOutConfig(replicas=args.replicas, threads_per_replica=args.threads_per_replica, router=router,
+                           **interval)
     return run_until_signal(config, server_settings(args), scale, args.host, args.port, args.ray_address)
 
 
