@@ -2,9 +2,9 @@
 
 A backend computes one layer's paged attention for a step: it writes the step's new K/V into the
 cache, then attends each query to its own sequence's context. Backends differ only in how they run
-the decodes (one query per sequence, the part of a step that reads the whole cache); the prefill
-chunks always take the torch path (SDPA per sequence, already fused on CUDA), so `forward` lives
-here once and a backend overrides `decode` alone.
+the decodes (one query per sequence, the part of a step that reads the whole cache) and, where they
+have a kernel for it, the prefill chunks (by default the torch path: SDPA per sequence, already
+fused on CUDA), so `forward` lives here once and a backend overrides `decode` and `prefill`.
 
 The platform picks one backend when the engine starts (attention/selector.py); the runner hands it
 to every layer through the forward context. Nothing here knows which device it runs on.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata
+from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.attention.torch_attention import decode_attention, prefill_attention, write_kv
 
 
@@ -29,6 +29,12 @@ class AttentionBackend:
         cache) -> [B, heads, D]."""
         raise NotImplementedError
 
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: PrefillMetadata, scale: float) -> torch.Tensor:
+        """q, k, v: [T, heads, D] of the step's prefill chunks, concatenated (their K/V already written
+        to the cache) -> [T, heads, D], causal within each sequence."""
+        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Writes this step's k, v [T, kv_heads, D] to the cache, then attends q [T, heads, D]."""
@@ -37,7 +43,7 @@ class AttentionBackend:
         d = meta.num_decode_tokens
         if meta.prefill is None:
             return self.decode(q, k_cache, v_cache, meta.decode, scale)
-        pre = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill, scale)
+        pre = self.prefill(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill, scale)
         if meta.decode is None:
             return pre
         return torch.cat([self.decode(q[:d], k_cache, v_cache, meta.decode, scale), pre])

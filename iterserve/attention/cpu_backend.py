@@ -1,5 +1,7 @@
-"""Decode attention by iterserve's C++ CPU kernel (iterserve/csrc/cpu_kernels.cpp), which reads
-each sequence's K/V rows straight from the paged cache instead of gathering a padded copy first.
+"""Decode and prefill attention by iterserve's C++ CPU kernels (iterserve/csrc/cpu_kernels.cpp),
+which read each sequence's K/V rows straight from the paged cache instead of gathering a padded
+copy first. The prefill kernel (flash-attention style on AVX512-BF16) replaces torch's SDPA for bf16
+chunks: torch's CPU flash kernel was a third of a 1024-token prefill step (docs/profile.md).
 
 The kernels module is handed in by the platform that loaded it (platform/cpu_kernels.py), so this
 file neither builds nor finds it.
@@ -11,7 +13,7 @@ from types import ModuleType
 import torch
 
 from iterserve.attention.backend import AttentionBackend
-from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata
+from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.attention.torch_attention import write_kv
 
 
@@ -25,6 +27,23 @@ class CpuKernelAttentionBackend(AttentionBackend):
                scale: float) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                    scale)
+
+    def prefill_kernel_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """The prefill kernel's domain: bf16 queries and cache, a build with AVX512-BF16, head_dim a
+        multiple of 32 and at most 24 query heads per KV head; elsewhere the torch path runs."""
+        return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+                and q.shape[1] // k_cache.shape[2] <= 24 and self.kernels.bf16_gemm_is_vectorised())
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: PrefillMetadata, scale: float) -> torch.Tensor:
+        if not self.prefill_kernel_fits(q, k_cache):
+            return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+        outs, start = [], 0
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            outs.append(self.kernels.paged_prefill_attention(q[start:start + n], k_cache, v_cache,
+                                                             meta.block_tables[i], ctx, scale))
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class BatchInvariantCpuAttentionBackend(CpuKernelAttentionBackend):
