@@ -131,6 +131,27 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
     return EngineConfig(**kw)
 
 
+def engine_flags_from_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags `args` holds that differ from their defaults, as command-line words: what a
+    tool that measured in process passes on to an `iterserve serve` it starts with the same engine."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    words: list[str] = []
+    for action in p._actions:  # argparse has no public listing of a parser's options
+        if not action.option_strings or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words.append(action.option_strings[0] if value else action.option_strings[1])
+        elif isinstance(action, argparse._StoreTrueAction):
+            words.append(action.option_strings[0])
+        elif value is not None:
+            words += [action.option_strings[0], str(value)]
+    return words
+
+
 def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,6 +14,7 @@ from iterserve.core.scheduler import Scheduler, WaitingQueue
 from iterserve.core.static import StaticScheduler
 from iterserve.sim.analytic import analytic_profile
 from iterserve.sim.measure import ProfileGrid, measure_profile
+from iterserve.sim.overhead import ServerOverhead, fit_gaps
 from iterserve.sim.profile import Profile
 from iterserve.sim.simulator import conversation_plans, simulate
 from iterserve.sim.step_model import FEATURES, LinearStepModel, StepFeatures
@@ -275,3 +276,75 @@ def test_multi_turn_conversations_grow_a_cached_history(capsys):
     assert [p.user_lens for p in distinct] == [p.user_lens for p in plans]
     alone = simulate([], EngineConfig(), prof, conversations=distinct).stats
     assert 0 < alone["prefix_cache_hits"] <= run.stats["prefix_cache_hits"] - 2 * 192
+
+
+def overhead_profile(**kw) -> Profile:
+    return linear_profile(server_overhead=ServerOverhead(gap_s=[0.002, 0.0001], admit_s=0.001,
+                                                         arrival_s=[0.003, 2e-5], first_token_s=0.004,
+                                                         finish_s=0.005, fit={"gap_points": 10}), **kw)
+
+
+def test_server_overhead_round_trips_and_is_charged(tmp_path):
+    prof = overhead_profile()
+    prof.save(tmp_path / "p.json")
+    back = Profile.load(tmp_path / "p.json")
+    assert back.server_overhead == prof.server_overhead
+    assert back.to_dict() == prof.to_dict()
+    specs, cfg = workload(n=100, rate=5.0), EngineConfig(max_num_seqs=8)
+    plain = simulate(specs, cfg, linear_profile()).result.summary()
+    charged = simulate(specs, cfg, back)
+    assert outcome(charged) == outcome(simulate(specs, cfg, overhead_profile()))  # deterministic
+    s = charged.result.summary()
+    assert s["completed"] == plain["completed"] == len(specs)
+    # at a light load each request pays at least the arrival + first-token terms before its first token
+    # and the finish term after its last; each step the gap after it
+    assert s["ttft_ms"]["median"] > plain["ttft_ms"]["median"] + 7.0
+    assert s["e2e_ms"]["mean"] > plain["e2e_ms"]["mean"] + 10.0
+    for rec in charged.result.records:  # times are the client's: from the send time
+        assert rec.e2e_s == pytest.approx(rec.end_at_s - rec.sent_at_s)
+
+
+def test_gap_after_a_step_delays_the_next_one():
+    specs = [RequestSpec(0, 0.0, 16, 10)]
+    oh = ServerOverhead(gap_s=[0.01, 0.0])
+    run = simulate(specs, EngineConfig(), linear_profile(server_overhead=oh))
+    steps = run.timelines[0].steps
+    assert len(steps) == 10
+    for a, b in zip(steps, steps[1:]):
+        assert b["t"] - (a["t"] + a["duration"]) == pytest.approx(0.01)
+
+
+def test_profiles_without_the_newer_terms_still_load(tmp_path):
+    d = linear_profile().to_dict()
+    d.pop("server_overhead")
+    d["step_model"] = {"form": "linear", "features": list(FEATURES[:6]), "coef": [0.004, 0.0002, 0.00002, 0, 1e-7, 0]}
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    old = Profile.load(tmp_path / "old.json")
+    assert old.server_overhead is None and old.overhead == ServerOverhead()
+    specs = workload(n=50)
+    assert outcome(simulate(specs, EngineConfig(), old)) == outcome(simulate(specs, EngineConfig(), linear_profile()))
+
+
+def test_cut_over_terms_fit_a_jump_at_the_engines_cut():
+    true = LinearStepModel([0.003, 0.0001, 0.00002, 0.0, 2e-7, 0.0, 0.004, 0.001], twin_max_tokens=4, head_max_seqs=4)
+    rows = [StepFeatures(b, b, 0, b * c, 0.0) for b in (1, 2, 4, 5, 8, 16) for c in (100, 1000)]
+    rows += [StepFeatures(1, p, p, 0, p * p / 1e3) for p in (64, 512)]
+    fit = LinearStepModel.fit(rows, [true.predict(r) for r in rows], 4, 4)
+    assert fit.predict(StepFeatures(6, 6, 0, 600, 0.0)) == pytest.approx(true.predict(StepFeatures(6, 6, 0, 600, 0.0)))
+    assert fit.predict(StepFeatures(5, 5, 0, 500, 0.0)) - fit.predict(StepFeatures(4, 4, 0, 400, 0.0)) > 0.004
+    assert LinearStepModel.fit(rows, [true.predict(r) for r in rows]).coef[6:] == [0.0, 0.0]  # no cut: off
+
+
+def test_gap_fit_recovers_the_gap_between_busy_steps():
+    steps, t = [], 0.0
+    for k in range(40):
+        batch = 1 + k % 8
+        admitted = [("r", 0)] * (k % 3)
+        t += 0.001 * len(admitted)  # this step's admissions, before its forward pass
+        steps.append({"step": k + 1, "t_run": t, "duration": 0.02, "batch_size": batch, "admitted": admitted,
+                      "num_running": 0 if k == 19 else batch})
+        t += 0.02 + (5.0 if k == 19 else 0.002 + 0.0003 * batch)  # an idle wait after step 20: not a gap
+    gap, admit, info = fit_gaps(steps)
+    assert gap == pytest.approx([0.002, 0.0003], rel=1e-3)
+    assert admit == pytest.approx(0.001, rel=1e-3)
+    assert info["gap_points"] <= 38

@@ -24,7 +24,7 @@ from iterserve.bench.tune import parse_int_list, slo_met
 from iterserve.bench.common import one_line
 from iterserve.bench.workload import WorkloadError, add_workload_args, describe_workload, workload_from_args
 from iterserve.config import EngineConfig
-from iterserve.engine_args import add_engine_args, engine_config_from_args
+from iterserve.engine_args import add_engine_args, engine_config_from_args, engine_flags_from_args
 from iterserve.sim.analytic import GPUS, MODEL_SHAPES, analytic_profile
 from iterserve.sim.profile import Profile
 from iterserve.sim.router import ROUTERS
@@ -55,11 +55,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                mixed_decode=[4], mixed_chunks=[64])
         config = engine_config_from_args(args, model=args.model or "smollm2-135m")
         prof = measure_profile(config, grid, args.repeats, progress=not args.no_progress)
+        if args.server_overhead:
+            from iterserve.model.loader import load_tokenizer, resolve_model  # the tokenizer, only here
+            from iterserve.sim.measure_server import measure_server_overhead
+
+            print("profile: measuring the server's overhead (a server with the same engine flags)", file=sys.stderr)
+            max_seqs = config.max_num_seqs if config.batching == "continuous" else config.max_batch_size
+            prof.server_overhead = measure_server_overhead(
+                config.model, engine_flags_from_args(args), load_tokenizer(resolve_model(config.model)), max_seqs)
     prof.save(args.out)
     print(prof.describe())
     if prof.fit:
         print(f"fit over {prof.fit['points']} steps: mean |error| {prof.fit['mean_abs_rel_err']:.1%}, "
               f"max {prof.fit['max_abs_rel_err']:.1%}")
+    if prof.server_overhead is not None:
+        oh = prof.server_overhead
+        print(f"server overhead: gap {oh.gap_s[0] * 1e3:.2f} ms + {oh.gap_s[1] * 1e3:.3f} ms/seq after each step, "
+              f"{oh.admit_s * 1e3:.2f} ms per admission, arrival {oh.arrival_s[0] * 1e3:.1f} ms + "
+              f"{oh.arrival_s[1] * 1e6:.2f} us/prompt token, first token +{oh.first_token_s * 1e3:.1f} ms, "
+              f"finish +{oh.finish_s * 1e3:.1f} ms")
     if prof.note:
         print(prof.note)
     print(f"wrote {args.out}", file=sys.stderr)
@@ -80,6 +94,10 @@ def add_profile_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per step shape; the median is kept")
     p.add_argument("--quick", action="store_true", help="a small grid (a smoke test, not a calibration)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--server-overhead", action="store_true",
+                   help="also start a server with the same engine flags and fit what it costs besides the forward "
+                        "passes (the gap between steps, per-request arrival / first-token / finish delays; about "
+                        "a minute): the simulator charges these, which matters most for small models")
     a = p.add_argument_group("analytic (an estimate for hardware not at hand)")
     a.add_argument("--analytic", action="store_true", help="roofline estimate instead of measuring")
     a.add_argument("--gpu", choices=sorted(GPUS), help="the GPU's published peaks")

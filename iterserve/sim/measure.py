@@ -37,11 +37,14 @@ class ProfileGrid:
     mixed_decode: list[int] = field(default_factory=lambda: [4, 15])
     mixed_chunks: list[int] = field(default_factory=lambda: [64, 512])
 
-    def shapes(self, max_tokens: int, max_len: int) -> list[list[tuple[int, int]]]:
-        """Each step as its rows: (tokens already computed, tokens computed now)."""
+    def shapes(self, max_tokens: int, max_len: int, cuts: tuple[int, ...] = ()) -> list[list[tuple[int, int]]]:
+        """Each step as its rows: (tokens already computed, tokens computed now). `cuts`: the
+        engine's cut-overs between weight copies; the decode batches on both sides of each are
+        added, so the fit sees both regimes."""
         out: list[list[tuple[int, int]]] = []
+        batches = sorted(set(self.decode_batches) | {b for c in cuts if c for b in (c, c + 1)})
         for ctx in self.context_lens:
-            for b in self.decode_batches:
+            for b in batches:
                 if ctx < max_len and b <= max_tokens:
                     out.append([(ctx, 1)] * b)
         for chunk in self.prefill_chunks:
@@ -90,7 +93,10 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
     grid = grid or ProfileGrid()
     engine = LLMEngine(config)
     rng = np.random.default_rng(seed)
-    shapes = grid.shapes(config.max_num_batched_tokens, engine.max_model_len)
+    # the engine's cut-overs to its quantised weight copies (CPU platform only; 0: none)
+    twin_max = int(getattr(engine.platform, "int4_max_tokens", 0) or 0)
+    head_max = int(getattr(engine.platform, "q8_head_max_tokens", 0) or 0)
+    shapes = grid.shapes(config.max_num_batched_tokens, engine.max_model_len, (twin_max, head_max))
     feats: list[StepFeatures] = []
     secs: list[float] = []
     t_start = time.perf_counter()
@@ -104,7 +110,7 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
             f = got[0]
             print(f"profile: [{k + 1}/{len(shapes)}] seqs {f.seqs:3d} tokens {f.tokens:5d} (prefill "
                   f"{f.prefill_tokens:5d}) decode kv {f.decode_kv:6d}: {got[1] * 1e3:8.1f} ms", file=sys.stderr)
-    model = LinearStepModel.fit(feats, secs)
+    model = LinearStepModel.fit(feats, secs, twin_max, head_max)
     pred = np.array([model.predict(f) for f in feats])
     rel = np.abs(pred - np.array(secs)) / np.array(secs)
     mcfg = engine.model_config

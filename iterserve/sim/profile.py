@@ -18,6 +18,7 @@ from typing import Any
 from iterserve.bench.common import load_average
 from iterserve.config import EngineConfig, parse_size
 from iterserve.cpu_info import cpu_flags
+from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
 from iterserve.sim.step_model import StepTimeModel, model_from_dict
 
 FORMAT = "iterserve-step-profile/1"
@@ -43,6 +44,11 @@ class Profile:
     fit: dict[str, Any] = field(default_factory=dict)  # how well the model fits its own samples
     samples: list[dict[str, Any]] = field(default_factory=list)  # measured steps: features and seconds
     note: str = ""
+    server_overhead: ServerOverhead | None = None  # None: not measured, the simulator charges none
+
+    @property
+    def overhead(self) -> ServerOverhead:
+        return self.server_overhead or NO_OVERHEAD
 
     def num_kv_blocks(self, config: EngineConfig) -> int:
         """As the engine sizes its cache: --num-kv-blocks, else the memory over the bytes per block."""
@@ -53,6 +59,8 @@ class Profile:
 
     def describe(self) -> str:
         label = "ESTIMATE (analytic roofline)" if self.estimate else "measured"
+        if self.server_overhead is not None:
+            label += ", with server overhead"
         where = self.machine.get("gpu") or self.machine.get("cpu_model") or "?"
         return f"{self.model} {self.dtype} on {where}: {label}"
 
@@ -62,7 +70,8 @@ class Profile:
                 "engine_flags": self.engine_flags, "machine": self.machine, "commit": self.commit,
                 "created": self.created, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "max_model_len": self.max_model_len, "kv_memory_bytes": self.kv_memory_bytes,
-                "step_model": self.step_model.to_dict(), "fit": self.fit, "samples": self.samples}
+                "step_model": self.step_model.to_dict(), "fit": self.fit, "samples": self.samples,
+                "server_overhead": self.server_overhead.to_dict() if self.server_overhead else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
@@ -74,7 +83,8 @@ class Profile:
                    estimate=bool(d.get("estimate")), model_shape=d.get("model_shape") or {},
                    engine_flags=d.get("engine_flags") or {}, machine=d.get("machine") or {},
                    commit=d.get("commit"), created=d.get("created", ""), fit=d.get("fit") or {},
-                   samples=d.get("samples") or [], note=d.get("note", ""))
+                   samples=d.get("samples") or [], note=d.get("note", ""),
+                   server_overhead=ServerOverhead.from_dict(d["server_overhead"]) if d.get("server_overhead") else None)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

@@ -10,7 +10,12 @@ prefill, admission and queueing are therefore the engine's, not a re-implementat
 
 Events, in time order: arrivals (routed to one of `replicas` independent engines by a `Router`),
 ends of steps, and static batching's partial-batch timeouts. Output lengths are the workload's
-(as `bench serve --ignore-eos` forces them); the HTTP layer is not simulated.
+(as `bench serve --ignore-eos` forces them). What a server costs besides the forward passes is
+charged when the profile has it (`sim/overhead.py`): a request reaches the scheduler its arrival
+term after it was sent; a step that admits requests starts its forward pass their admission cost
+later; after each forward pass the engine spends the gap term before it can schedule again; the
+client sees the first token and the response's end the first-token / finish terms after the step
+that sampled them. Times in the report are the client's (from the request's send time).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from iterserve.engine import LLMEngine
 from iterserve.request import Request, RequestRejected
 from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile
+from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
 from iterserve.sim.router import ROUTERS, Router
 from iterserve.sim.step_model import step_features
 
@@ -63,13 +69,15 @@ class SimEngine:
         self.config = config
         self.index = index
         self.step_model = profile.step_model
+        self.overhead = profile.overhead
         self.max_model_len = config.max_model_len or profile.max_model_len
         self.max_input_len = config.max_input_len or self.max_model_len
         self.max_output_len = config.max_output_len or self.max_model_len
         self.pool = BlockPool(profile.num_kv_blocks(config), config.block_size, enable_caching=config.prefix_caching)
         self.scheduler = make_scheduler(config, self.pool, self.max_model_len)
         self.in_flight: SchedulerOutput | None = None
-        self.step_start = 0.0
+        self.step_start = 0.0  # the forward pass's start (after admissions)
+        self.run_end = 0.0  # and end (the engine's bookkeeping gap follows)
         self.wake_at: float | None = None  # a pending static-batch timeout
         self.keep_steps = keep_steps
         self.steps: list[dict[str, Any]] = []
@@ -85,15 +93,17 @@ class SimEngine:
     def load(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
-    def add(self, spec: RequestSpec, params: SamplingParams, ids: list[int] | None = None) -> Request:
+    def add(self, spec: RequestSpec, params: SamplingParams, ids: list[int] | None = None,
+            at: float | None = None) -> Request:
         """Queues a request as `LLMEngine.add_request` would; raises RequestRejected likewise.
-        `ids`: the prompt's token ids where they matter (a conversation's history), else prompt_ids."""
+        `ids`: the prompt's token ids where they matter (a conversation's history), else prompt_ids;
+        `at`: when it reaches the engine (default: its send time)."""
         ids = prompt_ids(spec) if ids is None else ids
         self.check_limits(len(ids), params)
         cfg = self.config
         if cfg.max_waiting is not None and self.scheduler.num_waiting >= cfg.max_waiting:
             raise RequestRejected(f"the waiting queue is full ({cfg.max_waiting} requests): retry later", 503)
-        req = Request(f"r{spec.index}", ids, params, arrival_time=spec.arrival_s)
+        req = Request(f"r{spec.index}", ids, params, arrival_time=spec.arrival_s if at is None else at)
         need = self.scheduler.max_blocks_per_request(req)
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has {self.pool.num_blocks}")
@@ -105,14 +115,18 @@ class SimEngine:
         sched = self.scheduler.schedule(now)
         if sched.is_empty:
             return None
-        duration = self.step_model.predict(step_features(sched))
-        self.in_flight, self.step_start = sched, now
+        oh = self.overhead
+        self.step_start = now + oh.admit_s * len(sched.admitted)
+        self.run_end = self.step_start + self.step_model.predict(step_features(sched))
+        self.in_flight = sched
         self.num_preempted += len(sched.preempted)
-        return now + duration
+        return self.run_end + oh.gap(len(sched.scheduled))
 
-    def end_step(self, now: float) -> list[Request]:
-        """Applies the step in flight as `LLMEngine.step` does; returns the requests released."""
+    def end_step(self) -> list[Request]:
+        """Applies the step in flight as `LLMEngine.step` does, at its forward pass's end; returns
+        the requests released."""
         sched, self.in_flight = self.in_flight, None
+        now = self.run_end
         assert sched is not None
         released: list[Request] = []
         for s in sched.scheduled:
@@ -197,15 +211,17 @@ class SimRun:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _record(spec: RequestSpec, req: Request | None, error: str = "", keep_itl: bool = True) -> RequestRecord:
+def _record(spec: RequestSpec, req: Request | None, error: str = "", keep_itl: bool = True,
+            overhead: ServerOverhead = NO_OVERHEAD) -> RequestRecord:
+    """The client's view: from the send time (spec.arrival_s), the server's overheads included."""
     rec = RequestRecord(spec.index, spec.arrival_s, spec.input_len, spec.output_len, sent_at_s=spec.arrival_s)
     if req is None:
         rec.error, rec.end_at_s = error, spec.arrival_s
         return rec
     t = req.times
-    rec.end_at_s = t.finished
-    rec.e2e_s = t.finished - t.arrival
-    rec.ttft_s = t.ttft
+    rec.end_at_s = t.finished + overhead.finish_s
+    rec.e2e_s = rec.end_at_s - spec.arrival_s
+    rec.ttft_s = t.first_token + overhead.first_token_s - spec.arrival_s
     rec.queue_time_s = t.queue_time
     rec.output_tokens = req.num_output_tokens
     rec.prompt_tokens = req.num_prompt_tokens
@@ -239,14 +255,21 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
             raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
         router = ROUTERS[router]()
     wall0 = time.perf_counter()
-    order = sorted(specs, key=lambda s: (s.arrival_s, s.index))
+    oh = profile.overhead
+
+    def reach(spec: RequestSpec, prompt_tokens: int) -> float:
+        """When a request sent at spec.arrival_s reaches the scheduler."""
+        return spec.arrival_s + oh.to_arrival(prompt_tokens)
+
+    # (time it reaches the engine, index, spec): the engines see requests in this order
+    order = sorted((reach(s, s.system_prompt_len + s.input_len), s.index, s) for s in specs)
     offered = len(order)
     if sample_replicas is not None:
         if conversations:
             raise ValueError("sample_replicas needs requests that do not depend on each other (no conversations)")
         if router.name != "round-robin" or not 1 <= sample_replicas <= replicas:
             raise ValueError("sample_replicas needs the round-robin router and 1 <= sample_replicas <= replicas")
-        order = [s for j, s in enumerate(order) if j % replicas < sample_replicas]
+        order = [a for j, a in enumerate(order) if j % replicas < sample_replicas]
         router, replicas_total, replicas = ROUTERS["round-robin"](), replicas, sample_replicas
     else:
         replicas_total = replicas
@@ -274,12 +297,12 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
     # conversation turns: (arrival, seq, spec, prompt ids, (conversation, turn)), pushed as answers end
     turns: list[tuple[float, int, RequestSpec, list[int], tuple[ConversationPlan, int]]] = []
     turn_of: dict[str, tuple[ConversationPlan, int]] = {}
-    next_index = itertools.count(max((s.index for s in order), default=-1) + 1)
+    next_index = itertools.count(max((s.index for s in specs), default=-1) + 1)
 
     def push_turn(conv: ConversationPlan, turn: int, at: float, history: list[int]) -> None:
         ids = history + [2 + next(turn_ids)] + [0] * (conv.user_lens[turn] - 1)
         spec = RequestSpec(next(next_index), at, len(ids), conv.output_lens[turn])
-        heapq.heappush(turns, (at, next(seq), spec, ids, (conv, turn)))
+        heapq.heappush(turns, (reach(spec, len(ids)), next(seq), spec, ids, (conv, turn)))
 
     turn_ids = itertools.count(2_000_000)  # ids of user messages: distinct from prompt_ids' own parts
     for conv in conversations:
@@ -288,22 +311,22 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
     i, n = 0, len(order)
     now = 0.0
     while i < n or turns or events:
-        t_next = min(order[i].arrival_s if i < n else math.inf, turns[0][0] if turns else math.inf)
+        t_next = min(order[i][0] if i < n else math.inf, turns[0][0] if turns else math.inf)
         if t_next < math.inf and (not events or t_next <= events[0][0]):
             ids = conv_turn = None
-            if i < n and order[i].arrival_s == t_next:
-                spec = order[i]
+            if i < n and order[i][0] == t_next:
+                spec = order[i][2]
                 i += 1
             else:
                 _, _, spec, ids, conv_turn = heapq.heappop(turns)
-            now = spec.arrival_s
+            now = t_next
             e = engines[router.route(spec, engines)]
             params = params_for.get(spec.output_len)
             if params is None:
                 params = params_for[spec.output_len] = SamplingParams(max_tokens=spec.output_len, temperature=0.0,
                                                                       ignore_eos=True)
             try:
-                req = e.add(spec, params, ids)
+                req = e.add(spec, params, ids, at=now)
             except RequestRejected as err:
                 records.append(_record(spec, None, f"HTTP {err.status_code}: {err}"))
                 continue  # a conversation whose turn is refused ends there
@@ -316,12 +339,13 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
         now, _, idx, is_step_end = heapq.heappop(events)
         e = engines[idx]
         if is_step_end:
-            for req in e.end_step(now):
-                records.append(_record(spec_of.pop(req.request_id), req, keep_itl=keep_itl))
+            for req in e.end_step():
+                records.append(_record(spec_of.pop(req.request_id), req, keep_itl=keep_itl, overhead=oh))
                 conv_turn = turn_of.pop(req.request_id, None)
                 if conv_turn is not None and conv_turn[1] + 1 < len(conv_turn[0].user_lens):
                     conv, turn = conv_turn
-                    push_turn(conv, turn + 1, now + conv.think_s[turn], req.prompt_token_ids + req.output_token_ids)
+                    answered = req.times.finished + oh.finish_s  # the client has the whole answer
+                    push_turn(conv, turn + 1, answered + conv.think_s[turn], req.prompt_token_ids + req.output_token_ids)
             kick(e, now)
         elif e.wake_at == now:  # else stale: a step started (or an earlier wake-up came) meanwhile
             e.wake_at = None

@@ -6,9 +6,16 @@ step alters the predicted time:
 
 - `LinearStepModel` (measured, `iterserve profile MODEL`): least squares, weighted by 1/time so
   that short decode steps are fitted as closely (in relative terms) as long prefills, over
-  t = c0 + c_seq*seqs + c_tok*tokens + c_pre*prefill_tokens + c_dkv*decode_kv + c_pkv*prefill_kv/1e3.
-  Coefficients the data wants negative are dropped and the rest refitted (a small active-set NNLS),
-  so no extrapolation predicts a step that gets cheaper with more work.
+  t = c0 + c_seq*seqs + c_tok*tokens + c_pre*prefill_tokens + c_dkv*decode_kv + c_pkv*prefill_kv/1e3
+      + c_full*[tokens > twin_max_tokens] + c_head*[seqs > head_max_seqs].
+  The last two are steps: on CPU the engine runs small steps on quantised copies of the weights (a
+  4-bit twin of each projection for steps of at most `twin_max_tokens` rows, a Q8 LM head for at
+  most `head_max_seqs` sampled rows: platform/kernel_choice.py) and switches to the bf16 weights
+  above, so step time jumps at those sizes; a line through both regimes is off by tens of percent
+  on the batch sizes between. The cut-overs are the engine's own (saved with the model); 0 means no
+  such copy, and the term is off. Coefficients the data wants negative are dropped and the rest
+  refitted (a small active-set NNLS), so no extrapolation predicts a step that gets cheaper with
+  more work.
 - `RooflineStepModel` (analytic, `iterserve profile --analytic`): max(FLOPs / achievable FLOP/s,
   bytes / achievable bandwidth) + a fixed per-step overhead, from a GPU's published peaks and the
   model's shape. An estimate, labelled so wherever it is written.
@@ -20,10 +27,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from iterserve.sim.overhead import nonnegative_lstsq
+
 if TYPE_CHECKING:  # only a type here: this module (and a profile) loads without torch
     from iterserve.core.scheduler import SchedulerOutput
 
-FEATURES = ("const", "seqs", "tokens", "prefill_tokens", "decode_kv", "prefill_kv_k")
+FEATURES = ("const", "seqs", "tokens", "prefill_tokens", "decode_kv", "prefill_kv_k", "full_weights", "full_head")
+BASE_FEATURES = 6  # profiles written before the cut-over terms have only the first six
 
 
 @dataclass
@@ -38,8 +48,10 @@ class StepFeatures:
     decode_kv: int
     prefill_kv_k: float
 
-    def row(self) -> list[float]:
-        return [1.0, self.seqs, self.tokens, self.prefill_tokens, self.decode_kv, self.prefill_kv_k]
+    def row(self, twin_max_tokens: int = 0, head_max_seqs: int = 0) -> list[float]:
+        return [1.0, self.seqs, self.tokens, self.prefill_tokens, self.decode_kv, self.prefill_kv_k,
+                float(bool(twin_max_tokens) and self.tokens > twin_max_tokens),
+                float(bool(head_max_seqs) and self.seqs > head_max_seqs)]
 
 
 def step_features(sched: SchedulerOutput) -> StepFeatures:
@@ -67,35 +79,42 @@ class StepTimeModel(Protocol):
 
 @dataclass
 class LinearStepModel:
-    coef: list[float]  # one per FEATURES, seconds per unit
+    coef: list[float]  # one per FEATURES (or the first BASE_FEATURES), seconds per unit
+    twin_max_tokens: int = 0  # the engine's cut-over from its 4-bit projections to bf16 (0: none)
+    head_max_seqs: int = 0  # and from its Q8 LM head (0: none)
+
+    def __post_init__(self) -> None:
+        if len(self.coef) not in (BASE_FEATURES, len(FEATURES)):
+            raise ValueError(f"linear step model: {len(self.coef)} coefficients, want {len(FEATURES)}")
+        self.coef = list(self.coef) + [0.0] * (len(FEATURES) - len(self.coef))
 
     def predict(self, f: StepFeatures) -> float:
         c = self.coef
-        return (c[0] + c[1] * f.seqs + c[2] * f.tokens + c[3] * f.prefill_tokens + c[4] * f.decode_kv
-                + c[5] * f.prefill_kv_k)
+        t = (c[0] + c[1] * f.seqs + c[2] * f.tokens + c[3] * f.prefill_tokens + c[4] * f.decode_kv
+             + c[5] * f.prefill_kv_k)
+        if self.twin_max_tokens and f.tokens > self.twin_max_tokens:
+            t += c[6]
+        if self.head_max_seqs and f.seqs > self.head_max_seqs:
+            t += c[7]
+        return t
 
     def to_dict(self) -> dict[str, Any]:
         return {"form": "linear", "features": list(FEATURES), "coef": list(self.coef),
-                "formula": "t = " + " + ".join(f"c_{n}*{n}" for n in FEATURES)}
+                "twin_max_tokens": self.twin_max_tokens, "head_max_seqs": self.head_max_seqs,
+                "formula": "t = " + " + ".join(f"c_{n}*{n}" for n in FEATURES)
+                + " (full_weights = [tokens > twin_max_tokens], full_head = [seqs > head_max_seqs])"}
 
     @classmethod
-    def fit(cls, rows: list[StepFeatures], seconds: list[float]) -> "LinearStepModel":
+    def fit(cls, rows: list[StepFeatures], seconds: list[float], twin_max_tokens: int = 0,
+            head_max_seqs: int = 0) -> "LinearStepModel":
         """Non-negative least squares on relative error (each row weighted by 1/t)."""
         if len(rows) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(rows)}")
-        x = np.array([r.row() for r in rows], dtype=float)
+        x = np.array([r.row(twin_max_tokens, head_max_seqs) for r in rows], dtype=float)
         y = np.asarray(seconds, dtype=float)
         w = 1.0 / y
-        active = list(range(len(FEATURES)))
-        coef = np.zeros(len(FEATURES))
-        while active:
-            sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-            if (sol >= 0).all():
-                coef[:] = 0.0
-                coef[active] = sol
-                break
-            active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
-        return cls([float(c) for c in coef])
+        coef = nonnegative_lstsq(x * w[:, None], y * w)
+        return cls([float(c) for c in coef], twin_max_tokens, head_max_seqs)
 
 
 @dataclass
@@ -134,9 +153,11 @@ class RooflineStepModel:
 def model_from_dict(d: dict[str, Any]) -> StepTimeModel:
     form = d.get("form")
     if form == "linear":
-        if list(d.get("features", [])) != list(FEATURES):
+        names = list(d.get("features", []))
+        if names not in (list(FEATURES), list(FEATURES[:BASE_FEATURES])):
             raise ValueError(f"linear step model: features {d.get('features')} differ from {list(FEATURES)}")
-        return LinearStepModel([float(c) for c in d["coef"]])
+        return LinearStepModel([float(c) for c in d["coef"]], int(d.get("twin_max_tokens", 0)),
+                               int(d.get("head_max_seqs", 0)))
     if form == "roofline":
         return RooflineStepModel(**{k: v for k, v in d.items() if k != "form"})
     raise ValueError(f"unknown step model form {form!r} (linear or roofline)")
