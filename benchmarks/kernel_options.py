@@ -6,6 +6,7 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
     python benchmarks/kernel_options.py linears --rows 8 16 --inductor-woq  # + inductor's AMX int4
     python benchmarks/kernel_options.py lm-head --rows 1 2 4 8 16 --numerics
     python benchmarks/kernel_options.py attention --batch 1 4 8 16 --context 100 500
+    python benchmarks/kernel_options.py prefill-attention --chunk 256:256 512:512 1024:1024 256:1024
 
 - linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
   the weight prepacked (what steps use where our bf16 kernel is not vectorised), torch's int4
@@ -19,6 +20,10 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
   logits on a few prompts.
 - attention: one layer's decode attention per call: the torch path (block gather + SDPA) against
   our kernel (blocks read in place).
+- prefill-attention: one layer's causal attention of a prompt chunk of n tokens at context ctx
+  (n == ctx: a fresh prompt; n < ctx: a chunk after a cached prefix): the torch path (SDPA per
+  chunk, after a block gather when there is a prefix) against our kernel (blocks read in place);
+  the two take turns, best of the rounds.
 Columns of our kernels appear when they build (platform/cpu_kernels.py). Results are printed; the
 figures quoted in docs/profile.md and docs/benchmarks.md came from these commands.
 """
@@ -35,8 +40,8 @@ import torch  # noqa: E402
 
 from iterserve.attention.cpu_backend import CpuKernelAttentionBackend  # noqa: E402
 from iterserve.bench.common import best_time  # noqa: E402
-from iterserve.attention.metadata import DecodeMetadata  # noqa: E402
-from iterserve.attention.torch_attention import decode_attention  # noqa: E402
+from iterserve.attention.metadata import DecodeMetadata, PrefillMetadata  # noqa: E402
+from iterserve.attention.torch_attention import decode_attention, prefill_attention  # noqa: E402
 from iterserve.platform.cpu_kernels import load_cpu_kernels  # noqa: E402
 from iterserve.platform.cpu_linear import GROUP_SIZE, pack_bf16, pack_int4, pack_q4_1  # noqa: E402
 
@@ -215,6 +220,31 @@ def attention(args) -> None:
             print(line + "   per layer", flush=True)
 
 
+def prefill_attention_options(args) -> None:
+    torch.manual_seed(0)
+    bs = 16
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.bf16_gemm_is_vectorised():
+        raise SystemExit("the prefill kernel needs the CPU kernels built with AVX512-BF16")
+    ours = CpuKernelAttentionBackend(kernels)
+    for spec in args.chunk:
+        n, ctx = (int(x) for x in spec.split(":"))
+        nblk = -(-ctx // bs)
+        k_cache, v_cache = (torch.randn(nblk + 4, bs, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+        meta = PrefillMetadata(block_tables=torch.randperm(nblk + 4)[:nblk].unsqueeze(0), query_lens=[n],
+                               context_lens=[ctx])
+        q = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+        calls = {"torch": lambda: prefill_attention(q, k, v, k_cache, v_cache, meta, 0.125),
+                 "ours": lambda: ours.prefill(q, k, v, k_cache, v_cache, meta, 0.125)}
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(args.rounds):  # in turns, so a noisy moment hits both
+            for name, fn in calls.items():
+                best[name] = min(best[name], best_ms(fn, rounds=1))
+        print(f"chunk {n:5d} at context {ctx:5d}: torch (SDPA) {best['torch']:7.2f} ms   ours {best['ours']:7.2f} ms"
+              f"   ({best['torch'] / best['ours']:.2f}x) per layer", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -231,6 +261,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--context", type=int, nargs="+", default=[100, 500])
     p.set_defaults(fn=attention)
+    p = sub.add_parser("prefill-attention", help="one layer's prompt-chunk attention: torch SDPA vs our kernel")
+    p.add_argument("--chunk", nargs="+", default=["256:256", "512:512", "1024:1024", "256:1024"], metavar="N:CTX",
+                   help="chunk tokens : context tokens (the chunk's included)")
+    p.add_argument("--rounds", type=int, default=9)
+    p.set_defaults(fn=prefill_attention_options)
     args = ap.parse_args()
     args.fn(args)
 

@@ -26,7 +26,9 @@ class BenchSetting:
 
 SETTINGS = (BenchSetting("random_128_64_4rps", 128, 64, 4.0, 32),  # issue 16's setting
             BenchSetting("prefill_1024_16_1rps", 1024, 16, 1.0, 16))  # prefill-heavy: TTFT under load
-QUICK_SETTINGS = (BenchSetting("random_128_64_4rps", 128, 8, 4.0, 4),)
+# smoke test: both shapes (short and 1024-token prompts), few requests
+QUICK_SETTINGS = (BenchSetting("random_128_64_4rps", 128, 8, 4.0, 4),
+                  BenchSetting("prefill_1024_16_1rps", 1024, 4, 1.0, 2))
 METRICS = {"output_throughput": "output tok/s", "median_ttft_ms": "TTFT p50 ms", "p95_ttft_ms": "TTFT p95 ms",
            "median_tpot_ms": "TPOT p50 ms", "p95_e2el_ms": "E2EL p95 ms", "completed": "completed"}
 

@@ -319,7 +319,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="also run offline_vs_hf.py's comparison against transformers (slow: ~10 min)")
     ap.add_argument("--vllm-bench", action="store_true",
                     help="also run vLLM's `vllm bench serve` client ($PEERS/vvenv) against each server "
-                         "(random 128/64 at 4 req/s and prefill-heavy 1024/16 at 1 req/s; --quick: 4 short ones)")
+                         "(random 128/64 at 4 req/s and prefill-heavy 1024/16 at 1 req/s; "
+                         "--quick: 4 short requests and 2 of 1024 in / 4 out)")
     ap.add_argument("--offline-requests", type=int, help="offline requests (default 64, quick 4)")
     ap.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
                     help="the peer scripts (default: ../shared/peers from the repo root)")

@@ -713,11 +713,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   const uint16_t* qs = ptr<uint16_t>(q);
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
-  // the longest blocks (last queries) first, so the pool's two threads finish together
+  // one KV head at a time (its laid-out K/V, 2 x ctx x D bf16, stay in L2), the longest blocks (last
+  // queries) first, so the pool's threads finish together
   WorkPool::instance().run(KVH * qblocks, [&](int64_t item) {
     thread_local std::vector<uint32_t> qp;
     thread_local std::vector<float> acc;
-    const int64_t h = item % KVH, b = qblocks - 1 - item / KVH;
+    const int64_t h = item / qblocks, b = qblocks - 1 - item % qblocks;
     const int64_t q0 = b * qb, nq = std::min(qb, n - q0), rows = nq * G;
     qp.assign(D2 * rows, 0);
     acc.resize(rows * D);
