@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from app_server import AppServer
+from dashboard_page import dash, engine, has_colour
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.bench.browser import open_browser
@@ -23,7 +24,8 @@ from iterserve.core.block_pool import BlockPool
 from iterserve.engine import StepRecord
 from iterserve.sampling import SamplingParams
 from iterserve.server.async_engine import AsyncEngine
-from iterserve.server.dashboard import SchedulerStream, StreamConfig, aggregate_steps, percentile
+from iterserve.server.dashboard import SchedulerStream, StreamConfig
+from iterserve.server.engine_ticks import EngineTicks, aggregate_steps, percentile
 
 
 MODEL = "tiny"
@@ -123,7 +125,8 @@ def test_hub_in_process_gathers_only_while_read_and_closes_a_slow_reader(make_en
     gathered; a reader gets hello then ticks whose steps add up to the engine's; a reader that
     stops reading is closed after max_backlog ticks instead of being sent a gap; shutdown ends it."""
     engine = AsyncEngine(make_engine(num_kv_blocks=64, max_model_len=256), warmup=False)
-    hub = SchedulerStream(engine, {"step_limit": 4}, StreamConfig(interval_s=0.02, max_backlog=4))
+    ticks = EngineTicks(engine, {"step_limit": 4})
+    hub = SchedulerStream(ticks, StreamConfig(interval_s=0.02, max_backlog=4))
 
     async def generate(n: int) -> None:
         streams = [await engine.add_request(f"r{i}-{n}", [5, 6, 7, 8 + i], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -138,7 +141,7 @@ def test_hub_in_process_gathers_only_while_read_and_closes_a_slow_reader(make_en
     async def go() -> tuple[list[bytes], list[bytes], list[bytes]]:
         engine.start()
         await generate(3)  # nobody reads: nothing may be gathered
-        assert hub._pending == [] and engine.state.step_count > 0
+        assert ticks._pending == [] and engine.state.step_count > 0
         reader = hub.subscribe()
         events = [await anext(reader)]
         load = asyncio.create_task(generate(6))
@@ -262,18 +265,6 @@ def test_grafana_dashboard_queries_only_exported_metrics(http):
 
 
 # ---- the page in a real browser ---------------------------------------------------------------
-def dash(driver) -> dict:
-    return driver.execute_script("return window.iterserveDashboard")
-
-
-def has_colour(driver, canvas_id: str, rgb: tuple[int, int, int]) -> bool:
-    """Whether the canvas has a pixel of this colour (the drawing, not just a counter, happened)."""
-    return driver.execute_script("""
-        const c = document.getElementById(arguments[0]), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-        for (let i = 0; i < d.length; i += 4) if (d[i] === arguments[1] && d[i+1] === arguments[2] && d[i+2] === arguments[3]) return true;
-        return false;""", canvas_id, *rgb)
-
-
 @pytest.mark.slow  # a real iterserve serve process
 def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
@@ -282,15 +273,19 @@ def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tm
     try:
         driver.get(srv.base_url + "/dashboard")
         wait_for(lambda: dash(driver)["status"] == "live" and dash(driver)["ticks"] > 0, what="the page to go live")
-        before = dash(driver)
-        assert driver.find_element("id", "config").text.count("\n") >= 8 and "continuous" in driver.find_element("id", "config").text
+        before = engine(driver)
+        config = driver.find_element("css selector", ".config").text
+        assert config.count("\n") >= 8 and "continuous" in config
+        # one engine: one panel, as the page was before replicas, with no replica title
+        assert len(driver.find_elements("css selector", "#engines .engine")) == 1
+        assert not driver.find_element("css selector", ".engine-title").is_displayed()
         load = send_load(srv.base_url, n=12, max_tokens=150)
-        held = wait_for(lambda: dash(driver)["blocks"]["held"] > 0 and dash(driver), what="held blocks on the map")
+        held = wait_for(lambda: (e := engine(driver))["blocks"]["held"] > 0 and e, what="held blocks on the map")
         assert held["blocks"]["requests"] >= 1
-        assert has_colour(driver, "chart-batch", (26, 115, 232))  # decode rows, drawn as bars
+        assert has_colour(driver, ".chart-batch", (26, 115, 232))  # decode rows, drawn as bars
         load.join(timeout=120)
         server_step = httpx.get(srv.base_url + "/v1/scheduler").json()["step"]
-        after = wait_for(lambda: (d := dash(driver))["lastStep"] == server_step and d["blocks"]["held"] == 0 and d,
+        after = wait_for(lambda: (e := engine(driver))["lastStep"] == server_step and e["blocks"]["held"] == 0 and e,
                          what="the page to see every step and the blocks freed")
         assert after["gaps"] == 0
         assert after["steps"] > 12  # every step of the load, counted through aggregated ticks
@@ -298,7 +293,7 @@ def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tm
         assert after["blockUpdates"] > before["blockUpdates"] + 1  # changed under load and when requests finished
         # prefix caching keeps the finished requests' full blocks for reuse: drawn as cached, not free
         assert after["blocks"]["cached"] > 0 and after["blocks"]["free"] + after["blocks"]["cached"] == 96
-        assert has_colour(driver, "block-map", (0x81, 0xC9, 0x95))
+        assert has_colour(driver, ".block-map", (0x81, 0xC9, 0x95))
         assert driver.find_element("id", "stat-step").text == str(server_step)
         # a server restart on the same port: the page reconnects by itself and starts afresh
         port = srv.port
@@ -310,7 +305,8 @@ def test_dashboard_in_browser_draws_live_steps_and_reconnects(tiny_model_dir, tm
                          what="the page to reconnect")
         assert again["connections"] == 2
         send_load(srv.base_url, n=2, max_tokens=40).join(timeout=60)
-        wait_for(lambda: dash(driver)["lastStep"] == httpx.get(srv.base_url + "/v1/scheduler").json()["step"],
+        assert list(dash(driver)["engines"]) == [""]  # one panel, not a second one for the new process
+        wait_for(lambda: engine(driver)["lastStep"] == httpx.get(srv.base_url + "/v1/scheduler").json()["step"],
                  what="steps from the new server")
     finally:
         driver.quit()

@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from iterserve.engine import StepRecord
 from iterserve.request import RequestOutput, RequestRejected
 from iterserve.server.async_engine import AsyncEngine
-from iterserve.server.dashboard import PAGE_PATHS, SchedulerStream, dashboard_router, engine_info, static_files
+from iterserve.server.dashboard import PAGE_PATHS, SchedulerStream, StreamConfig, add_dashboard, engine_info
+from iterserve.server.engine_ticks import EngineTicks
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware,
                                          RejectionCounterMiddleware, error_response)
@@ -89,8 +90,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app = build_api(OpenAIServing(engine, settings), settings, metrics.on_rejected, lifespan)
     app.state.engine, app.state.metrics = engine, metrics
-    app.include_router(dashboard_router(SchedulerStream(engine, info)))
-    app.mount("/dashboard/static", static_files(), name="dashboard-static")
+    stream_config = StreamConfig()
+    add_dashboard(app, SchedulerStream(EngineTicks(engine, info, stream_config.latency_window_s), stream_config))
 
     @app.get("/health")
     async def health():

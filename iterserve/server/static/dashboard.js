@@ -1,6 +1,8 @@
 // iterserve's live scheduler dashboard: reads GET /v1/scheduler/stream (server-sent events) with
 // fetch(), because EventSource cannot send the Authorization header an API key needs, and draws
-// each tick on plain canvases. No library, nothing fetched from elsewhere.
+// each tick on plain canvases. No library, nothing fetched from elsewhere. One panel per engine: the
+// single server's stream is one engine's; the Ray ingress's labels each replica's part of a message
+// (`replicas: [{replica, ...}]`) and lists the replicas now reporting (`live`).
 "use strict";
 
 const WINDOW_S = 60;  // charts show the last minute
@@ -10,14 +12,13 @@ const COLORS = {prefill: "#e8710a", decode: "#1a73e8", padding: "#c5221f", max: 
                 shared: "#202124", grid: "#e8eaed", text: "#5f6368"};
 
 // What the page has received and drawn; the browser tests read it (window.iterserveDashboard).
+// engines: one entry per panel, keyed by replica id ("" for the single server's engine).
 const state = {status: "connecting", message: "", startId: null, restarts: 0, connections: 0, ticks: 0,
-               steps: 0, gaps: 0, lastStep: null, redraws: {}, blockUpdates: 0,
-               blocks: {total: 0, held: 0, cached: 0, shared: 0, free: 0}};
+               engines: {}};
 window.iterserveDashboard = state;
 
-let series = [];  // tick messages of the last WINDOW_S seconds
-let config = null;
-let owners = null;  // Int32Array: -1 free, -2 cached, -3 shared, k >= 0 the request's number
+const engines = new Map();  // key -> {el, st (its entry in state.engines), series, config, owners}
+let latencyWindowS = 60;
 let retryDelay = 0;
 let drawPending = false;
 
@@ -122,39 +123,84 @@ function onEvent(text) {
 function onHello(h) {
   if (state.startId !== null && h.start_id !== state.startId) {  // a new server process: start afresh
     state.restarts += 1;
-    series = [];
-    owners = null;
+    for (const key of [...engines.keys()]) dropEngine(key);
   }
   state.startId = h.start_id;
-  state.lastStep = null;
   retryDelay = 0;
-  config = h.config;
-  showConfig(h.config);
-  $("busy-window").textContent = "(10 s)";
-  $("latency-window").textContent = `${Math.round(h.latency_window_s)} s`;
-  if (h.blocks) applyBlocks(h.blocks);
+  latencyWindowS = h.latency_window_s;
+  const parts = h.replicas || [h];  // the single server's hello is its one engine's
+  for (const p of parts) {
+    const e = engineFor(p.replica);
+    e.st.lastStep = null;  // the steps of this connection start at its first tick
+    if (p.config) setConfig(e, p.config);
+    if (p.blocks) applyBlocks(e, p.blocks);
+  }
+  if (h.replicas) keepOnly(h.replicas.map((p) => p.replica));
   setStatus("live");
   scheduleDraw();
 }
 
 function onTick(t) {
   state.ticks += 1;
-  if (t.steps) {
-    // the steps of a tick are contiguous, and each tick starts where the last one ended
-    if (state.lastStep !== null && t.first_step !== state.lastStep + 1) state.gaps += 1;
-    if (t.last_step - t.first_step + 1 !== t.steps) state.gaps += 1;
-    state.lastStep = t.last_step;
-    state.steps += t.steps;
-  }
-  series.push(t);
-  while (series.length && series[0].t < t.t - WINDOW_S) series.shift();
-  if (t.blocks) applyBlocks(t.blocks);
+  for (const p of t.replicas || [t]) onEngineTick(engineFor(p.replica), p);
+  if (t.live) keepOnly(t.live);
   scheduleDraw();
 }
 
+function onEngineTick(e, t) {
+  const st = e.st;
+  st.ticks += 1;
+  if (t.config) setConfig(e, t.config);
+  if (t.steps) {
+    // the steps of a tick are contiguous, and each tick starts where the last one ended
+    if (st.lastStep !== null && t.first_step !== st.lastStep + 1) st.gaps += 1;
+    if (t.last_step - t.first_step + 1 !== t.steps) st.gaps += 1;
+    st.lastStep = t.last_step;
+    st.steps += t.steps;
+  }
+  e.series.push(t);
+  while (e.series.length && e.series[0].t < t.t - WINDOW_S) e.series.shift();
+  if (t.blocks) applyBlocks(e, t.blocks);
+}
+
+// ---- one panel per engine --------------------------------------------------------------------
+function engineFor(replica) {
+  const key = replica || "";
+  let e = engines.get(key);
+  if (e) return e;
+  const el = $("engine-template").content.firstElementChild.cloneNode(true);
+  el.dataset.replica = key;
+  if (key) {
+    el.querySelector(".engine-title").hidden = false;
+    el.querySelector(".engine-id").textContent = key;
+  }
+  $("engines").appendChild(el);
+  const st = {ticks: 0, steps: 0, gaps: 0, lastStep: null, redraws: {}, blockUpdates: 0,
+              blocks: {total: 0, held: 0, cached: 0, shared: 0, free: 0}};
+  state.engines[key] = st;
+  e = {el, st, series: [], config: null, owners: null};
+  engines.set(key, e);
+  $("engines").classList.toggle("multi", engines.size > 1);
+  return e;
+}
+
+function dropEngine(key) {
+  engines.get(key).el.remove();
+  engines.delete(key);
+  delete state.engines[key];
+  $("engines").classList.toggle("multi", engines.size > 1);
+}
+
+function keepOnly(replicas) {  // a replica that stopped reporting (e.g. restarted under a new id)
+  const live = new Set(replicas.map((r) => r || ""));
+  for (const key of [...engines.keys()]) if (!live.has(key)) dropEngine(key);
+}
+
+const q = (e, cls) => e.el.querySelector("." + cls);
+
 // ---- block map -------------------------------------------------------------------------------
-function applyBlocks(b) {
-  owners = new Int32Array(b.total).fill(-1);
+function applyBlocks(e, b) {
+  const owners = new Int32Array(b.total).fill(-1);  // -1 free, -2 cached, -3 shared, k >= 0 the request's number
   for (const id of b.cached) owners[id] = -2;
   let shared = 0;
   for (const [k, ids] of b.held) {
@@ -165,14 +211,16 @@ function applyBlocks(b) {
   }
   let held = 0, cached = 0;
   for (const o of owners) { if (o >= 0 || o === -3) held += 1; else if (o === -2) cached += 1; }
-  state.blocks = {total: b.total, held, cached, shared, free: b.total - held - cached, requests: b.held.length};
-  state.blockUpdates += 1;
-  $("blocks-summary").textContent =
+  e.owners = owners;
+  e.st.blocks = {total: b.total, held, cached, shared, free: b.total - held - cached, requests: b.held.length};
+  e.st.blockUpdates += 1;
+  q(e, "blocks-summary").textContent =
     `${held} held by ${b.held.length} request(s) · ${cached} cached · ${b.total - held - cached} free of ${b.total}`;
 }
 
-function drawBlockMap() {
-  const {ctx, w, h} = canvas2d("block-map");
+function drawBlockMap(e) {
+  const {ctx, w, h} = canvas2d(q(e, "block-map"));
+  const owners = e.owners;
   if (!owners) return;
   const n = owners.length;
   let size = Math.max(1, Math.floor(Math.sqrt((w * h) / n)));
@@ -185,12 +233,11 @@ function drawBlockMap() {
                   : `hsl(${(o * 137.508) % 360}, 65%, 48%)`;
     ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - gap, size - gap);
   }
-  state.redraws["block-map"] = (state.redraws["block-map"] || 0) + 1;
+  e.st.redraws["block-map"] = (e.st.redraws["block-map"] || 0) + 1;
 }
 
 // ---- charts ----------------------------------------------------------------------------------
-function canvas2d(id) {
-  const c = $(id);
+function canvas2d(c) {
   const dpr = window.devicePixelRatio || 1;
   const w = c.clientWidth, h = c.clientHeight;
   if (c.width !== Math.round(w * dpr) || c.height !== Math.round(h * dpr)) {
@@ -213,8 +260,9 @@ function fmt(v) {
 
 // spec: {bars: [{color, value(t)}] stacked, lines: [{color, value(t), dash}], hlines: [{color, y, dash}],
 //        ymax (fixed) or ymin (at least), percent}
-function plot(id, spec) {
-  const {ctx, w, h} = canvas2d(id);
+function plot(e, name, spec) {
+  const {ctx, w, h} = canvas2d(q(e, name));
+  const series = e.series;
   const L = 36, R = 6, T = 6, B = 16, pw = w - L - R, ph = h - T - B;
   const tEnd = series.length ? series[series.length - 1].t : WINDOW_S, t0 = tEnd - WINDOW_S;
   const x = (t) => L + ((t - t0) / WINDOW_S) * pw;
@@ -275,44 +323,71 @@ function plot(id, spec) {
     ctx.stroke();
   }
   ctx.setLineDash([]);
-  state.redraws[id] = (state.redraws[id] || 0) + 1;
+  e.st.redraws[name] = (e.st.redraws[name] || 0) + 1;
 }
 
 const perStep = (key) => (t) => (t.steps ? t[key] / t.steps : 0);
 const perSecond = (key) => (t) => (t.dt > 0 ? (t[key] || 0) / t.dt : null);
 const lat = (key) => (t) => t.latency[key];
 
+function stepsPerSecond(series) {  // over the last 5 s
+  const last = series[series.length - 1];
+  const recent = series.filter((t) => t.t > last.t - 5);
+  const span = recent.reduce((s, t) => s + t.dt, 0);
+  return span > 0 ? recent.reduce((s, t) => s + t.steps, 0) / span : null;
+}
+
 function draw() {
   drawPending = false;
-  const last = series[series.length - 1];
+  const totals = {step: 0, running: 0, waiting: 0, stepsPerS: 0, any: false};
+  for (const e of engines.values()) {
+    drawEngine(e);
+    const last = e.series[e.series.length - 1];
+    if (!last) continue;
+    totals.any = true;
+    totals.step += last.step;
+    totals.running += last.running;
+    totals.waiting += last.waiting;
+    totals.stepsPerS += stepsPerSecond(e.series) || 0;
+  }
+  $("stat-replicas-wrap").hidden = engines.size < 2;
+  $("stat-replicas").textContent = engines.size;
+  if (totals.any) {  // one engine: its own figures; several: their sums
+    $("stat-step").textContent = totals.step;
+    $("stat-running").textContent = totals.running;
+    $("stat-waiting").textContent = totals.waiting;
+    $("stat-steps-per-s").textContent = fmt(totals.stepsPerS);
+  }
+}
+
+function drawEngine(e) {
+  const last = e.series[e.series.length - 1];
+  const config = e.config;
   const limit = config ? config.step_limit : 0;
-  $("limit-value").textContent = config ? `${limit} (${config.batching})` : "";
-  plot("chart-batch", {
+  q(e, "limit-value").textContent = config ? `${limit} (${config.batching})` : "";
+  q(e, "latency-window").textContent = `${Math.round(latencyWindowS)} s`;
+  plot(e, "chart-batch", {
     bars: [{color: COLORS.prefill, value: perStep("seqs_prefill")}, {color: COLORS.decode, value: perStep("seqs_decode")},
            {color: COLORS.padding, value: perStep("seqs_padding")}],
     lines: [{color: COLORS.max, value: (t) => (t.steps ? t.batch_max : null)}],
     hlines: [{color: COLORS.limit, y: limit, dash: true}], ymin: limit});
-  plot("chart-queue", {lines: [{color: COLORS.a, value: (t) => t.waiting}, {color: COLORS.b, value: (t) => t.steps ? t.waiting_max : null}],
-                       ymin: 1});
-  plot("chart-busy", {lines: [{color: COLORS.a, value: (t) => (t.dt > 0 ? Math.min(1, (t.busy_s || 0) / t.dt) : null)},
-                              {color: COLORS.b, value: (t) => t.busy_fraction}], ymax: 1, percent: true});
-  plot("chart-kv", {lines: [{color: COLORS.a, value: (t) => (t.kv_total ? t.kv_used / t.kv_total : 0)}], ymax: 1, percent: true});
-  plot("chart-throughput", {lines: [{color: COLORS.prefill, value: perSecond("prefill_tokens")},
-                                    {color: COLORS.decode, value: perSecond("decode_tokens")}]});
-  plot("chart-latency", {lines: [{color: COLORS.a, value: lat("ttft_p50")}, {color: COLORS.b, value: lat("ttft_p95")},
-                                 {color: COLORS.c, value: lat("e2e_p50")}, {color: COLORS.d, value: lat("e2e_p95")}]});
-  drawBlockMap();
+  plot(e, "chart-queue", {lines: [{color: COLORS.a, value: (t) => t.waiting}, {color: COLORS.b, value: (t) => t.steps ? t.waiting_max : null}],
+                          ymin: 1});
+  plot(e, "chart-busy", {lines: [{color: COLORS.a, value: (t) => (t.dt > 0 ? Math.min(1, (t.busy_s || 0) / t.dt) : null)},
+                                 {color: COLORS.b, value: (t) => t.busy_fraction}], ymax: 1, percent: true});
+  plot(e, "chart-kv", {lines: [{color: COLORS.a, value: (t) => (t.kv_total ? t.kv_used / t.kv_total : 0)}], ymax: 1, percent: true});
+  plot(e, "chart-throughput", {lines: [{color: COLORS.prefill, value: perSecond("prefill_tokens")},
+                                       {color: COLORS.decode, value: perSecond("decode_tokens")}]});
+  plot(e, "chart-latency", {lines: [{color: COLORS.a, value: lat("ttft_p50")}, {color: COLORS.b, value: lat("ttft_p95")},
+                                    {color: COLORS.c, value: lat("e2e_p50")}, {color: COLORS.d, value: lat("e2e_p95")}]});
+  drawBlockMap(e);
   if (last) {
-    $("stat-step").textContent = last.step;
-    $("stat-running").textContent = last.running;
-    $("stat-waiting").textContent = last.waiting;
-    const recent = series.filter((t) => t.t > last.t - 5);
-    const span = recent.reduce((s, t) => s + t.dt, 0);
-    $("stat-steps-per-s").textContent = span > 0 ? fmt(recent.reduce((s, t) => s + t.steps, 0) / span) : "–";
-    $("queue-p50").textContent = fmtS(last.latency.queue_p50);
-    $("queue-p95").textContent = fmtS(last.latency.queue_p95);
-    $("busy-now").textContent = Math.round(last.busy_fraction * 100) + "%";
-    $("kv-now").textContent = `${last.kv_used} / ${last.kv_total} blocks, ${last.kv_tokens} tokens`;
+    q(e, "engine-stats").textContent =
+      `· step ${last.step} · ${fmt(stepsPerSecond(e.series))} steps/s · running ${last.running} · waiting ${last.waiting}`;
+    q(e, "queue-p50").textContent = fmtS(last.latency.queue_p50);
+    q(e, "queue-p95").textContent = fmtS(last.latency.queue_p95);
+    q(e, "busy-now").textContent = Math.round(last.busy_fraction * 100) + "%";
+    q(e, "kv-now").textContent = `${last.kv_used} / ${last.kv_total} blocks, ${last.kv_tokens} tokens`;
   }
 }
 
@@ -331,7 +406,8 @@ const MAIN_KEYS = ["served_model_name", "batching", "step_limit", "max_num_seqs"
                    "dtype", "decode_attention", "bf16_gemm", "cpu_kernels", "quantization", "compile",
                    "scheduling_policy"];
 
-function showConfig(cfg) {
+function setConfig(e, cfg) {
+  e.config = cfg;
   const rows = (keys) => keys.filter((k) => k in cfg).map((k) => {
     const tr = document.createElement("tr");
     for (const text of [k, JSON.stringify(cfg[k])]) {
@@ -342,8 +418,8 @@ function showConfig(cfg) {
     return tr;
   });
   const main = MAIN_KEYS.filter((k) => cfg.batching === "static" ? k !== "max_num_seqs" : !["max_batch_size", "batch_timeout_ms"].includes(k));
-  $("config").replaceChildren(...rows(main));
-  $("config-all").replaceChildren(...rows(Object.keys(cfg).sort()));
+  q(e, "config").replaceChildren(...rows(main));
+  q(e, "config-all").replaceChildren(...rows(Object.keys(cfg).sort()));
   $("model").textContent = cfg.served_model_name;
   document.title = `iterserve · ${cfg.served_model_name}`;
 }
