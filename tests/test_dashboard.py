@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from app_server import AppServer
-from dashboard_page import dash, engine, has_colour
+from dashboard_page import dash, engine, has_colour, send_load
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.bench.browser import open_browser
@@ -23,6 +23,7 @@ from iterserve.core.block_hash import hash_block_chain
 from iterserve.core.block_pool import BlockPool
 from iterserve.engine import StepRecord
 from iterserve.sampling import SamplingParams
+from iterserve.serve_ray.dashboard_feed import ReplicaTicks, merge_ticks
 from iterserve.server.async_engine import AsyncEngine
 from iterserve.server.dashboard import SchedulerStream, StreamConfig
 from iterserve.server.engine_ticks import EngineTicks, aggregate_steps, percentile
@@ -41,26 +42,6 @@ def _rec(step: int, batch: int, decode: int, padding: int = 0, waiting: int = 0)
 def server_args(model_dir, *extra: str) -> list[str]:
     return [str(model_dir), "--served-model-name", MODEL, "--num-kv-blocks", "96", "--max-num-seqs", "4",
             "--max-model-len", "512", "--enable-prefix-caching", *extra]
-
-
-def send_load(base_url: str, n: int = 12, max_tokens: int = 120, headers: dict | None = None) -> threading.Thread:
-    """n completions at once (4 run, the rest wait), in a background thread."""
-    def one(i: int) -> None:
-        body = {"model": MODEL, "prompt": f"Request number {i} asks for a fairly long answer about batching.",
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=120)
-        assert r.status_code == 200, r.text
-
-    def all_of_them() -> None:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    t = threading.Thread(target=all_of_them, daemon=True)
-    t.start()
-    return t
 
 
 def wait_for(fn, timeout: float = 30.0, what: str = "condition"):
@@ -90,6 +71,70 @@ def test_percentile_nearest_rank():
     assert percentile([], 50) is None
     values = sorted(float(v) for v in range(1, 101))
     assert percentile(values, 50) == 50.0 and percentile(values, 95) == 95.0 and percentile([7.0], 95) == 7.0
+
+
+def _replica_tick(seq: int, first: int, n: int, t: float, running: int = 2) -> dict:
+    """A replica's tick as ReplicaFeed numbers it: aggregate_steps of n steps from `first`, plus state."""
+    steps = [_rec(first + i, 4 if i % 2 else 2, decode=2, waiting=i) for i in range(n)]
+    return {"seq": seq, "t": t, "dt": 0.2, **aggregate_steps(steps), "step": first + n - 1, "running": running,
+            "waiting": 0, "kv_used": 3, "kv_total": 8, "kv_tokens": 30, "busy_fraction": 0.5, "latency": {"n": seq}}
+
+
+def test_merge_ticks_sums_counts_keeps_maxima_and_the_latest_state():
+    a, idle, b = _replica_tick(1, 10, 3, 1.0), {**_replica_tick(2, 0, 0, 1.2), "running": 0}, _replica_tick(3, 13, 2, 1.4)
+    merged = merge_ticks([a, idle, b])
+    assert merged["steps"] == 5 and (merged["first_step"], merged["last_step"]) == (10, 14)
+    assert merged["seqs_prefill"] == a["seqs_prefill"] + b["seqs_prefill"] and merged["busy_s"] == pytest.approx(0.05)
+    assert merged["batch_max"] == 4 and merged["waiting_max"] == 2
+    assert merged["dt"] == pytest.approx(0.6) and merged["t"] == 1.4 and merged["latency"] == {"n": 3}
+    assert "seq" not in merged
+    assert merge_ticks([idle]) == {k: v for k, v in idle.items() if k not in ("seq", "first_step", "last_step")}
+
+
+def test_replica_ticks_label_merge_and_never_resend():
+    """The ingress's source over two fake replicas' reports: each replica's unseen ticks merged and
+    labelled with its id, config and block map the first time, the map again only when it changed,
+    nothing twice, a skipped report's ticks still counted, a replica gone from `live`."""
+    feeds = {rid: {"seq": 0, "ticks": [], "blocks": None, "blocks_seq": 0} for rid in ("r1", "r2")}
+    reports = {rid: {"scheduler": {"config": {"step_limit": 4, "name": rid}, "uptime_s": 1.0, "step": 0},
+                     "dashboard": feed} for rid, feed in feeds.items()}
+
+    def push(rid: str, tick: dict, blocks: dict | None = None) -> None:
+        feed = feeds[rid]
+        feed["seq"] = tick["seq"]
+        feed["ticks"] = (feed["ticks"] + [tick])[-25:]
+        if blocks is not None:
+            feed["blocks"], feed["blocks_seq"] = blocks, tick["seq"]
+
+    source = ReplicaTicks(lambda: reports, lambda: False)
+    source.start()
+    map1 = {"total": 8, "held": [[0, [0, 1]]], "cached": []}
+    push("r1", _replica_tick(1, 1, 3, 0.2), map1)
+    push("r2", _replica_tick(1, 1, 2, 0.3), {"total": 8, "held": [], "cached": []})
+    hello = source.hello()
+    assert [p["replica"] for p in hello["replicas"]] == ["r1", "r2"] and hello["replicas"][0]["blocks"] == map1
+    first = source.tick(1.0)
+    assert first["live"] == ["r1", "r2"]
+    parts = {p["replica"]: p for p in first["replicas"]}
+    assert parts["r1"]["config"]["name"] == "r1" and parts["r1"]["blocks"] == map1 and parts["r1"]["steps"] == 3
+    assert parts["r2"]["steps"] == 2
+    assert source.tick(1.1)["replicas"] == []  # nothing new: nothing resent
+    # r1 reports twice between two ingress ticks (one report skipped); r2 once, with a new map
+    push("r1", _replica_tick(2, 4, 4, 0.4))
+    push("r1", _replica_tick(3, 8, 1, 0.6))
+    map2 = {"total": 8, "held": [[1, [2]]], "cached": [0, 1]}
+    push("r2", _replica_tick(2, 3, 5, 0.5), map2)
+    parts = {p["replica"]: p for p in source.tick(1.3)["replicas"]}
+    assert (parts["r1"]["first_step"], parts["r1"]["last_step"], parts["r1"]["steps"]) == (4, 8, 5)
+    assert "blocks" not in parts["r1"] and "config" not in parts["r1"]  # unchanged: not resent
+    assert parts["r2"]["blocks"] == map2 and parts["r2"]["first_step"] == 3
+    del reports["r2"]  # e.g. killed: Serve brings it back under a new id
+    assert source.tick(1.5)["live"] == ["r1"]
+    # a new reader after the last one left starts afresh: the newest tick, with config and map
+    source.stop()
+    source.start()
+    parts = source.tick(1.6)["replicas"]
+    assert len(parts) == 1 and parts[0]["config"]["name"] == "r1" and parts[0]["first_step"] == 8
 
 
 def test_block_map_copies_tables():

@@ -16,8 +16,10 @@ import httpx
 import openai
 import pytest
 import ray
+from dashboard_page import dash, engine, has_colour, send_load
 from ray import serve
 
+from iterserve.bench.browser import open_browser
 from iterserve.config import EngineConfig
 from iterserve.serve_ray.app import APP_NAME, ScaleOutConfig, start
 from iterserve.serve_ray.policy import RouterConfig
@@ -190,6 +192,55 @@ def test_disconnect_frees_blocks_on_its_replica(cluster):
             time.sleep(0.2)
         else:
             pytest.fail(f"replica {replica} still holds the aborted request: {state[replica]}")
+
+
+def test_dashboard_draws_one_panel_per_replica(cluster):
+    """/dashboard on the ingress in headless Chromium: one panel per replica, each fed by its own
+    replica's ticks (labelled through the ingress's stream), drawing its batch sizes and block map
+    under load and seeing every step of its replica."""
+    driver = open_browser()
+    try:
+        driver.get(cluster + "/dashboard")
+        wait_for(lambda: dash(driver)["status"] == "live" and len(dash(driver)["engines"]) == 2, "two replica panels")
+        replicas = {r["replica"] for r in httpx.get(cluster + "/v1/scheduler", timeout=10).json()["replicas"]}
+        assert set(dash(driver)["engines"]) == replicas
+        titles = [el.text for el in driver.find_elements("css selector", "#engines .engine-title")]
+        assert len(titles) == 2 and all(t.startswith("replica ") for t in titles)
+        assert driver.find_element("id", "stat-replicas").text == "2"
+        assert "multi" in driver.find_element("id", "engines").get_attribute("class")  # panels side by side
+        def replica_steps() -> dict[str, int]:
+            return {r["replica"]: r["step"] for r in httpx.get(cluster + "/v1/scheduler", timeout=10).json()["replicas"]}
+
+        def page_matches_replicas() -> dict[str, int] | None:  # the page and /v1/scheduler read the same reports
+            steps = replica_steps()
+            return steps if all((e := engine(driver, rid))["lastStep"] in (steps[rid], None) and
+                                e["blocks"]["held"] == 0 for rid in replicas) else None
+
+        steps_before = wait_for(page_matches_replicas, "each panel to catch up with its idle replica")
+        before = {rid: engine(driver, rid) for rid in replicas}
+        load = send_load(cluster, n=16, max_tokens=120, model=MODEL)
+        held = {rid: False for rid in replicas}
+        deadline = time.monotonic() + 120
+        while load.is_alive() and time.monotonic() < deadline:
+            for rid in replicas:
+                held[rid] = held[rid] or engine(driver, rid)["blocks"]["held"] > 0
+            time.sleep(0.1)
+        load.join(timeout=1)
+        assert not load.is_alive() and all(held.values()), held  # both replicas' maps showed held blocks
+        steps_after = wait_for(lambda: (s := page_matches_replicas()) and s != steps_before and
+                               all(engine(driver, rid)["lastStep"] == s[rid] for rid in replicas) and s,
+                               "each panel to see its replica's last step and the blocks freed")
+        for rid in replicas:
+            after = engine(driver, rid)
+            assert after["gaps"] == 0, rid
+            # every step of this replica's share of the load, counted through its ticks
+            assert after["steps"] - before[rid]["steps"] == steps_after[rid] - steps_before[rid] > 20, rid
+            assert after["ticks"] > before[rid]["ticks"] + 3  # the batch-size series grew
+            assert after["redraws"]["chart-batch"] > before[rid]["redraws"]["chart-batch"] + 3
+            assert after["blockUpdates"] > before[rid]["blockUpdates"] + 1  # the block map changed
+            assert has_colour(driver, f'[data-replica="{rid}"] .chart-batch', (26, 115, 232))  # decode rows
+    finally:
+        driver.quit()
 
 
 def test_killed_replica_loses_no_request_silently(cluster):

@@ -3,7 +3,9 @@
 Requests are validated, tokenised and formatted here by OpenAIServing, exactly as in the
 single-process server; RemoteEngine sends each one to a replica. /health, /metrics and /v1/scheduler
 are the ingress's own: they answer for every replica from its latest report (the routing stats each
-replica pushes every stats period), each replica's series labelled replica="<id>".
+replica pushes every stats period), each replica's series labelled replica="<id>". So do /dashboard
+and /v1/scheduler/stream: the single server's page and hub over the replicas' ticks
+(dashboard_feed.py), one panel per replica.
 """
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from iterserve.serve_ray.dashboard_feed import ReplicaTicks
 from iterserve.serve_ray.remote_engine import RemoteEngine
 from iterserve.serve_ray.policy import live_router
 from iterserve.server.api import build_api
+from iterserve.server.dashboard import SchedulerStream, add_dashboard
 from iterserve.server.middleware import error_response
 from iterserve.server.serving import OpenAIServing, ServerSettings
 
@@ -108,6 +112,8 @@ def build_ingress_app(remote: RemoteEngine, settings: ServerSettings, replicas: 
         """Each replica's latest report (routing stats, at most stats_period_s old)."""
         router = live_router(deployment_name)
         return {rid: rep for rid, rep in sorted(router.reports().items()) if "scheduler" in rep} if router else {}
+
+    add_dashboard(app, SchedulerStream(ReplicaTicks(reports, lambda: remote.shutting_down)))
 
     @app.get("/health")
     async def health():

@@ -26,9 +26,10 @@ from iterserve.config import EngineConfig
 from iterserve.engine import LLMEngine
 from iterserve.request import RequestOutput, RequestRejected
 from iterserve.sampling import SamplingParams
+from iterserve.serve_ray.dashboard_feed import ReplicaFeed
 from iterserve.server.api import log_finished, model_name, scheduler_state
 from iterserve.server.async_engine import AsyncEngine
-from iterserve.server.dashboard import engine_info
+from iterserve.server.dashboard import StreamConfig, engine_info
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.serving import ServerSettings
 
@@ -79,6 +80,7 @@ class EngineReplica:
         self.metrics = ServerMetrics(self.engine, settings.served_model_name, vllm_names=settings.vllm_metrics,
                                      info=self.info)
         self.engine.finish_listeners.append(log_finished)
+        self.feed = ReplicaFeed(self.engine, self.info, StreamConfig().latency_window_s)
         self.received_total = 0
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -138,15 +140,16 @@ class EngineReplica:
         """Serve calls this every request_routing_stats_period_s (and so starts the engine as soon as
         the replica is up) and hands the answer to the router in the ingress. Besides the load the
         router needs (policy.ReplicaLoad), it carries what the ingress shows for this replica: its
-        /v1/scheduler answer with the latest steps and its Prometheus text. Pushed, not pulled: a
-        call pinned to one replica through Serve's routing can wait behind its queue-length probes."""
+        /v1/scheduler answer with the latest steps, its Prometheus text and its dashboard ticks
+        (dashboard_feed.py). Pushed, not pulled: a call pinned to one replica through Serve's
+        routing can wait behind its queue-length probes."""
         engine = self._started()
         state = engine.state
         return {"running": state.running, "waiting": state.waiting, "kv_usage": state.kv.usage,
                 "received_total": self.received_total, "ready": engine.health() is None,
                 "scheduler": {"replica": self.replica_id, "pid": os.getpid(),
                               **scheduler_state(engine, self.info)},
-                "metrics": self.metrics.render().decode()}
+                "metrics": self.metrics.render().decode(), "dashboard": self.feed.report(time.monotonic())}
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine thread died is restarted."""

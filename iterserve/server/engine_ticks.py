@@ -150,13 +150,15 @@ class EngineTicks:
         """The block map as the page draws it: total, [owner number, block ids] per request, and
         the cached blocks. Owner numbers are small and stable while a request lives."""
         bm = self._map
-        if bm is None or (changed_only and bm is self._sent_map):
+        if bm is None:
             return None
-        if bm is not self._sent_map:
+        if bm != self._sent_map:  # a fresh copy each tick; equal tuples (an idle engine) are no change
             live = {rid for rid, _ in bm.held}
             for rid in [r for r in self._owners if r not in live]:
                 del self._owners[rid]
             held = [[self._owners.setdefault(rid, next(self._owner_ids)), list(blocks)] for rid, blocks in bm.held]
             self._map_message = {"total": bm.num_blocks, "held": held, "cached": list(bm.cached)}
             self._sent_map = bm
+        elif changed_only:
+            return None
         return self._map_message
