@@ -9,11 +9,20 @@ requests while polling its step records, simulates the identical requests with t
 flags, and prints measured vs simulated: request throughput (target: within 5%), mean and p95 e2e
 latency (10%), TTFT p50 (15%).
 
+The profile is fitted first, in its own process, with the server-overhead terms
+(`iterserve profile --server-overhead`); each run is also simulated without those terms, so the table
+says what they bought. Each replay gets a fresh server (no prefix cache carried between runs). A run
+that fails is recorded as failed and the rest go on; the summary is rewritten after every run.
+
 Needs a quiet machine: step times measured under other load make both the profile and the replays
-noise. One command does it all (about an hour on 2 cores at the defaults):
+noise. One command does it all (about 20 minutes on 2 cores at the defaults; it prints its plan,
+with the replays' total length, before starting):
 
     .venv/bin/python benchmarks/sim_validation.py --out runs/sim-validation
-    .venv/bin/python benchmarks/sim_validation.py --tiny        # smoke run: minutes, numbers meaningless
+    .venv/bin/python benchmarks/sim_validation.py --tiny        # smoke run: every path, numbers meaningless
+
+Writes under --out: summary.md (host line, command, commit, the table with pass/miss per target),
+validation.json (every run's measured and simulated summaries), profile.json, the servers' logs.
 """
 from __future__ import annotations
 
@@ -21,22 +30,27 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
+from iterserve.bench.common import load_average
 from iterserve.bench.compare import replay
 from iterserve.bench.conversation import ConversationOptions, build_conversations, run_conversations
 from iterserve.bench.launcher import ServerProcess
+from iterserve.bench.machine import figures_line, machine_figures
+from iterserve.bench.summary import git_commit
 from iterserve.bench.report import ModeRun
 from iterserve.bench.workload import WORKLOADS, RequestSpec, build_prompts, bursty, make_workload, trace
 from iterserve.engine_args import add_engine_args, engine_config_from_args
 from iterserve.llm import LLM
 from iterserve.model.loader import load_tokenizer, resolve_model
-from iterserve.sim.profile import Profile
 from iterserve.sampling import SamplingParams
+from iterserve.sim.profile import Profile
 from iterserve.sim.simulator import conversation_plans, simulate
 from iterserve.sim.step_model import StepFeatures, step_features
 
@@ -70,7 +84,7 @@ CONVERSATIONS = {"light": 2, "near": 8, "over": 24}
 
 
 def conversation_options(load: str, args: argparse.Namespace) -> ConversationOptions:
-    return ConversationOptions(num_conversations=CONVERSATIONS[load], turns=2 if args.tiny else 6,
+    return ConversationOptions(num_conversations=CONVERSATIONS[load], turns=2 if args.tiny else 4,
                                system_prompt_len=32 if args.tiny else 400, user_len=(8, 16) if args.tiny else (16, 64),
                                output_len=args.max_output_len, think_time_s=1.0, stagger_s=2.0, seed=args.seed)
 
@@ -112,17 +126,110 @@ def step_check(model: str, flags: list[str], specs: list[RequestSpec], profile: 
 def errors(real: dict, sim: dict) -> dict[str, tuple[float | None, float | None]]:
     pick = {"throughput": lambda s: s["request_throughput"], "e2e_mean": lambda s: s["e2e_ms"]["mean"],
             "e2e_p95": lambda s: s["e2e_ms"]["p95"], "ttft_p50": lambda s: s["ttft_ms"]["median"]}
-    return {k: (f(real), f(sim)) for k, f in pick.items()}
+    out = {}
+    for k, f in pick.items():
+        try:
+            out[k] = (f(real), f(sim))
+        except (KeyError, TypeError):  # no successful request on one side
+            out[k] = (None, None)
+    return out
+
+
+def rel_error(real: float | None, sim: float | None) -> float | None:
+    return None if real is None or sim is None or not real else (sim - real) / real
+
+
+def table(rows: list[dict]) -> tuple[str, int, int]:
+    """The markdown table, and (targets met, targets checked)."""
+    head = "| workload | load | mode | " + " | ".join(f"{k} real / sim / error (target {v:.0%})"
+                                                    for k, v in TARGETS.items()) + " | without overhead terms |"
+    lines, met, checked = [head, "|" + "---|" * (4 + len(TARGETS))], 0, 0
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['workload']} | {r['load']} | {r['mode']} | failed: {r['error']} |"
+                         + " |" * len(TARGETS))
+            continue
+        cells, bare = [], []
+        for k, (real, sim) in r["errors"].items():
+            e = rel_error(real, sim)
+            if e is None:
+                cells.append("-")
+                continue
+            ok = abs(e) <= TARGETS[k]
+            met, checked = met + ok, checked + 1
+            cells.append(f"{real:.3g} / {sim:.3g} / {e:+.0%} {'pass' if ok else 'MISS'}")
+            e0 = rel_error(*r["errors_no_overhead"][k])
+            bare.append("-" if e0 is None else f"{e0:+.0%}")
+        lines.append(f"| {r['workload']} | {r['load']} | {r['mode']} | " + " | ".join(cells) + " | "
+                     + " / ".join(bare) + " |")
+    return "\n".join(lines), met, checked
+
+
+class Validation:
+    """Runs one point after another, keeping every result and rewriting the summary after each."""
+
+    def __init__(self, args: argparse.Namespace, profile: Profile, host: dict, command: str) -> None:
+        self.args, self.profile, self.host, self.command = args, profile, host, command
+        self.bare = Profile.from_dict({**profile.to_dict(), "server_overhead": None})
+        self.rows: list[dict] = []
+        self.step_check = ""
+
+    def point(self, kind: str, load: str, mode: str, flags: list[str], run_real, sim_input: dict) -> None:
+        t0 = time.perf_counter()
+        row: dict = {"workload": kind, "load": load, "mode": mode, "load_avg_before": load_average()}
+        try:
+            real = run_real()
+            config = engine_config(flags, self.args.model)
+            sim = simulate(config=config, profile=self.profile, **sim_input).result.summary()
+            bare = simulate(config=config, profile=self.bare, **sim_input).result.summary()
+            row.update(real=real, sim=sim, errors=errors(real, sim), errors_no_overhead=errors(real, bare),
+                       completed=(real["completed"], sim["completed"]), failed=(real["failed"], sim["failed"]))
+            print(f"{kind} {load} {mode}: " + ", ".join(
+                f"{k} {'-' if a is None else round(a, 3)} vs {'-' if b is None else round(b, 3)}"
+                for k, (a, b) in row["errors"].items()), file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - one point's failure must not lose the others
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        row["wall_s"] = time.perf_counter() - t0
+        row["load_avg_after"] = load_average()
+        self.rows.append(row)
+        self.write()
+
+    def write(self) -> str:
+        text, met, checked = table(self.rows)
+        oh = self.profile.server_overhead
+        lines = [f"Simulator validation, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {git_commit()}",
+                 "", figures_line(self.host), f"command: `{self.command}`",
+                 f"profile: {self.profile.describe()}; step fit mean |error| "
+                 f"{self.profile.fit.get('mean_abs_rel_err', float('nan')):.1%} over {self.profile.fit.get('points')} shapes",
+                 ("server overhead: " + (f"gap {oh.gap_s[0] * 1e3:.2f} ms + {oh.gap_s[1] * 1e3:.3f} ms/seq, admission "
+                                         f"{oh.admit_s * 1e3:.2f} ms, arrival {oh.arrival_s[0] * 1e3:.1f} ms + "
+                                         f"{oh.arrival_s[1] * 1e6:.1f} us/token, first token {oh.first_token_s * 1e3:.1f} ms,"
+                                         f" finish {oh.finish_s * 1e3:.1f} ms" if oh else "none")),
+                 f"load average (1 min) before/after each run: "
+                 + ", ".join(f"{r['load_avg_before'][0]:.1f}/{r['load_avg_after'][0]:.1f}" for r in self.rows
+                             if r.get("load_avg_before") and r.get("load_avg_after")),
+                 "", text, "", f"targets met: {met} of {checked}", "", self.step_check]
+        summary = "\n".join(lines) + "\n"
+        out = self.args.out
+        (out / "summary.md").write_text(summary)
+        (out / "validation.json").write_text(json.dumps(
+            {"command": self.command, "commit": git_commit(), "host": self.host, "profile": self.profile.to_dict(),
+             "runs": self.rows, "table": text, "targets_met": [met, checked], "step_check": self.step_check},
+            indent=1, default=str))
+        return summary
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--profile", type=Path, help="a profile fitted beforehand (default: fit one now, in its own process)")
+    p.add_argument("--no-server-overhead", action="store_true",
+                   help="fit the profile without its server-overhead terms (default: with them)")
     p.add_argument("--workloads", default="conversation,bursty,multi-turn")
     p.add_argument("--modes", default="static,continuous")
     p.add_argument("--loads", default="light,near,over")
-    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--num-requests", type=int, default=60, help="requests per replay (default 60)")
     p.add_argument("--server-args", default="", help="engine flags for both the servers and the simulation")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--max-input-len", type=int, default=512)
@@ -130,89 +237,76 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/sim-validation"))
     p.add_argument("--tiny", action="store_true",
-                   help="smoke run: 6 requests (2 conversations of 2 turns), one load, quick profile")
+                   help="smoke run: every workload and mode at one load with 6 requests (2 conversations of 2 "
+                        "turns), a quick profile; proves the paths, its numbers mean nothing")
     args = p.parse_args()
+    command = shlex.join(["python", "benchmarks/sim_validation.py", *sys.argv[1:]])
     if args.tiny:
         args.num_requests, args.loads = 6, "light"
         args.max_input_len, args.max_output_len = 128, 16
+    unknown = set(args.workloads.split(",")) - {"conversation", "bursty", "multi-turn"} - set(WORKLOADS)
+    if unknown or set(args.modes.split(",")) - set(MODE_FLAGS) or set(args.loads.split(",")) - set(LOADS):
+        raise SystemExit(f"unknown workload, mode or load in {args.workloads} / {args.modes} / {args.loads}")
+    if "conversation" in args.workloads.split(",") and not args.trace.exists():
+        raise SystemExit(f"no trace at {args.trace} (--trace PATH, or leave out the conversation workload)")
     args.out.mkdir(parents=True, exist_ok=True)
+    host = machine_figures()
+    print(figures_line(host), file=sys.stderr)
     extra = shlex.split(args.server_args) + ["--max-input-len", str(args.max_input_len),
                                              "--max-output-len", str(args.max_output_len)]
     prof_path = args.profile or args.out / "profile.json"
     if args.profile is None:  # a separate process and run, as a user would fit it
-        cmd = [sys.executable, "-m", "iterserve.cli", "profile", args.model, "--out", str(prof_path), *extra]
-        subprocess.run(cmd + (["--quick", "--repeats", "1"] if args.tiny else []), check=True)
+        cmd = [sys.executable, "-m", "iterserve.cli", "profile", args.model, "--out", str(prof_path), "--no-progress",
+               *extra, *MODE_FLAGS["continuous"]]
+        cmd += [] if args.no_server_overhead else ["--server-overhead"]
+        subprocess.run(cmd + (["--quick", "--repeats", "1"] if args.tiny else []), check=True,
+                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     profile = Profile.load(prof_path)
     tokenizer = load_tokenizer(resolve_model(args.model))
-    rows, raw = [], []
-    first = workload(next(k for k in args.workloads.split(",") if k != "multi-turn"), args.num_requests, 1.0, args)
-    check = step_check(args.model, MODE_FLAGS["continuous"] + extra, first, profile)
-    print(check, file=sys.stderr)
-    kinds = [k for k in args.workloads.split(",") if k in ("conversation", "bursty") or k in WORKLOADS]
-    skipped = sorted(set(args.workloads.split(",")) - set(kinds))
-    if "multi-turn" in kinds:  # conversations, not a request list: sized by their number
-        kinds.remove("multi-turn")
+    v = Validation(args, profile, host, command)
+    kinds = [k for k in args.workloads.split(",") if k != "multi-turn"]
+    # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
+    cont = engine_config(MODE_FLAGS["continuous"] + extra, args.model)
+    caps = {}
+    for kind in kinds:
+        sat = [dataclasses.replace(s, arrival_s=0.0) for s in workload(kind, args.num_requests, 1.0, args)]
+        caps[kind] = simulate(sat, cont, profile).result.summary()["request_throughput"]
+    planned = sum(len(args.modes.split(",")) * args.num_requests / (LOADS[load] * caps[k])
+                  for k in kinds for load in args.loads.split(","))
+    print(f"plan: {len(kinds) * len(args.loads.split(',')) * len(args.modes.split(','))} replays of "
+          f"{args.num_requests} requests (predicted capacity {', '.join(f'{k} {c:.2f} req/s' for k, c in caps.items())}: "
+          f"about {planned / 60:.0f} min of arrivals) + the multi-turn runs", file=sys.stderr)
+    if kinds:
+        v.step_check = step_check(args.model, MODE_FLAGS["continuous"] + extra,
+                                  workload(kinds[0], args.num_requests, 1.0, args), profile)
+        print(v.step_check, file=sys.stderr)
+    if "multi-turn" in args.workloads.split(","):  # conversations, not a request list: sized by their number
         for load in args.loads.split(","):
             opts = conversation_options(load, args)
             for mode in args.modes.split(","):
                 flags = MODE_FLAGS[mode] + extra
-                with ServerProcess([args.model, *flags], log_path=args.out / f"server-multi-{load}-{mode}.log") as srv:
-                    result = asyncio.run(run_conversations(srv.base_url, build_conversations(opts, tokenizer),
-                                                           endpoint="completions", progress=False))
-                real = result.summary()
-                sim = simulate([], engine_config(flags, args.model), profile,
-                               conversations=conversation_plans(opts)).result.summary()
-                err = errors(real, sim)
-                rows.append(("multi-turn", load, mode, err))
-                raw.append({"workload": "multi-turn", "load": load, "mode": mode, "conversations": opts.num_conversations,
-                            "real": real, "sim": sim, "errors": err})
-                print(f"multi-turn {load} {mode}: {real['completed']} / {sim['completed']} turns completed "
-                      f"(real / sim), {real['failed']} / {sim['failed']} failed", file=sys.stderr)
-    # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
+
+                def run_real(flags=flags, opts=opts, log=args.out / f"server-multi-turn-{load}-{mode}.log"):
+                    with ServerProcess([args.model, *flags], log_path=log) as srv:
+                        return asyncio.run(run_conversations(srv.base_url, build_conversations(opts, tokenizer),
+                                                             endpoint="completions", progress=False)).summary()
+                v.point("multi-turn", load, mode, flags, run_real,
+                        {"specs": [], "conversations": conversation_plans(opts)})
     for kind in kinds:
-        probe = workload(kind, args.num_requests, 1.0, args)
-        sat = [dataclasses.replace(s, arrival_s=0.0) for s in probe]
-        cap = simulate(sat, engine_config(MODE_FLAGS["continuous"] + extra, args.model), profile
-                       ).result.summary()["request_throughput"]
         for load in args.loads.split(","):
-            specs = workload(kind, args.num_requests, LOADS[load] * cap, args)
+            specs = workload(kind, args.num_requests, LOADS[load] * caps[kind], args)
             build_prompts(specs, tokenizer)
             for mode in args.modes.split(","):
                 flags = MODE_FLAGS[mode] + extra
-                t0 = time.perf_counter()
-                with ServerProcess([args.model, *flags], log_path=args.out / f"server-{kind}-{load}-{mode}.log") as srv:
-                    result, timeline = asyncio.run(replay(srv.base_url, specs, progress=False))
-                real = result.summary()
-                sim = simulate(specs, engine_config(flags, args.model), profile).result.summary()
-                err = errors(real, sim)
-                rows.append((kind, load, mode, err))
-                raw.append({"workload": kind, "load": load, "mode": mode, "rate": LOADS[load] * cap,
-                            "real": ModeRun(mode, result.to_dict(), timeline).metrics(), "sim": sim,
-                            "errors": {k: v for k, v in err.items()}, "wall_s": time.perf_counter() - t0})
-                print(f"{kind} {load} {mode}: " + ", ".join(
-                    f"{k} {a if a is None else round(a, 3)} vs {b if b is None else round(b, 3)}"
-                    for k, (a, b) in err.items()), file=sys.stderr)
-    head = "| workload | load | mode | " + " | ".join(f"{k} real / sim / err (target {v:.0%})"
-                                                    for k, v in TARGETS.items()) + " |"
-    lines = [head, "|" + "---|" * (3 + len(TARGETS))]
-    for kind, load, mode, err in rows:
-        cells = []
-        for k, (real, sim) in err.items():
-            if real is None or sim is None or not real:
-                cells.append("-")
-                continue
-            e = (sim - real) / real
-            cells.append(f"{real:.3g} / {sim:.3g} / {e:+.0%}{'' if abs(e) <= TARGETS[k] else ' MISS'}")
-        lines.append(f"| {kind} | {load} | {mode} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    print(table)
-    print(f"\n{check}")
-    if skipped:
-        print(f"\nskipped (unknown workload): {', '.join(skipped)}")
-    (args.out / "validation.json").write_text(json.dumps({"profile": profile.to_dict(), "runs": raw,
-                                                          "table": table, "step_check": check}, indent=1))
-    print(f"wrote {args.out / 'validation.json'}", file=sys.stderr)
-    return 0
+
+                def run_real(flags=flags, specs=specs, log=args.out / f"server-{kind}-{load}-{mode}.log"):
+                    with ServerProcess([args.model, *flags], log_path=log) as srv:
+                        result, timeline = asyncio.run(replay(srv.base_url, specs, progress=False))
+                    return {**result.summary(), "engine": ModeRun(mode, result.to_dict(), timeline).metrics()}
+                v.point(kind, load, mode, flags, run_real, {"specs": specs})
+    print(v.write())
+    print(f"wrote {args.out / 'summary.md'} and {args.out / 'validation.json'}", file=sys.stderr)
+    return 1 if any(r.get("error") for r in v.rows) else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 profiles (measured on a tiny model, or analytic) survive a JSON round trip."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from iterserve.bench.conversation import ConversationOptions, build_conversation
 from iterserve.bench.workload import RequestSpec, bursty, poisson, shared_prefix
 from iterserve.cli import main
 from iterserve.config import EngineConfig
+from iterserve.engine_args import add_engine_args, engine_config_from_args, engine_flags_from_args
 from iterserve.core.scheduler import Scheduler, WaitingQueue
 from iterserve.core.static import StaticScheduler
 from iterserve.sim.analytic import analytic_profile
@@ -348,3 +350,15 @@ def test_gap_fit_recovers_the_gap_between_busy_steps():
     assert gap == pytest.approx([0.002, 0.0003], rel=1e-3)
     assert admit == pytest.approx(0.001, rel=1e-3)
     assert info["gap_points"] <= 38
+
+
+def test_engine_flags_from_args_round_trip():
+    """What profile --server-overhead hands the server it starts: the same engine as the profile's."""
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--max-num-seqs", "8", "--block-size", "32", "--no-cpu-kernels", "--enable-prefix-caching"])
+    words = engine_flags_from_args(args)
+    assert "--max-num-seqs" in words and "--no-cpu-kernels" in words
+    assert engine_config_from_args(p.parse_args(words)) == engine_config_from_args(args)
+    assert engine_flags_from_args(p.parse_args([])) == []

@@ -62,7 +62,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print("profile: measuring the server's overhead (a server with the same engine flags)", file=sys.stderr)
             max_seqs = config.max_num_seqs if config.batching == "continuous" else config.max_batch_size
             prof.server_overhead = measure_server_overhead(
-                config.model, engine_flags_from_args(args), load_tokenizer(resolve_model(config.model)), max_seqs)
+                config.model, engine_flags_from_args(args), load_tokenizer(resolve_model(config.model)), max_seqs,
+                max_prompt=config.max_input_len, max_output=config.max_output_len)
     prof.save(args.out)
     print(prof.describe())
     if prof.fit:

@@ -57,13 +57,18 @@ def isolated_terms(records: list[Any], steps: list[dict[str, Any]]) -> dict[str,
 
 
 def measure_server_overhead(model: str, engine_flags: list[str], tokenizer: Any, max_seqs: int,
-                            isolated: int = 12, burst_output: int = 32,
+                            max_prompt: int | None = None, max_output: int | None = None, isolated: int = 12,
+                            burst_output: int = 32,
                             log_path: str | Path | None = None) -> ServerOverhead:
-    iso = [RequestSpec(i, 0.0, ISOLATED_PROMPTS[i % len(ISOLATED_PROMPTS)], ISOLATED_OUTPUT) for i in range(isolated)]
+    """max_prompt / max_output: the server's --max-input-len / --max-output-len where it has them
+    (the requests are cut to fit)."""
+    burst_output = min(burst_output, max_output or burst_output)
+    lens = [min(n, max_prompt or n) for n in ISOLATED_PROMPTS]
+    iso = [RequestSpec(i, 0.0, lens[i % len(lens)], ISOLATED_OUTPUT) for i in range(isolated)]
     build_prompts(iso, tokenizer)
     bursts = []
     for n in sorted({2, min(8, max_seqs), max_seqs}):
-        specs = [RequestSpec(i, 0.0, 64, burst_output) for i in range(n)]
+        specs = [RequestSpec(i, 0.0, min(64, max_prompt or 64), burst_output) for i in range(n)]
         build_prompts(specs, tokenizer)
         bursts.append(specs)
     steps: list[dict[str, Any]] = []
