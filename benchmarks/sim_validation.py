@@ -81,6 +81,9 @@ def workload(kind: str, n: int, rate: float, args: argparse.Namespace) -> list[R
 
 # multi-turn: the load is the number of concurrent conversations (closed loop within each)
 CONVERSATIONS = {"light": 2, "near": 8, "over": 24}
+# a conversation's last turn resends its whole history (400 + 3 x (64 + 128) + 64 tokens at most): the
+# servers and the simulation accept that much, so no turn is refused on either side
+MULTI_TURN_MAX_INPUT = 1536
 
 
 def conversation_options(load: str, args: argparse.Namespace) -> ConversationOptions:
@@ -284,7 +287,7 @@ def main() -> int:
         for load in args.loads.split(","):
             opts = conversation_options(load, args)
             for mode in args.modes.split(","):
-                flags = MODE_FLAGS[mode] + extra
+                flags = MODE_FLAGS[mode] + extra + ["--max-input-len", str(MULTI_TURN_MAX_INPUT)]
 
                 def run_real(flags=flags, opts=opts, log=args.out / f"server-multi-turn-{load}-{mode}.log"):
                     with ServerProcess([args.model, *flags], log_path=log) as srv:
