@@ -80,7 +80,7 @@ def workload(kind: str, n: int, rate: float, args: argparse.Namespace) -> list[R
 
 
 # multi-turn: the load is the number of concurrent conversations (closed loop within each)
-CONVERSATIONS = {"light": 2, "near": 8, "over": 24}
+CONVERSATIONS = {"light": 2, "near": 8, "over": 16}
 # a conversation's last turn resends its whole history (400 + 3 x (64 + 128) + 64 tokens at most): the
 # servers and the simulation accept that much, so no turn is refused on either side
 MULTI_TURN_MAX_INPUT = 1536
@@ -232,7 +232,7 @@ def main() -> int:
     p.add_argument("--workloads", default="conversation,bursty,multi-turn")
     p.add_argument("--modes", default="static,continuous")
     p.add_argument("--loads", default="light,near,over")
-    p.add_argument("--num-requests", type=int, default=60, help="requests per replay (default 60)")
+    p.add_argument("--num-requests", type=int, default=48, help="requests per replay (default 48)")
     p.add_argument("--server-args", default="", help="engine flags for both the servers and the simulation")
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--max-input-len", type=int, default=512)
@@ -274,11 +274,19 @@ def main() -> int:
     for kind in kinds:
         sat = [dataclasses.replace(s, arrival_s=0.0) for s in workload(kind, args.num_requests, 1.0, args)]
         caps[kind] = simulate(sat, cont, profile).result.summary()["request_throughput"]
-    planned = sum(len(args.modes.split(",")) * args.num_requests / (LOADS[load] * caps[k])
-                  for k in kinds for load in args.loads.split(","))
-    print(f"plan: {len(kinds) * len(args.loads.split(',')) * len(args.modes.split(','))} replays of "
-          f"{args.num_requests} requests (predicted capacity {', '.join(f'{k} {c:.2f} req/s' for k, c in caps.items())}: "
-          f"about {planned / 60:.0f} min of arrivals) + the multi-turn runs", file=sys.stderr)
+    # how long the replays will take, as the simulator sees them (server starts come on top)
+    planned = 0.0
+    for mode in args.modes.split(","):
+        for load in args.loads.split(","):
+            for k in kinds:
+                planned += simulate(workload(k, args.num_requests, LOADS[load] * caps[k], args),
+                                    engine_config(MODE_FLAGS[mode] + extra, args.model), profile).result.duration_s
+            if "multi-turn" in args.workloads.split(","):
+                flags = MODE_FLAGS[mode] + extra + ["--max-input-len", str(MULTI_TURN_MAX_INPUT)]
+                planned += simulate([], engine_config(flags, args.model), profile,
+                                    conversations=conversation_plans(conversation_options(load, args))).result.duration_s
+    print(f"plan: predicted capacity {', '.join(f'{k} {c:.2f} req/s' for k, c in caps.items())}; the replays "
+          f"take about {planned / 60:.0f} min as simulated, plus a server start for each", file=sys.stderr)
     if kinds:
         v.step_check = step_check(args.model, MODE_FLAGS["continuous"] + extra,
                                   workload(kinds[0], args.num_requests, 1.0, args), profile)
