@@ -23,9 +23,14 @@ from iterserve.core.block_hash import hash_block_chain
 from iterserve.core.block_pool import BlockPool
 from iterserve.engine import StepRecord
 from iterserve.sampling import SamplingParams
+from iterserve.config import EngineConfig
 from iterserve.serve_ray.dashboard_feed import ReplicaTicks, merge_ticks
+from iterserve.serve_ray.ingress import build_ingress_app
+from iterserve.serve_ray.remote_engine import RemoteEngine
+from iterserve.serve_ray.replica import EngineInfo
 from iterserve.server.async_engine import AsyncEngine
-from iterserve.server.dashboard import SchedulerStream, StreamConfig
+from iterserve.server.dashboard import PAGE_PATHS, SchedulerStream, StreamConfig
+from iterserve.server.serving import ServerSettings
 from iterserve.server.engine_ticks import EngineTicks, aggregate_steps, percentile
 
 
@@ -275,6 +280,30 @@ def test_stream_counts_every_step_at_a_few_ticks_a_second(server, tiny_model_dir
     assert max(len(m["held"]) for m in maps) >= 2
     assert maps[-1]["held"] == [] and maps[-1]["total"] == 96
     assert len(maps[-1]["cached"]) >= 12 * 4  # each request's full blocks, kept for reuse by prefix caching
+
+
+def test_ingress_dashboard_is_behind_the_api_key(tiny_model_dir):
+    """The Ray ingress's app (built as in the Serve deployment, here with no cluster: no replica
+    reports) guards its stream like the single server and leaves the page open."""
+    info = EngineInfo(EngineConfig(model=str(tiny_model_dir)), 512, 512, 512, 49152, (2,), 16)
+    remote = RemoteEngine(None, info)
+    app = build_ingress_app(remote, ServerSettings(served_model_name=MODEL, api_key=KEY), None, "EngineReplica",
+                            "prefix")
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as http:
+            answers = [await http.get(path) for path in PAGE_PATHS]
+            answers.append(await http.get("/dashboard/static/other.js"))
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                answers.append(await http.get("/v1/scheduler/stream", headers=headers))
+            remote.shutting_down = True  # the stream ends at once (ASGITransport reads a response whole)
+            answers.append(await http.get("/v1/scheduler/stream", headers={"Authorization": f"Bearer {KEY}"}))
+            return answers
+
+    answers = asyncio.run(go())
+    assert [r.status_code for r in answers] == [200, 200, 200, 401, 401, 401, 200]
+    assert "dashboard/static/dashboard.js" in answers[0].text
+    assert answers[4].json()["error"]["message"]  # OpenAI's error format, as on the single server
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """`iterserve serve --replicas`: a real local Ray cluster (started here), 2 replicas of the tiny model
 with one thread each, behind the ingress; the official openai client and raw HTTP against it.
 
-One module-scoped cluster keeps the start-up cost (Ray, Serve, two engines) to once; the test that
-kills a replica runs last.
+One module-scoped cluster keeps the start-up cost (Ray, Serve, two engines) to once; the tests that
+kill a replica and the ingress run last.
 """
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def test_dashboard_draws_one_panel_per_replica(cluster):
 
         steps_before = wait_for(page_matches_replicas, "each panel to catch up with its idle replica")
         before = {rid: engine(driver, rid) for rid in replicas}
-        load = send_load(cluster, n=16, max_tokens=120, model=MODEL)
+        load = send_load(cluster, n=16, max_tokens=400, model=MODEL)
         held = {rid: False for rid in replicas}
         deadline = time.monotonic() + 120
         while load.is_alive() and time.monotonic() < deadline:
@@ -288,3 +288,24 @@ def test_killed_replica_loses_no_request_silently(cluster):
     out = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 3},
                      timeout=60)
     assert out.status_code == 200
+
+
+def test_dashboard_reconnects_after_the_ingress_restarts(cluster):
+    """The ingress's actor killed (Serve starts a new one): the open page notices, reconnects by
+    itself and starts afresh with a panel per replica. Runs last: the new ingress's router starts
+    without the old one's memory."""
+    driver = open_browser()
+    try:
+        driver.get(cluster + "/dashboard")
+        wait_for(lambda: dash(driver)["status"] == "live" and len(dash(driver)["engines"]) == 2, "two replica panels")
+        replicas = set(dash(driver)["engines"])
+        ingress = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#Ingress#" in a["name"]]
+        assert len(ingress) == 1, ingress
+        ray.kill(ray.get_actor(ingress[0]["name"], namespace=ingress[0]["namespace"]), no_restart=True)
+        wait_for(lambda: dash(driver)["status"] == "reconnecting", "the page to notice the ingress is gone")
+        again = wait_for(lambda: (d := dash(driver))["status"] == "live" and d["restarts"] == 1 and
+                         set(d["engines"]) == replicas and d, "the page to reconnect to the new ingress", timeout=120)
+        assert again["connections"] >= 2
+        wait_for(lambda: all(engine(driver, rid)["ticks"] > 0 for rid in replicas), "ticks from the new ingress")
+    finally:
+        driver.quit()
