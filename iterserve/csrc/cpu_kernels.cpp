@@ -13,7 +13,8 @@
 //   tiles of 16 outputs; 2.2x oneDNN's prepacked GEMM at 16 rows, even at 512.
 // paged_prefill_attention: a prompt chunk's causal attention against its sequence's paged K/V,
 //   flash-attention style on AVX512-BF16 (torch's CPU flash kernel was a third of a prefill step).
-// All five split their work through work_pool.h (why not torch's OpenMP pool: see there).
+// rms_norm: RMSNorm of bf16 rows in one pass (eager torch runs it as eight ops).
+// All six split their work through work_pool.h (why not torch's OpenMP pool: see there).
 //
 // Plain C++ loops written for the compiler's vectoriser (`omp simd`), so the file builds on any
 // CPU gcc targets, with AVX-512 intrinsics where the vectoriser fell short; float32 accumulation.
@@ -561,6 +562,56 @@ at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N) {
 
 bool bf16_gemm_is_vectorised() { return ISV_BF16_DOT; }
 
+
+// ---- RMSNorm in bf16, in Hugging Face's order of rounding -------------------------------------
+// out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), x widened to float32: one pass per row instead of
+// eager torch's eight ops (cast, pow, mean, add, rsqrt, mul, cast, mul), each a call with its own
+// dispatch and its own pass over memory (61 norms a step). Each row is computed alone, in one fixed
+// order, whatever the row count (batch-invariant); only the sum of squares' order differs from
+// torch's, which can move an output by one bf16 ulp.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+              w.dim() == 1 && w.size(0) == x_in.size(1) && w.is_contiguous(),
+              "x must be [T, H] bfloat16 and the weight [H] bfloat16");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), H = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const uint16_t* xp = ptr<uint16_t>(x);
+  const uint16_t* wp = ptr<uint16_t>(w);
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float e = static_cast<float>(eps);
+  auto row = [&](int64_t t) {
+    const uint16_t* xr = xp + t * H;
+    uint16_t* orow = op + t * H;
+    float ss = 0.f;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= H; d += 16) {
+      const __m512 v = load16(xr + d);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; d < H; ++d) ss += load(xr[d]) * load(xr[d]);
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
+    for (int64_t c = 0; c < H; ++c) {
+      uint16_t y;
+      store(&y, load(xr[c]) * r);
+      store(orow + c, load(wp[c]) * load(y));
+    }
+  };
+  // a decode step's few rows inline (waking the pool costs more than they take); prefill rows spread
+  if (T < 64) {
+    for (int64_t t = 0; t < T; ++t) row(t);
+  } else {
+    WorkPool::instance().run((T + 31) / 32, [&](int64_t c) {
+      for (int64_t t = c * 32; t < std::min(T, c * 32 + 32); ++t) row(t);
+    });
+  }
+  return out;
+}
+
 // ---- prefill attention: a chunk of n queries, causal, against its sequence's paged K/V ----------
 // torch's CPU flash attention ran a 1024-token prompt's causal attention at ~40 GFLOP/s here (a
 // third of a prefill step; its softmax and the P.V product in separate passes over memory). This
@@ -747,6 +798,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query per sequence against its paged K/V, read in place (see cpu_kernels.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "a chunk's queries, causal, against its sequence's paged K/V (bf16, AVX512-BF16; see cpu_kernels.cpp)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows in Hugging Face's order of rounding (see cpu_kernels.cpp)");
   m.def("q4_gemm", &q4_gemm, "x @ w.T for 4-bit w (GGUF Q4_1 levels; layout in cpu_kernels.cpp)");
   m.def("q4_gemm_is_vectorised", &q4_gemm_is_vectorised, "whether q4_gemm was built with AVX512-VNNI");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T for bf16 w packed by pack_bf16 (layout in cpu_kernels.cpp)");

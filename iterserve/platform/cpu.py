@@ -21,6 +21,7 @@ from iterserve.cpu_info import cpu_flags
 from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
 from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_vectorised)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, choose_kernels,
@@ -71,6 +72,8 @@ class CpuPlatform(Platform):
         The head's twin needs the C++ CPU kernels."""
         cfg = self.config
         q = cfg.quantization
+        if self.dtype == torch.bfloat16 and self.kernels is not None:
+            use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
         if self.dtype != torch.bfloat16 or not bf16_linears_available(self.kernels):
             if q == "int4":
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")

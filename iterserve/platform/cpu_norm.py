@@ -1,0 +1,41 @@
+"""RMSNorm through iterserve's C++ kernel in eager bf16 runs (cpu_kernels.cpp, `rms_norm`).
+
+Eager torch runs the model's RMSNorm as eight ops (cast to float32, pow, mean, add, rsqrt, mul,
+cast back, weight mul), each with its own dispatch and pass over memory, 61 times a step; the
+kernel does one pass per row in the same order of rounding. Under torch.compile the torch form
+stays, so inductor fuses it with its neighbours as before.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from iterserve.model.llama import RMSNorm
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+
+
+class CpuRMSNorm(RMSNorm):
+    """An RMSNorm whose eager bf16 forward is one kernel call (same parameter, same numbers up to
+    the order of the sum of squares). Holds no reference to the kernels' module (found through
+    load_cpu_kernels' cache per call, as CpuLinear does), so the model stays copyable."""
+
+    def __init__(self, norm: RMSNorm) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or x.dim() != 2:
+            return super().forward(x)
+        return load_cpu_kernels().rms_norm(x, self.weight, self.eps)
+
+
+def use_cpu_rms_norm(model: nn.Module) -> int:
+    """Swaps every bf16 RMSNorm of the model for CpuRMSNorm (the kernels must have loaded); returns
+    how many."""
+    changed = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod) is RMSNorm and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu":
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, CpuRMSNorm(mod))
+            changed += 1
+    return changed

@@ -1,0 +1,65 @@
+"""RMSNorm through the C++ kernel (iterserve/csrc/cpu_kernels.cpp `rms_norm`, platform/cpu_norm.py)
+against the model's torch RMSNorm in bf16: the same bits (the sum of squares' order may move an
+output by one bf16 ulp, allowed in a tiny fraction), each row alike whatever the row count, and the
+platform swaps every norm of a bf16 model (not of a float32 one)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve.model.llama import RMSNorm
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_norm import CpuRMSNorm, use_cpu_rms_norm
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here (see the log)")
+
+
+def norm_pair(dim: int, seed: int = 0) -> tuple[RMSNorm, CpuRMSNorm]:
+    g = torch.Generator().manual_seed(seed)
+    ref = RMSNorm(dim, 1e-5)
+    ref.weight.data = (torch.randn(dim, generator=g) * 0.3 + 1).bfloat16()
+    return ref, CpuRMSNorm(ref)
+
+
+@pytest.mark.parametrize("dim", [576, 64, 100])
+def test_same_bits_as_torch_rms_norm(dim):
+    ref, ours = norm_pair(dim)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 5, 16, 63, 64, 100, 1024):
+        x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+        with torch.no_grad():
+            want, got = ref(x), ours(x)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        differ = want != got
+        assert differ.float().mean().item() <= 1e-3, f"{rows} rows: {differ.sum().item()} outputs differ"
+        if differ.any():  # one ulp at most
+            assert ((want.float() - got.float()).abs() <= want.float().abs() / 128).all()
+
+
+def test_each_row_alike_at_any_row_count():
+    _, ours = norm_pair(576)
+    x = (torch.randn(300, 576) * 2).bfloat16()
+    with torch.no_grad():
+        full = ours(x)
+        assert torch.equal(ours(x[:7]), full[:7])
+        assert torch.equal(ours(x[250:251]), full[250:251])
+
+
+def test_float32_keeps_the_torch_path():
+    ref, ours = norm_pair(64)
+    ref.float()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+
+
+@pytest.mark.real_model
+def test_platform_swaps_every_norm_in_bf16_only():
+    from iterserve.llm import LLM
+
+    llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256)
+    norms = [m for m in llm.engine.model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * llm.engine.model_config.num_layers + 1
+    assert all(type(m) is CpuRMSNorm for m in norms)
+    assert use_cpu_rms_norm(torch.nn.Sequential(RMSNorm(8, 1e-5))) == 0  # float32 weights stay
