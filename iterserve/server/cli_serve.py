@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
                     "(streaming with SSE), /v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus), "
                     "/v1/scheduler (live batch, KV cache and per-step records), /v1/scheduler/stream (the same as "
-                    "server-sent events) and /dashboard (live charts of it in the browser).")
+                    "server-sent events) and /dashboard (live charts of it in the browser; one panel per replica with "
+                    "--replicas).")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="a .gguf file, a Hugging Face folder, or smollm2-135m (the embedded default)")
     p.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (same as MODEL)")
