@@ -23,6 +23,7 @@ from iterserve.bench.browser import open_browser
 from iterserve.config import EngineConfig
 from iterserve.serve_ray.app import APP_NAME, ScaleOutConfig, start
 from iterserve.serve_ray.policy import RouterConfig
+from iterserve.server.cli_serve import LOCAL_CLUSTER_ENV
 from iterserve.server.serving import ServerSettings
 
 MODEL = "tiny"
@@ -41,6 +42,8 @@ def cluster(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory="64MiB", max_model_len=2048)
     settings = ServerSettings(served_model_name=MODEL)
     scale = ScaleOutConfig(replicas=2, threads_per_replica=1, router=RouterConfig(policy="prefix"))
+    saved = {key: os.environ.get(key) for key in LOCAL_CLUSTER_ENV}
+    os.environ.update(LOCAL_CLUSTER_ENV)  # what `serve --replicas` runs a local cluster with
     start(config, settings, scale, "127.0.0.1", port,
           ray_init={"num_cpus": 4, "object_store_memory": 200 * 2**20, "include_dashboard": False,
                     "log_to_driver": False})
@@ -62,6 +65,11 @@ def cluster(tiny_model_dir):
         serve.delete(APP_NAME)
         serve.shutdown()
         ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture

@@ -36,11 +36,6 @@ REPLICA_DEPLOYMENT = "EngineReplica"
 # they would yield the cores to anything else on the machine that a single-process server would not.
 LOCAL_CLUSTER = {"include_dashboard": False, "object_store_memory": 256 * 2**20,
                  "_system_config": {"worker_niceness": 0}}
-# and Serve's documented throughput switch, unless the environment says otherwise: user code and
-# the request router on each replica's own event loop instead of threads of their own, gRPC between
-# proxy and replicas, request logs buffered and not copied to stderr (they stay in Ray's session
-# log folder). The hops between event loops were most of the ingress's CPU per request.
-LOCAL_CLUSTER_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
 @dataclass
@@ -99,9 +94,6 @@ def start(engine_config: EngineConfig, settings: ServerSettings, scale: ScaleOut
           ray_address: str | None = None, ray_init: dict | None = None) -> None:
     """Starts (or joins, with ray_address) a Ray cluster and runs the application; returns once it is up."""
     if not ray.is_initialized():
-        if ray_address is None:  # Ray's processes, started next, read these from their environment
-            for key, value in LOCAL_CLUSTER_ENV.items():
-                os.environ.setdefault(key, value)
         ray.init(address=ray_address, **(ray_init or {}))
     serve.start(http_options=HTTPOptions(host=host, port=port))
     serve.run(build_application(engine_config, settings, scale), name=APP_NAME, route_prefix="/")
