@@ -13,7 +13,7 @@ cost per request of the Ray path shows where it goes.
 
 Prints the host line and, per workload, a table (done/failed, hit rate, TTFT p50/p95, output
 tok/s, CPU per request) and the CPU breakdown; per-request records and server logs go under
-runs/scale_out/. About 8 minutes at the defaults on a 2-core host (eight server starts of ~30 s,
+runs/scale_out/. About 8-9 minutes at the defaults on a quiet 2-core host (eight server starts of ~30 s,
 eight runs of ~25 s).
 
     .venv/bin/python benchmarks/scale_out.py
