@@ -143,6 +143,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model's max positions, 4096)
     max_input_len: int | None = None
     max_output_len: int | None = None
+    # structured outputs: JSON schemas allow any whitespace between tokens (vLLM's default), or
+    # exactly one space after ':' and ',' (ours: small models loop on whitespace otherwise)
+    structured_outputs_any_whitespace: bool = False
     max_waiting: int | None = None  # queue bound; None = unbounded
     # misc
     log_scheduler: bool = False

@@ -30,7 +30,7 @@ from iterserve.platform.selector import get_platform
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
 from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
-from iterserve.structured.manager import StructuredOutputManager
+from iterserve.structured.manager import StructuredOutputConfig, StructuredOutputManager
 from iterserve.structured.params import StructuredOutputError
 
 log = logging.getLogger("iterserve.engine")
@@ -111,7 +111,9 @@ class LLMEngine:
                  num_blocks, config.block_size,
                  num_blocks * kv_bytes_per_block(mcfg, config.block_size, self.dtype) / 2**20,
                  fits, self.max_model_len)
-        self.structured = StructuredOutputManager(tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            tokenizer, mcfg.vocab_size, mcfg.eos_token_ids,
+            StructuredOutputConfig(any_whitespace=config.structured_outputs_any_whitespace))
         self._compiling: dict[str, tuple[Request, object]] = {}  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self.step_count = 0

@@ -112,6 +112,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: min(model, 4096))")
     g.add_argument("--max-input-len", type=int, default=None, help="reject prompts longer than this many tokens")
     g.add_argument("--max-output-len", type=int, default=None, help="reject max_tokens above this")
+    g.add_argument("--structured-outputs-any-whitespace", action=argparse.BooleanOptionalAction,
+                   default=d.structured_outputs_any_whitespace,
+                   help="JSON-schema outputs: allow any whitespace between JSON tokens (vLLM's default; "
+                        "vLLM's disable_any_whitespace turns it off). Off by default here: a small model "
+                        "under a flexible grammar can spend its whole budget on newlines and never close "
+                        "the object; off, the JSON is written with one space after ':' and ','. A schema's "
+                        "own \"x-guidance\" options win either way")
     g.add_argument("--log-scheduler", action="store_true",
                    help="log one line per engine step: batch size, tokens, KV blocks, admitted requests "
                         "with their prefix-cache hit tokens, finished/preempted requests")

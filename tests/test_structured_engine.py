@@ -197,3 +197,23 @@ def test_preempted_constrained_requests_resume_their_grammar(smol_engine_factory
         assert text_of(outs[f"p{i}"]) == text_of(run_to_end(solo)["solo"])
         if outs[f"p{i}"][-1].finish_reason == "stop":
             jsonschema.validate(json.loads(text_of(outs[f"p{i}"])), PERSON)
+
+
+@pytest.mark.parametrize("any_whitespace", [False, True])
+def test_json_whitespace_is_one_space_unless_any_whitespace_is_asked(make_engine, any_whitespace):
+    """The default grammar writes `{"name": ...}` with exactly one space after ':' and ',' (a small
+    model under a whitespace-flexible grammar was seen filling max_tokens with newlines);
+    --structured-outputs-any-whitespace gives vLLM's flexible grammar back."""
+    engine = make_engine(structured_outputs_any_whitespace=any_whitespace)
+    proto = engine.structured.compile(StructuredOutputsParams(json=PERSON)).result(timeout=30)
+    tok = engine.tokenizer
+
+    def accepts(text: str) -> bool:
+        matcher = engine.structured.new_grammar(proto).matcher
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.validate_tokens(ids) == len(ids)
+
+    assert accepts('{"name": "Al", "age": 3}')
+    assert accepts('{\n  "name"') is any_whitespace
+    assert accepts('{"name":  "Al"') is any_whitespace
+    assert accepts('{"name":"Al"') is any_whitespace

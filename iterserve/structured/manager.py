@@ -36,6 +36,9 @@ _LL_TOKENIZERS_LOCK = threading.Lock()
 class StructuredOutputConfig:
     cache_size: int = 256  # compiled grammars kept (least recently used dropped)
     max_errors_shown: int = 3  # compiler messages quoted in a 400
+    # JSON schemas: any whitespace between tokens (True, vLLM's default) or one space after ':' and ','
+    # (False): a small model under a flexible grammar can loop on newlines until max_tokens
+    any_whitespace: bool = False
 
 
 class StructuredOutputManager:
@@ -93,7 +96,7 @@ class StructuredOutputManager:
         fmt, text = key
         tokenizer = self.ll_tokenizer
         try:
-            grammar = llguidance.grammar_from(fmt, text)
+            grammar = self._grammar(fmt, text)
             failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
             if failed:
                 shown = "; ".join(m.strip() for m in messages[: self.config.max_errors_shown])
@@ -107,6 +110,16 @@ class StructuredOutputManager:
             raise StructuredOutputError(f"cannot compile the {_what(fmt)}: {matcher.get_error()}")
         self.num_compiled += 1
         return matcher
+
+    def _grammar(self, fmt: str, text: str) -> str:
+        """llguidance's grammar for the spec. JSON schemas get the whitespace default as llguidance's
+        `defaults`, so a schema's own "x-guidance" options still win."""
+        if fmt != "json_schema":
+            return llguidance.grammar_from(fmt, text)
+        ws = {"whitespace_flexible": self.config.any_whitespace}
+        if not self.config.any_whitespace:
+            ws.update(item_separator=", ", key_separator=": ")
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=ws)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
