@@ -9,8 +9,9 @@ import httpx
 
 
 def dash(driver) -> dict:
-    """The page's state: status, ticks, restarts, connections, and `engines` (one per panel)."""
-    return driver.execute_script("return window.iterserveDashboard")
+    """The page's state: status, ticks, restarts, connections, and `engines` (one per panel); while a
+    navigation is still loading the script, a placeholder whose status is "loading"."""
+    return driver.execute_script("return window.iterserveDashboard") or {"status": "loading", "ticks": 0, "engines": {}}
 
 
 def engine(driver, replica: str = "") -> dict | None:
