@@ -93,3 +93,35 @@ def test_router_uses_only_serves_public_router_api():
     for hook in ("initialize_state", "choose_replicas", "on_request_routed", "update_replicas", "curr_replicas"):
         assert hasattr(request_router.RequestRouter, hook), hook
     assert isinstance(request_router.RunningReplica.routing_stats, property)
+
+
+def test_router_forgets_a_request_cancelled_before_it_was_routed(monkeypatch):
+    """A request ranked (and counted on a replica) whose caller went away before Serve routed it
+    never reaches on_request_routed: after TENTATIVE_TTL_S it is uncounted, so the replica's load
+    and the router's memory do not grow with such requests."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray.serve.request_router")
+    from iterserve.serve_ray import router as router_mod
+
+    r = object.__new__(router_mod.IterserveRequestRouter)  # Serve's own __init__ needs a cluster
+    r.initialize_state(deployment="test-tentative", policy="least-loaded")
+    r.policy.update_replicas(["a", "b"])
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats={}) for rid in "ab"]
+
+    def pending(rid: str):
+        return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", request_id=rid),
+                               kwargs={"prompt_token_ids": [1, 2, 3]}, args=())
+
+    now = [1000.0]
+    monkeypatch.setattr(router_mod.time, "monotonic", lambda: now[0])
+    first = asyncio.run(r.choose_replicas(replicas, pending("gone")))[0][0].replica_id.unique_id
+    assert r.policy.load(first) == 1 and len(r._tentative) == 1  # counted when ranked
+    now[0] += router_mod.TENTATIVE_TTL_S - 1
+    asyncio.run(r.choose_replicas(replicas, pending("second")))
+    assert "gone" in r._tentative  # not yet stale
+    now[0] += 2
+    asyncio.run(r.choose_replicas(replicas, pending("third")))
+    assert "gone" not in r._tentative and set(r._tentative) == {"second", "third"}
+    assert r.policy.load("a") + r.policy.load("b") == 2  # only the two still pending count

@@ -16,9 +16,17 @@ checks it under concurrency, tests/test_router_policy.py that FIFOMixin is not m
 """
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from iterserve.serve_ray.policy import ReplicaLoad, RouterConfig, RoutingPolicy, register_router
+
+# A request counted on a replica when first ranked but never routed (its caller went away while it
+# waited for a replica) is forgotten, and uncounted, this long after it was ranked: no request
+# waits that long for a replica without having been routed.
+TENTATIVE_TTL_S = 120.0
 
 
 class IterserveRequestRouter(RequestRouter):
@@ -27,8 +35,9 @@ class IterserveRequestRouter(RequestRouter):
         router up by) and RouterConfig's fields."""
         register_router(kwargs.pop("deployment"), self)
         self.policy = RoutingPolicy(RouterConfig(**kwargs))
-        # request id -> (replica it was counted on when first ranked, its prompt's block hashes)
-        self._tentative: dict[str, tuple[str, list | None]] = {}
+        # request id -> (replica it was counted on when first ranked, its prompt's block hashes,
+        # when), oldest first
+        self._tentative: OrderedDict[str, tuple[str, list | None, float]] = OrderedDict()
 
     def reports(self) -> dict[str, dict]:
         """Each current replica's latest routing stats (EngineReplica.record_routing_stats)."""
@@ -47,13 +56,14 @@ class IterserveRequestRouter(RequestRouter):
                                                    if k in stats}))
         if pending_request is None or pending_request.metadata.call_method != "generate":
             return [[by_id[rid] for rid in rank] for rank in self.policy.rank(list(by_id), None)]
+        self._forget_stale_tentative(time.monotonic())
         key = pending_request.metadata.request_id
         counted = self._tentative.get(key)
         hashes = counted[1] if counted else self.policy.block_hashes(self._token_ids(pending_request))
         ranks = self.policy.rank(list(by_id), hashes)
         if counted is None and ranks[0]:
             # counted now, not once sent: requests routed at the same moment must see each other
-            self._tentative[key] = (ranks[0][0], hashes)
+            self._tentative[key] = (ranks[0][0], hashes, time.monotonic())
             self.policy.routed(ranks[0][0], hashes)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
@@ -63,6 +73,16 @@ class IterserveRequestRouter(RequestRouter):
         if counted is not None and counted[0] != replica_id.unique_id:  # Serve took another rank
             self.policy.unrouted(counted[0])
             self.policy.routed(replica_id.unique_id, counted[1])
+
+    def _forget_stale_tentative(self, now: float) -> None:
+        """Uncounts requests ranked long ago and never routed (cancelled while pending), so that
+        neither this map nor a replica's in-transit count grows with them."""
+        while self._tentative:
+            key, (replica, _, since) = next(iter(self._tentative.items()))
+            if now - since < TENTATIVE_TTL_S:
+                return
+            del self._tentative[key]
+            self.policy.unrouted(replica)
 
     @staticmethod
     def _token_ids(pending_request: PendingRequest) -> list[int] | None:
