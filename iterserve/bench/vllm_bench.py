@@ -4,7 +4,8 @@ so iterserve and the peers are also measured by the client vLLM reports its numb
 The client comes from the vLLM install ../shared/peers/setup_vllm.sh made ($PEERS/vvenv); it is a
 benchmark tool only, never an iterserve dependency. Each setting is its random dataset (input and
 output lengths in tokens of the given tokenizer, ignore_eos) at a Poisson request rate; the
-served model's name is read from the server's /v1/models.
+served model's name is read from the server's /v1/models here and passed on (`--model`), because
+the client's own lookup needs vLLM's extra `root` field, which llama.cpp's server does not send.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,14 @@ METRICS = {"output_throughput": "output tok/s", "median_ttft_ms": "TTFT p50 ms",
            "median_tpot_ms": "TPOT p50 ms", "p95_e2el_ms": "E2EL p95 ms", "completed": "completed"}
 
 
-def command(vllm: Path, base_url: str, tokenizer: Path, s: BenchSetting, out_dir: Path) -> list[str]:
+def served_model(base_url: str) -> str:
+    """The first model id the server lists (OpenAI's /v1/models, which every system here speaks)."""
+    return httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def command(vllm: Path, base_url: str, model: str, tokenizer: Path, s: BenchSetting, out_dir: Path) -> list[str]:
     return [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint",
-            "/v1/completions", "--tokenizer", str(tokenizer), "--dataset-name", "random",
+            "/v1/completions", "--model", model, "--served-model-name", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
             "--random-input-len", str(s.input_len), "--random-output-len", str(s.output_len),
             "--num-prompts", str(s.num_prompts), "--request-rate", str(s.rate), "--ignore-eos", "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
@@ -47,7 +55,11 @@ def run_bench(vllm: Path, base_url: str, tokenizer: Path, s: BenchSetting, out_d
     """The setting's metrics (METRICS' keys), or {"error": ...} when the client failed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run(command(vllm, base_url, tokenizer, s, out_dir), capture_output=True, text=True,
+        model = served_model(base_url)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        return {"error": f"no model listed at {base_url}/v1/models: {e}"[:300]}
+    try:
+        done = subprocess.run(command(vllm, base_url, model, tokenizer, s, out_dir), capture_output=True, text=True,
                               timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": str(e)[:300]}
