@@ -179,6 +179,10 @@ class RunResult:
                 "peak_concurrency": peak_concurrency(self.records),
                 **self.latency_stats(), **self.slo_report()}
 
+    def error_counts(self) -> collections.Counter[str]:
+        """How many requests failed with each error message."""
+        return collections.Counter(r.error for r in self.records if not r.success)
+
     def to_dict(self) -> dict[str, Any]:
         return {"base_url": self.base_url, "model": self.model, "endpoint": self.endpoint,
                 "meta": self.meta, "summary": self.summary(),
@@ -227,7 +231,7 @@ def print_table(result: RunResult, file: TextIO | None = None) -> None:
                 text += (f", run p{row['percentile']:g} {_fmt(row['run_value_ms'])} ms "
                          f"{'ok' if row['run_met'] else 'MISSED'}")
             print(text, file=out)
-    errors = collections.Counter(r.error for r in result.records if not r.success)
+    errors = result.error_counts()
     for error, count in errors.most_common(3):
         print(f"error x{count}: {error[:120]}", file=out)
     print("=" * 50, file=out)

@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import itertools
 import json
+import math
 import re
 from importlib import resources
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypedDict, Unpack
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypedDict, Unpack
 
 import numpy as np
 
@@ -54,53 +56,125 @@ class LengthOptions(TypedDict, total=False):
     max_output_len: int | None
 
 
+# ---------------------------------------------------------------- lazy workloads
+
+STREAM_CHUNK = 65_536  # a lazy workload draws this many requests at a time
+Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]  # arrivals, input lengths, output lengths
+
+
+class Workload:
+    """A workload that yields its requests lazily, in arrival order, `chunk` draws at a time.
+
+    Why: a day of traffic at 1,000 req/s is 86 M requests; as a list that is tens of GB, so the
+    simulator consumes this instead and holds only the requests in flight. Iterating again replays
+    the same requests (each pass re-seeds), and `len` is known without drawing. Each chunk draws its
+    arrivals, then its input lengths, then its output lengths from one generator: with one chunk
+    (chunk >= num_requests) that is exactly the order the eager generators have always drawn in,
+    so `list(workload)` is then the eager workload of the same seed; with smaller chunks the draws
+    interleave, so a long lazy workload is the same process but not the same requests.
+    """
+
+    def __init__(self, num_requests: int, chunks: Callable[[], Iterator[Chunk]], system_prompt_len: int = 0,
+                 max_input_len: int | None = None, max_output_len: int | None = None) -> None:
+        self.num_requests = num_requests
+        self.chunks = chunks
+        self.system_prompt_len = system_prompt_len
+        self.max_input_len = max_input_len
+        self.max_output_len = max_output_len
+
+    def __len__(self) -> int:
+        return self.num_requests
+
+    def __iter__(self) -> Iterator[RequestSpec]:
+        index = itertools.count()
+        for arrivals, input_lens, output_lens in self.chunks():
+            ins = np.clip(input_lens, 1, self.max_input_len or None)
+            outs = np.clip(output_lens, 1, self.max_output_len or None)
+            for a, x, y in zip(arrivals.tolist(), ins.tolist(), outs.tolist()):  # one spec at a time
+                yield RequestSpec(next(index), a, x, y, system_prompt_len=self.system_prompt_len)
+
+
+def _chunk_sizes(n: int, chunk: int) -> Iterator[int]:
+    for first in range(0, n, chunk):
+        yield min(chunk, n - first)
+
+
+def _draw_lengths(k: int, rng: np.random.Generator, lengths: LengthOptions) -> tuple[np.ndarray, np.ndarray]:
+    return (sample_lengths(lengths.get("input_len", 128), k, rng, "input_len"),
+            sample_lengths(lengths.get("output_len", 128), k, rng, "output_len"))
+
+
+def _workload(n: int, lengths: LengthOptions, chunks: Callable[[], Iterator[Chunk]],
+              system_prompt_len: int = 0) -> Workload:
+    """Checks the length keywords now (errors at build time, not mid-simulation) and wraps `chunks`."""
+    unknown = set(lengths) - set(LengthOptions.__annotations__)
+    if unknown:
+        raise TypeError(f"unknown workload keyword(s): {', '.join(sorted(unknown))}")
+    _draw_lengths(0, _rng(0), lengths)  # validates the (lo, hi) specs
+    return Workload(n, chunks, system_prompt_len, lengths.get("max_input_len"), lengths.get("max_output_len"))
+
+
 # ---------------------------------------------------------------- synthetic arrival processes
+# Each process is a lazy `*_stream`; the eager form is its one-chunk list (the same draws as ever).
 
-def poisson(num_requests: int, rate: float, *, seed: int = 0,
-            **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+def poisson_stream(num_requests: int, rate: float, *, seed: int = 0, chunk: int = STREAM_CHUNK,
+                   **lengths: Unpack[LengthOptions]) -> Workload:
     """Poisson arrivals: exponential gaps with mean 1/rate (memoryless, the textbook load)."""
-    return gamma(num_requests, rate, burstiness=1.0, seed=seed, **lengths)
+    return gamma_stream(num_requests, rate, burstiness=1.0, seed=seed, chunk=chunk, **lengths)
 
 
-def gamma(num_requests: int, rate: float, burstiness: float = 1.0, *, seed: int = 0,
-          **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+def gamma_stream(num_requests: int, rate: float, burstiness: float = 1.0, *, seed: int = 0,
+                 chunk: int = STREAM_CHUNK, **lengths: Unpack[LengthOptions]) -> Workload:
     """Gamma gaps with shape=burstiness and mean 1/rate, as `vllm bench serve` does.
 
     burstiness 1 is Poisson; below 1 the gaps' coefficient of variation 1/sqrt(burstiness) grows,
     so requests come in clumps; above 1 they are more regular.
     """
-    rng = _rng(seed)
     shape = _positive(burstiness, "burstiness")
-    gaps = rng.gamma(shape, 1.0 / (_positive(rate, "rate") * shape), _count(num_requests))
-    return _synthetic(np.cumsum(gaps), rng, lengths)
+    scale = 1.0 / (_positive(rate, "rate") * shape)
+    n = _count(num_requests)
+
+    def chunks() -> Iterator[Chunk]:
+        rng, t = _rng(seed), 0.0
+        for k in _chunk_sizes(n, chunk):
+            arrivals = t + np.cumsum(rng.gamma(shape, scale, k))
+            t = float(arrivals[-1])
+            yield (arrivals, *_draw_lengths(k, rng, lengths))
+    return _workload(n, lengths, chunks)
 
 
-def bursty(num_requests: int, base_rate: float = SEED_RATE, peak_rate: float = 20.0,
-           burst_every_s: float = 10.0, burst_len_s: float = 2.0, *, seed: int = 0,
-           **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+def bursty_stream(num_requests: int, base_rate: float = SEED_RATE, peak_rate: float = 20.0,
+                  burst_every_s: float = 10.0, burst_len_s: float = 2.0, *, seed: int = 0,
+                  chunk: int = STREAM_CHUNK, **lengths: Unpack[LengthOptions]) -> Workload:
     """Poisson at `base_rate` with bursts at `peak_rate` during [k*burst_every_s, +burst_len_s).
 
     The defaults are the chat bot case's traffic (docs/seed-case.md: 300 ms mean gap, peaks of
     20 req/s). Built by thinning: draw candidates at the peak rate and keep each with probability
-    rate(t)/peak, which gives an exact non-homogeneous Poisson process.
+    rate(t)/peak, which gives an exact non-homogeneous Poisson process (accepted candidates past a
+    chunk's end start the next chunk, so chunking keeps the process exact).
     """
-    rng = _rng(seed)
     n = _count(num_requests)
     if base_rate < 0 or peak_rate <= 0:
         raise WorkloadError(f"bursty needs base_rate >= 0 and peak_rate > 0 (got {base_rate}, {peak_rate})")
     if not 0 < burst_len_s <= burst_every_s:
         raise WorkloadError(f"bursty needs 0 < burst_len_s <= burst_every_s (got {burst_len_s}, {burst_every_s})")
     lam_max = max(base_rate, peak_rate)
-    kept: list[np.ndarray] = []
-    t, total = 0.0, 0
-    while total < n:
-        candidates = t + np.cumsum(rng.exponential(1.0 / lam_max, max(256, 2 * (n - total))))
-        t = float(candidates[-1])
-        rate = np.where(in_burst(candidates, burst_every_s, burst_len_s), peak_rate, base_rate)
-        accepted = candidates[rng.random(candidates.size) * lam_max < rate]
-        kept.append(accepted)
-        total += accepted.size
-    return _synthetic(np.concatenate(kept)[:n], rng, lengths)
+
+    def chunks() -> Iterator[Chunk]:
+        rng, t, carry = _rng(seed), 0.0, np.empty(0)
+        for k in _chunk_sizes(n, chunk):
+            kept, total = [carry], carry.size
+            while total < k:
+                candidates = t + np.cumsum(rng.exponential(1.0 / lam_max, max(256, 2 * (k - total))))
+                t = float(candidates[-1])
+                rate = np.where(in_burst(candidates, burst_every_s, burst_len_s), peak_rate, base_rate)
+                accepted = candidates[rng.random(candidates.size) * lam_max < rate]
+                kept.append(accepted)
+                total += accepted.size
+            both = np.concatenate(kept)
+            carry = both[k:]
+            yield (both[:k], *_draw_lengths(k, rng, lengths))
+    return _workload(n, lengths, chunks)
 
 
 def in_burst(t: np.ndarray | float, burst_every_s: float, burst_len_s: float) -> np.ndarray:
@@ -108,29 +182,58 @@ def in_burst(t: np.ndarray | float, burst_every_s: float, burst_len_s: float) ->
     return np.mod(t, burst_every_s) < burst_len_s
 
 
-def constant(num_requests: int, rate: float, *, seed: int = 0,
-             **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+def constant_stream(num_requests: int, rate: float, *, seed: int = 0, chunk: int = STREAM_CHUNK,
+                    **lengths: Unpack[LengthOptions]) -> Workload:
     """Evenly spaced arrivals from t=0: the load without randomness, for clean comparisons."""
-    n = _count(num_requests)
-    return _synthetic(np.arange(n) / _positive(rate, "rate"), _rng(seed), lengths)
+    n, rate = _count(num_requests), _positive(rate, "rate")
+
+    def chunks() -> Iterator[Chunk]:
+        rng, first = _rng(seed), 0
+        for k in _chunk_sizes(n, chunk):
+            yield (np.arange(first, first + k) / rate, *_draw_lengths(k, rng, lengths))
+            first += k
+    return _workload(n, lengths, chunks)
 
 
-def all_at_once(num_requests: int, *, seed: int = 0,
-                **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
+def all_at_once_stream(num_requests: int, *, seed: int = 0, chunk: int = STREAM_CHUNK,
+                       **lengths: Unpack[LengthOptions]) -> Workload:
     """Every request at t=0: measures peak throughput (the offline / max-batch case)."""
-    return _synthetic(np.zeros(_count(num_requests)), _rng(seed), lengths)
+    n = _count(num_requests)
+
+    def chunks() -> Iterator[Chunk]:
+        rng = _rng(seed)
+        for k in _chunk_sizes(n, chunk):
+            yield (np.zeros(k), *_draw_lengths(k, rng, lengths))
+    return _workload(n, lengths, chunks)
 
 
-def _synthetic(arrivals: np.ndarray, rng: np.random.Generator,
-               lengths: LengthOptions) -> list[RequestSpec]:
-    unknown = set(lengths) - set(LengthOptions.__annotations__)
-    if unknown:
-        raise TypeError(f"unknown workload keyword(s): {', '.join(sorted(unknown))}")
-    n = arrivals.size
-    return _specs(arrivals,
-                  sample_lengths(lengths.get("input_len", 128), n, rng, "input_len"),
-                  sample_lengths(lengths.get("output_len", 128), n, rng, "output_len"),
-                  lengths.get("max_input_len"), lengths.get("max_output_len"))
+def shared_prefix_stream(num_requests: int, rate: float, system_prompt_len: int = 400, *, seed: int = 0,
+                         chunk: int = STREAM_CHUNK, **lengths: Unpack[LengthOptions]) -> Workload:
+    """Poisson arrivals whose prompts all start with one system prompt of system_prompt_len
+    tokens (input_len is each request's own part after it): many users of one application."""
+    if system_prompt_len < 1:
+        raise WorkloadError(f"system_prompt_len must be >= 1, got {system_prompt_len}")
+    workload = poisson_stream(num_requests, rate, seed=seed, chunk=chunk, **lengths)
+    workload.system_prompt_len = int(system_prompt_len)
+    return workload
+
+
+def eager(stream: Callable[..., Workload]) -> Callable[..., list[RequestSpec]]:
+    """The list form of a `*_stream` process: one chunk, so the draws are the eager ones of old."""
+    def build(*args: Any, **kwargs: Any) -> list[RequestSpec]:
+        workload = stream(*args, **kwargs, chunk=1 << 62)
+        return list(workload)
+    build.__name__ = stream.__name__.removesuffix("_stream")
+    build.__doc__ = stream.__doc__
+    return build
+
+
+poisson = eager(poisson_stream)
+gamma = eager(gamma_stream)
+bursty = eager(bursty_stream)
+constant = eager(constant_stream)
+all_at_once = eager(all_at_once_stream)
+shared_prefix = eager(shared_prefix_stream)
 
 
 def sample_lengths(spec: LenSpec, n: int, rng: np.random.Generator, name: str) -> np.ndarray:
@@ -169,18 +272,6 @@ def _count(num_requests: int) -> int:
     return int(num_requests)
 
 
-def shared_prefix(num_requests: int, rate: float, system_prompt_len: int = 400, *, seed: int = 0,
-                  **lengths: Unpack[LengthOptions]) -> list[RequestSpec]:
-    """Poisson arrivals whose prompts all start with one system prompt of system_prompt_len
-    tokens (input_len is each request's own part after it): many users of one application."""
-    if system_prompt_len < 1:
-        raise WorkloadError(f"system_prompt_len must be >= 1, got {system_prompt_len}")
-    specs = poisson(num_requests, rate, seed=seed, **lengths)
-    for spec in specs:
-        spec.system_prompt_len = int(system_prompt_len)
-    return specs
-
-
 # ---------------------------------------------------------------- trace replay
 
 _TIME_COLUMNS = ("timestamp", "arrival_s", "arrival_time", "time")
@@ -217,6 +308,86 @@ def trace(path: str | Path, time_scale: float = 1.0, *, start: int = 0,
     ins = np.array([_cell(r, in_col, n, path, _parse_count) for n, r in zip(rownum, window)])
     outs = np.array([_cell(r, out_col, n, path, _parse_count) for n, r in zip(rownum, window)])
     return _specs((times - times.min()) * time_scale, ins, outs, max_input_len, max_output_len)
+
+
+def trace_stream(path: str | Path, time_scale: float = 1.0, *, start: int = 0,
+                 num_requests: int | None = None, max_input_len: int | None = None,
+                 max_output_len: int | None = None, chunk: int = STREAM_CHUNK) -> Workload | list[RequestSpec]:
+    """`trace`'s requests, read lazily: one streaming pass checks every cell and finds t0, the
+    count and whether the rows are in time order; each iteration then re-reads the file `chunk`
+    rows at a time. A trace whose rows are not in time order cannot be replayed lazily in arrival
+    order, so it comes back as `trace`'s list sorted by arrival (its indices are still the rows')."""
+    if time_scale < 0:
+        raise WorkloadError(f"time_scale must be >= 0, got {time_scale}")
+    if start < 0:
+        raise WorkloadError(f"trace start must be >= 0, got {start}")
+    stop = None if num_requests is None else start + _count(num_requests)
+    t0, count, ordered, last = math.inf, 0, True, -math.inf
+    for t, _, _ in _trace_cells(Path(path), start, stop):
+        t0, count, ordered, last = min(t0, t), count + 1, ordered and t >= last, t
+    if not ordered:
+        return sorted(trace(path, time_scale, start=start, num_requests=num_requests, max_input_len=max_input_len,
+                            max_output_len=max_output_len), key=lambda spec: (spec.arrival_s, spec.index))
+
+    def chunks() -> Iterator[Chunk]:
+        cells = _trace_cells(Path(path), start, stop)
+        while rows := list(itertools.islice(cells, chunk)):
+            times, ins, outs = np.array(rows).T
+            yield (times - t0) * time_scale, ins.astype(int), outs.astype(int)
+    return Workload(count, chunks, 0, max_input_len, max_output_len)
+
+
+def _trace_cells(path: Path, start: int, stop: int | None) -> Iterator[tuple[float, int, int]]:
+    """(time, input tokens, output tokens) of rows [start, stop), streamed; errors as `trace`'s."""
+    rows = _stream_rows(path)
+    columns = next(rows)
+    time_col = _column(columns, _TIME_COLUMNS, "timestamp", path)
+    in_col = _column(columns, _INPUT_COLUMNS, "input token", path)
+    out_col = _column(columns, _OUTPUT_COLUMNS, "output token", path)
+    seen = 0
+    for n, row in enumerate(itertools.islice(rows, start, stop), start + 1):
+        seen += 1
+        yield (_cell(row, time_col, n, path, _parse_time), int(_cell(row, in_col, n, path, _parse_count)),
+               int(_cell(row, out_col, n, path, _parse_count)))
+    if not seen:
+        raise WorkloadError(f"trace {path}: no rows from row {start} on")
+
+
+def _stream_rows(path: Path) -> Iterator[Any]:
+    """Yields the column names, then each row as a dict, reading as it goes (JSON lines and CSV; a
+    JSON array, which cannot be streamed, is read whole by `_read_rows`)."""
+    if not path.exists():
+        raise WorkloadError(f"trace file not found: {path}")
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            head = ""
+            while not head and (block := f.read(4096)):
+                head = block.lstrip()[:1]
+            if head in ("", "["):
+                rows, columns = _read_rows(path)
+                yield columns
+                yield from rows
+                return
+            f.seek(0)
+            if head == "{":
+                lines = (json.loads(line) for line in f if line.strip())
+                first = next(lines)
+                if not isinstance(first, dict):
+                    raise WorkloadError(f"trace {path}: JSON rows must be objects")
+                yield list(first)
+                yield first
+                for row in lines:
+                    if not isinstance(row, dict):
+                        raise WorkloadError(f"trace {path}: JSON rows must be objects")
+                    yield row
+                return
+            reader = csv.DictReader(f)
+            yield [c.strip() for c in reader.fieldnames or []]
+            yield from reader
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"cannot read trace {path}: {one_line(e)}") from None
+    except (json.JSONDecodeError, csv.Error) as e:
+        raise WorkloadError(f"cannot parse trace {path}: {one_line(e)}") from None
 
 
 def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -299,6 +470,13 @@ _GENERATORS: dict[str, Callable[..., list[RequestSpec]]] = {
 # multi-turn is not a list of independent requests (each turn waits for the previous answer):
 # bench/conversation.py runs it
 WORKLOADS = ("poisson", "gamma", "bursty", "constant", "all-at-once", "trace", "shared-prefix", "multi-turn")
+
+
+_STREAMS: dict[str, Callable[..., Workload | list[RequestSpec]]] = {
+    "poisson": poisson_stream, "gamma": gamma_stream, "bursty": bursty_stream, "constant": constant_stream,
+    "all-at-once": all_at_once_stream, "all_at_once": all_at_once_stream, "trace": trace_stream,
+    "shared-prefix": shared_prefix_stream,
+}
 
 
 def make_workload(kind: str, **kwargs: Any) -> list[RequestSpec]:
@@ -489,3 +667,14 @@ def workload_from_args(args: argparse.Namespace) -> list[RequestSpec]:
         raise WorkloadError("--workload multi-turn is a set of conversations, not a request list: "
                             "use `iterserve bench serve --workload multi-turn`")
     return make_workload(params.pop("kind"), **params)
+
+
+def workload_stream_from_args(args: argparse.Namespace) -> Workload | list[RequestSpec]:
+    """`workload_from_args`' workload, lazily (the simulator's: it holds only requests in flight).
+    Up to `STREAM_CHUNK` requests it is the very same requests; beyond, the same process drawn in
+    chunks (see `Workload`)."""
+    params = describe_workload(args)
+    kind = params.pop("kind")
+    if kind == "multi-turn":
+        raise WorkloadError("--workload multi-turn is a set of conversations, not a request list")
+    return _STREAMS[kind](**params)

@@ -23,13 +23,15 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from iterserve.bench.client import RequestRecord, RunResult
+from iterserve.bench.sketch import DEFAULT_RELATIVE_ERROR
+from iterserve.bench.streaming_result import StreamingResult
 from iterserve.bench.conversation import ConversationOptions
 from iterserve.bench.timeline import Timeline
 from iterserve.bench.workload import RequestSpec, sample_lengths
@@ -206,7 +208,7 @@ class SimRun:
     """What a simulation produced: the load client's view (same JSON as `bench serve`) and each
     replica's engine timeline."""
 
-    result: RunResult
+    result: RunResult | StreamingResult
     timelines: list[Timeline]
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -234,11 +236,42 @@ def _record(spec: RequestSpec, req: Request | None, error: str = "", keep_itl: b
     return rec
 
 
-def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profile, replicas: int = 1,
+def arrivals_in_order(specs: Iterable[RequestSpec], reach: Callable[[RequestSpec], float]) -> Iterator[
+        tuple[float, int, RequestSpec]]:
+    """(time it reaches the engine, index, spec), in the order the engines see requests.
+
+    A list is sorted whole (as ever). Anything else is consumed lazily and must come in send order
+    (the lazy workloads do): a request reaches the engine its arrival overhead after it is sent, so
+    requests are held in a small heap only until a later send shows none can overtake them."""
+    if isinstance(specs, Sequence):
+        yield from sorted((reach(s), s.index, s) for s in specs)
+        return
+    pending: list[tuple[float, int, RequestSpec]] = []
+    last = -math.inf
+    for spec in specs:
+        if spec.arrival_s < last:
+            raise ValueError(f"a lazy workload must come in send order: request {spec.index} is sent at "
+                             f"{spec.arrival_s} s, after one sent at {last} s (pass a list to have it sorted)")
+        last = spec.arrival_s
+        while pending and pending[0][0] < last:  # reach >= send: nothing sent from now on comes earlier
+            yield heapq.heappop(pending)
+        heapq.heappush(pending, (reach(spec), spec.index, spec))
+    while pending:
+        yield heapq.heappop(pending)
+
+
+def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profile, replicas: int = 1,
              router: str | Router = "round-robin", make_scheduler: SchedulerFactory = build_scheduler,
              keep_steps: bool = True, keep_itl: bool = True, slos: Sequence = (),
-             sample_replicas: int | None = None, conversations: Sequence[ConversationPlan] = ()) -> SimRun:
+             sample_replicas: int | None = None, conversations: Sequence[ConversationPlan] = (),
+             streaming_summary: bool = False, relative_error: float = DEFAULT_RELATIVE_ERROR) -> SimRun:
     """Runs the workload through `replicas` simulated engines; deterministic for the same inputs.
+
+    specs: a list (sorted here), or an iterable in send order (a lazy `bench.workload.Workload`),
+    consumed as the simulated clock reaches each request, so only requests in flight are held.
+    streaming_summary: keep no per-request record; the result is a `StreamingResult` (exact counts,
+    means and peak concurrency, percentiles from sketches within `relative_error`), so memory stays
+    bounded however long the workload: what a day of traffic needs.
 
     conversations: multi-turn chats (closed loop within each, as bench/conversation.py runs them):
     a turn arrives its think time after the previous answer ended, its prompt the previous prompt
@@ -261,22 +294,38 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
         """When a request sent at spec.arrival_s reaches the scheduler."""
         return spec.arrival_s + oh.to_arrival(prompt_tokens)
 
-    # (time it reaches the engine, index, spec): the engines see requests in this order
-    order = sorted((reach(s, s.system_prompt_len + s.input_len), s.index, s) for s in specs)
-    offered = len(order)
+    offered = 0
+    sampled = sample_replicas if sample_replicas is not None else replicas
+
+    def arrivals() -> Iterator[tuple[float, int, RequestSpec]]:
+        """The requests the simulated replicas get, in the order they reach them (counted as offered)."""
+        nonlocal offered
+        for j, item in enumerate(arrivals_in_order(specs, lambda s: reach(s, s.system_prompt_len + s.input_len))):
+            offered = j + 1
+            if j % replicas_total < sampled:
+                yield item
+
     if sample_replicas is not None:
         if conversations:
             raise ValueError("sample_replicas needs requests that do not depend on each other (no conversations)")
         if router.name != "round-robin" or not 1 <= sample_replicas <= replicas:
             raise ValueError("sample_replicas needs the round-robin router and 1 <= sample_replicas <= replicas")
-        order = [a for j, a in enumerate(order) if j % replicas < sample_replicas]
-        router, replicas_total, replicas = ROUTERS["round-robin"](), replicas, sample_replicas
-    else:
-        replicas_total = replicas
+    if conversations and not isinstance(specs, Sequence):
+        raise ValueError("conversations go with a list of requests (their turns are numbered after them)")
+    order = arrivals()
+    replicas_total = replicas
+    if sample_replicas is not None:
+        router, replicas = ROUTERS["round-robin"](), sample_replicas
     engines = [SimEngine(config, profile, i, make_scheduler, keep_steps) for i in range(replicas)]
     params_for: dict[int, SamplingParams] = {}  # one SamplingParams per output length (they are immutable here)
     spec_of: dict[str, RequestSpec] = {}
     records: list[RequestRecord] = []
+    summary = StreamingResult("simulated", profile.model, "completions", list(slos), relative_error=relative_error,
+                              keep_itl=keep_itl) if streaming_summary else None
+    keep = summary.add if summary is not None else records.append
+    num_records = 0
+    # no accepted request reaches the engine later than this after it was sent (prompts fit the model)
+    arrival_lag = max(oh.to_arrival(0), oh.to_arrival(max(e.max_model_len for e in engines)))
     events: list[tuple[float, int, int, bool]] = []  # (time, seq, replica, is_step_end)
     seq = itertools.count()
 
@@ -297,7 +346,7 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
     # conversation turns: (arrival, seq, spec, prompt ids, (conversation, turn)), pushed as answers end
     turns: list[tuple[float, int, RequestSpec, list[int], tuple[ConversationPlan, int]]] = []
     turn_of: dict[str, tuple[ConversationPlan, int]] = {}
-    next_index = itertools.count(max((s.index for s in specs), default=-1) + 1)
+    next_index = itertools.count(max((s.index for s in specs), default=-1) + 1 if conversations else 0)
 
     def push_turn(conv: ConversationPlan, turn: int, at: float, history: list[int]) -> None:
         ids = history + [2 + next(turn_ids)] + [0] * (conv.user_lens[turn] - 1)
@@ -308,15 +357,15 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
     for conv in conversations:
         push_turn(conv, 0, conv.start_s, conv.system_prompt_ids())
 
-    i, n = 0, len(order)
+    upcoming = next(order, None)
     now = 0.0
-    while i < n or turns or events:
-        t_next = min(order[i][0] if i < n else math.inf, turns[0][0] if turns else math.inf)
+    while upcoming is not None or turns or events:
+        t_next = min(upcoming[0] if upcoming is not None else math.inf, turns[0][0] if turns else math.inf)
         if t_next < math.inf and (not events or t_next <= events[0][0]):
             ids = conv_turn = None
-            if i < n and order[i][0] == t_next:
-                spec = order[i][2]
-                i += 1
+            if upcoming is not None and upcoming[0] == t_next:
+                spec = upcoming[2]
+                upcoming = next(order, None)
             else:
                 _, _, spec, ids, conv_turn = heapq.heappop(turns)
             now = t_next
@@ -328,9 +377,12 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
             try:
                 req = e.add(spec, params, ids, at=now)
             except RequestRejected as err:
-                records.append(_record(spec, None, f"HTTP {err.status_code}: {err}"))
+                keep(_record(spec, None, f"HTTP {err.status_code}: {err}"))
+                num_records += 1
                 continue  # a conversation whose turn is refused ends there
             spec_of[req.request_id] = spec
+            if summary is not None:
+                summary.sent(spec.arrival_s)
             if conv_turn is not None:
                 turn_of[req.request_id] = conv_turn
             if e.in_flight is None:
@@ -340,25 +392,33 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
         e = engines[idx]
         if is_step_end:
             for req in e.end_step():
-                records.append(_record(spec_of.pop(req.request_id), req, keep_itl=keep_itl, overhead=oh))
+                keep(_record(spec_of.pop(req.request_id), req, keep_itl=keep_itl, overhead=oh))
+                num_records += 1
                 conv_turn = turn_of.pop(req.request_id, None)
                 if conv_turn is not None and conv_turn[1] + 1 < len(conv_turn[0].user_lens):
                     conv, turn = conv_turn
                     answered = req.times.finished + oh.finish_s  # the client has the whole answer
                     push_turn(conv, turn + 1, answered + conv.think_s[turn], req.prompt_token_ids + req.output_token_ids)
             kick(e, now)
+            if summary is not None:  # later sends are at least this late, later ends at least now
+                summary.advance(now - arrival_lag)
         elif e.wake_at == now:  # else stale: a step started (or an earlier wake-up came) meanwhile
             e.wake_at = None
             if e.in_flight is None:
                 kick(e, now)
     for rid, spec in spec_of.items():  # nothing may vanish: say so if the engines stalled
-        records.append(_record(spec, None, f"simulation ended with {rid} unfinished (engine stalled)"))
+        keep(_record(spec, None, f"simulation ended with {rid} unfinished (engine stalled)"))
+        num_records += 1
     records.sort(key=lambda r: r.index)
-    duration = max((r.end_at_s for r in records if r.end_at_s is not None), default=0.0)
+    if summary is not None:
+        duration = summary.last_end_s
+        summary.finish(duration)
+    else:
+        duration = max((r.end_at_s for r in records if r.end_at_s is not None), default=0.0)
     wall = time.perf_counter() - wall0
     stats = {
         "replicas": replicas_total, "simulated_replicas": replicas, "router": router.name, "wall_s": wall,
-        "requests": len(records), "offered_requests": offered + sum(len(c.user_lens) for c in conversations),
+        "requests": num_records, "offered_requests": offered + sum(len(c.user_lens) for c in conversations),
         "steps": sum(e.num_steps for e in engines),
         "simulated_s": duration, "speedup": duration / wall if wall > 0 else math.inf,
         "requests_per_wall_s": len(records) / wall if wall > 0 else math.inf,
@@ -370,6 +430,10 @@ def simulate(specs: Sequence[RequestSpec], config: EngineConfig, profile: Profil
         "num_kv_blocks": engines[0].pool.num_blocks,
         "profile": profile.describe(), "estimate": profile.estimate,
     }
-    result = RunResult("simulated", profile.model, "completions", duration, records, list(slos),
-                       meta={"simulated": stats})
+    result: RunResult | StreamingResult
+    if summary is not None:
+        result, summary.meta = summary, {"simulated": stats}
+    else:
+        result = RunResult("simulated", profile.model, "completions", duration, records, list(slos),
+                           meta={"simulated": stats})
     return SimRun(result, [e.timeline() for e in engines], stats)
