@@ -3,12 +3,18 @@ profiles (measured on a tiny model, or analytic) survive a JSON round trip."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import weakref
 
+import numpy as np
 import pytest
 
 from iterserve.bench.conversation import ConversationOptions, build_conversations
-from iterserve.bench.workload import RequestSpec, bursty, poisson, shared_prefix
+from iterserve.bench.client import parse_slo
+from iterserve.bench.report import ModeRun
+from iterserve.bench.sketch import QuantileSketch
+from iterserve.bench.workload import RequestSpec, bursty, poisson, poisson_stream, shared_prefix
 from iterserve.cli import main
 from iterserve.config import EngineConfig
 from iterserve.engine_args import add_engine_args, engine_config_from_args, engine_flags_from_args
@@ -18,7 +24,8 @@ from iterserve.sim.analytic import analytic_profile
 from iterserve.sim.measure import ProfileGrid, measure_profile
 from iterserve.sim.overhead import ServerOverhead, fit_gaps
 from iterserve.sim.profile import Profile
-from iterserve.sim.simulator import conversation_plans, simulate
+from iterserve.sim import simulator
+from iterserve.sim.simulator import SimEngine, conversation_plans, simulate
 from iterserve.sim.step_model import FEATURES, LinearStepModel, StepFeatures
 
 
@@ -362,3 +369,132 @@ def test_engine_flags_from_args_round_trip():
     assert "--max-num-seqs" in words and "--no-cpu-kernels" in words
     assert engine_config_from_args(p.parse_args(words)) == engine_config_from_args(args)
     assert engine_flags_from_args(p.parse_args([])) == []
+
+
+# ---------------------------------------------------------------- lazy workloads, streaming summary
+
+def light_stream(n: int, seed: int = 1):
+    """A load one engine keeps up with: the requests in flight stay few however many are sent."""
+    return poisson_stream(n, 5.0, seed=seed, input_len=(16, 128), output_len=(4, 16))
+
+
+class LiveCount:
+    """How many of the objects handed to `keep` are still alive (a finalizer counts each one out)."""
+
+    def __init__(self) -> None:
+        self.alive = 0
+
+    def keep(self, obj):
+        self.alive += 1
+        weakref.finalize(obj, self._gone)
+        return obj
+
+    def _gone(self) -> None:
+        self.alive -= 1
+
+
+def test_live_requests_and_records_stay_bounded_as_the_request_count_grows(monkeypatch):
+    specs, requests, records = LiveCount(), LiveCount(), LiveCount()
+    add, record = SimEngine.add, simulator._record
+    monkeypatch.setattr(SimEngine, "add", lambda self, *a, **k: requests.keep(add(self, *a, **k)))
+    monkeypatch.setattr(simulator, "_record", lambda *a, **k: records.keep(record(*a, **k)))
+
+    def most_alive(n: int) -> int:
+        peak = 0
+
+        def counted():
+            nonlocal peak
+            for j, spec in enumerate(light_stream(n)):
+                if j % 250 == 0:
+                    gc.collect()
+                    peak = max(peak, specs.alive + requests.alive + records.alive)
+                yield specs.keep(spec)
+        run = simulate(counted(), EngineConfig(max_num_seqs=8), linear_profile(), streaming_summary=True,
+                       keep_steps=False)
+        assert run.result.completed == n and run.result.records == []
+        assert records.alive + requests.alive >= 0
+        return peak
+
+    small, large = most_alive(1000), most_alive(4000)
+    assert 0 < large <= max(2 * small, 30)  # four times the requests, not four times the objects
+    assert large < 4000 / 50
+    # the counter sees what it should: a list of records keeps every one alive
+    kept = simulate(list(light_stream(300)), EngineConfig(max_num_seqs=8), linear_profile())
+    gc.collect()
+    assert records.alive >= 300 and len(kept.result.records) == 300
+
+
+def test_streaming_summary_percentiles_are_within_the_sketchs_error():
+    specs = poisson_stream(3000, 15.0, seed=2, input_len=(16, 512), output_len=(8, 96))
+    slos = [parse_slo("e2e_p95=2s"), parse_slo("ttft=300ms")]
+    exact = simulate(specs, EngineConfig(max_num_seqs=8), linear_profile(), slos=slos)
+    sketch = simulate(specs, EngineConfig(max_num_seqs=8), linear_profile(), slos=slos, streaming_summary=True)
+    e, s = exact.result.summary(), sketch.result.summary()
+    err = s["percentiles"]["relative_error"]
+    assert s["percentiles"]["method"] == "sketch" and "percentiles" not in e
+    assert e["e2e_ms"]["p99"] > 2 * e["e2e_ms"]["median"] > 0  # a spread worth testing
+    for key in ("completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens", "peak_concurrency",
+                "good_requests"):
+        assert s[key] == e[key], key
+    for metric in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_time_ms", "itl_ms"):
+        assert s[metric]["count"] == e[metric]["count"]
+        assert s[metric]["mean"] == pytest.approx(e[metric]["mean"], rel=1e-9)
+        for q in ("median", "p95", "p99"):
+            assert abs(s[metric][q] - e[metric][q]) <= err * e[metric][q] + 1e-9, (metric, q)
+    for srow, erow in zip(s["slos"], e["slos"]):
+        assert srow["requests_met"] == erow["requests_met"]
+    assert s["slos"][0]["run_value_ms"] == pytest.approx(e["slos"][0]["run_value_ms"], rel=err)
+    # compare's table reads it as it reads a measured run
+    table = ModeRun("continuous", sketch.result.to_dict(), exact.timelines[0]).metrics()
+    assert table["p95_latency_s"] == pytest.approx(e["e2e_ms"]["p95"] / 1e3, rel=err)
+
+
+def test_sketches_merge_and_state_their_error():
+    rng = np.random.default_rng(0)
+    values = rng.lognormal(-3, 1.2, 4000)
+    whole, left, right = QuantileSketch(0.01), QuantileSketch(0.01), QuantileSketch(0.01)
+    whole.add_many(values)
+    for v in values[:1500]:
+        left.add(float(v))
+    right.add_many(values[1500:])
+    left.merge(right)
+    assert np.array_equal(left.counts, whole.counts) and left.count == 4000
+    for q in (0.01, 0.5, 0.9, 0.99):
+        assert abs(left.quantile(q) - np.percentile(values, 100 * q)) <= 0.01 * np.percentile(values, 100 * q)
+    with pytest.raises(ValueError, match="same relative error"):
+        left.merge(QuantileSketch(0.02))
+
+
+def test_streaming_summary_is_deterministic_with_a_seed():
+    def run(seed):
+        return simulate(light_stream(800, seed), EngineConfig(max_num_seqs=4), linear_profile(), replicas=3,
+                        router="least-loaded", streaming_summary=True).result.summary()
+    assert run(4) == run(4)
+    assert run(4) != run(5)
+
+
+def test_a_lazy_workload_simulates_as_its_list_does():
+    """The eager path (a list, sorted whole) and the lazy one (an iterator in send order, reordered
+    by when each reaches the engine) see the requests in the same order: the same records."""
+    prof = overhead_profile()
+    lazy = poisson_stream(400, 30.0, seed=9, input_len=(16, 900), output_len=(8, 64))
+    listed = simulate(list(lazy), EngineConfig(max_num_seqs=8), prof, replicas=3, sample_replicas=2)
+    streamed = simulate(iter(lazy), EngineConfig(max_num_seqs=8), prof, replicas=3, sample_replicas=2)
+    assert outcome(streamed) == outcome(listed)
+    assert streamed.stats["offered_requests"] == 400
+    backwards = [RequestSpec(0, 2.0, 16, 4), RequestSpec(1, 1.0, 16, 4)]
+    with pytest.raises(ValueError, match="send order"):
+        simulate(iter(backwards), EngineConfig(), prof)
+
+
+def test_simulate_cli_streaming_summary_keeps_no_records(tmp_path, capsys):
+    prof_path, out = tmp_path / "a100.json", tmp_path / "sim.json"
+    analytic_profile("a100-80gb", "llama-2-7b").save(prof_path)
+    assert main(["simulate", "--profile", str(prof_path), "--workload", "poisson", "--rate", "100",
+                 "--num-requests", "3000", "--input-len", "16:1024", "--output-len", "8:64", "--replicas", "20",
+                 "--sample-replicas", "2", "--streaming-summary", "--result-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["records"] == [] and data["summary"]["completed"] == 300
+    assert data["summary"]["percentiles"]["method"] == "sketch"
+    err = capsys.readouterr().err
+    assert "300 requests of 3000 offered (2 of 20 replicas)" in err and "peak RSS" in err and "CPU" in err

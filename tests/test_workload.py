@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -208,3 +209,77 @@ def test_workload_from_args() -> None:
         wl.workload_from_args(_parse("--workload", "trace"))
     with pytest.raises(SystemExit):
         _parse("--input-len", "20:10")
+
+
+# ---------------------------------------------------------------- lazy workloads
+
+def _digest(specs: list[wl.RequestSpec]) -> str:
+    rows = [(s.index, s.arrival_s, s.input_len, s.output_len, s.system_prompt_len) for s in specs]
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
+LENS = {"input_len": (16, 512), "output_len": (8, 128)}
+
+
+def test_eager_workloads_draw_what_they_always_drew() -> None:
+    """Digests of the eager generators' output taken before the lazy forms existed (numpy's
+    Generator draws are stable across its releases; if a numpy upgrade changes one, re-take them)."""
+    assert _digest(wl.poisson(3000, 20.0, seed=3, **LENS)) == "00b716f93b8ea4d0"
+    assert _digest(wl.gamma(3000, 20.0, 0.5, seed=3, **LENS)) == "cce098e73f81367b"
+    assert _digest(wl.bursty(3000, seed=4, **LENS)) == "65c16bd34c1bd4a6"
+    assert _digest(wl.constant(500, 7.0, seed=3, **LENS)) == "ba43beb3fb71aed3"
+    assert _digest(wl.all_at_once(50, seed=3, input_len=(1, 9), output_len=9, max_input_len=4)) == "ebc30ef789781d9b"
+    assert _digest(wl.shared_prefix(300, 5.0, 100, seed=2)) == "4f0ff1bef339aaaf"
+
+
+STREAMS = [
+    (wl.poisson_stream, wl.poisson, (20.0,), {}),
+    (wl.gamma_stream, wl.gamma, (20.0, 0.5), {}),
+    (wl.bursty_stream, wl.bursty, (), {}),
+    (wl.constant_stream, wl.constant, (7.0,), {}),
+    (wl.shared_prefix_stream, wl.shared_prefix, (5.0, 100), {}),
+]
+
+
+@pytest.mark.parametrize("stream, eager, args, kwargs", STREAMS)
+def test_lazy_workload_is_the_eager_one_within_a_chunk(stream, eager, args, kwargs) -> None:
+    lazy = stream(3000, *args, seed=5, **LENS, **kwargs)
+    assert len(lazy) == 3000
+    assert list(lazy) == eager(3000, *args, seed=5, **LENS, **kwargs) == list(lazy)  # re-iterable
+
+
+@pytest.mark.parametrize("stream, eager, args, kwargs", STREAMS)
+def test_lazy_workload_in_small_chunks_is_the_same_process(stream, eager, args, kwargs) -> None:
+    lazy = list(stream(6000, *args, seed=5, chunk=500, **LENS, **kwargs))
+    whole = eager(6000, *args, seed=5, **LENS, **kwargs)
+    assert [s.index for s in lazy] == list(range(6000))
+    assert np.all(np.diff(arrivals(lazy)) >= 0)
+    assert rate_of(lazy) == pytest.approx(rate_of(whole), rel=0.08)
+    assert np.mean([s.input_len for s in lazy]) == pytest.approx(np.mean([s.input_len for s in whole]), rel=0.05)
+    assert {s.system_prompt_len for s in lazy} == {s.system_prompt_len for s in whole}
+
+
+def test_lazy_workload_checks_its_parameters_when_built() -> None:
+    with pytest.raises(WorkloadError, match="lo > hi"):
+        wl.poisson_stream(10, 1.0, input_len=(9, 3))
+    with pytest.raises(TypeError, match="unknown workload keyword"):
+        wl.gamma_stream(10, 1.0, inputlen=3)
+    with pytest.raises(WorkloadError, match="rate"):
+        wl.constant_stream(10, 0.0)
+
+
+def test_trace_stream_is_the_trace_read_lazily(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    rows = [(1.5 + 0.25 * i, 10 + i, 3 + i % 4) for i in range(50)]
+    path.write_text("time,input_len,output_len\n" + "".join(f"{t},{x},{y}\n" for t, x, y in rows))
+    lazy = wl.trace_stream(path, 2.0, start=5, num_requests=30, max_input_len=30, chunk=7)
+    assert len(lazy) == 30
+    assert list(lazy) == wl.trace(path, 2.0, start=5, num_requests=30, max_input_len=30)
+    shuffled = tmp_path / "s.jsonl"
+    shuffled.write_text('{"time": 3, "input_len": 5, "output_len": 2}\n{"time": 1, "input_len": 3, "output_len": 2}\n')
+    out_of_order = wl.trace_stream(shuffled)
+    assert [(s.index, s.arrival_s) for s in out_of_order] == [(1, 0.0), (0, 2.0)]  # sorted, rows' indices
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,input_len,output_len\n1,2,3\n2,x,3\n")
+    with pytest.raises(WorkloadError, match="row 2: bad input_len"):
+        wl.trace_stream(bad)  # every cell is checked when it is built, not mid-replay

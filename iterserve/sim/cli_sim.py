@@ -12,8 +12,11 @@ import argparse
 import copy
 import dataclasses
 import json
+import resource
 import sys
+import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from iterserve.bench.client import ClientError, parse_slo, print_table
@@ -22,7 +25,9 @@ from iterserve.bench.compare import write_report
 from iterserve.bench.report import MODES, ModeRun, direction_notes, saturation_summary
 from iterserve.bench.tune import parse_int_list, slo_met
 from iterserve.bench.common import one_line
-from iterserve.bench.workload import WorkloadError, add_workload_args, describe_workload, workload_from_args
+from iterserve.bench.sketch import DEFAULT_RELATIVE_ERROR
+from iterserve.bench.workload import (RequestSpec, Workload, WorkloadError, add_workload_args, describe_workload,
+                                      workload_stream_from_args)
 from iterserve.config import EngineConfig
 from iterserve.engine_args import add_engine_args, engine_config_from_args, engine_flags_from_args
 from iterserve.sim.analytic import GPUS, MODEL_SHAPES, analytic_profile
@@ -32,7 +37,8 @@ from iterserve.sim.router import ROUTERS
 if TYPE_CHECKING:
     from iterserve.sim.simulator import SimRun
 
-RECORDS_LIMIT = 200_000  # above this many requests, results keep no per-step or per-token detail
+RECORDS_LIMIT = 200_000  # above this many requests, results keep no per-step or per-token detail, and
+# `simulate` keeps a streaming summary instead of per-request records (unless --compare-out, which plots them)
 
 
 # ---------------------------------------------------------------- profile
@@ -117,41 +123,51 @@ def sim_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     return engine_config_from_args(args, model=getattr(args, "model", None) or "simulated", **overrides)
 
 
-def sim_workload(args: argparse.Namespace) -> tuple[list, list]:
-    """(requests, conversations): the multi-turn workload is conversations, every other a request list."""
+def sim_workload(args: argparse.Namespace) -> tuple[Workload | Sequence[RequestSpec], list]:
+    """(requests, conversations): the multi-turn workload is conversations, every other a lazy
+    request workload (drawn as the simulation reaches it; see `bench.workload.Workload`)."""
     from iterserve.sim.simulator import conversation_plans  # loads torch (through Request): not at --help time
 
     params = describe_workload(args)
     if params.pop("kind") == "multi-turn":
         return [], conversation_plans(ConversationOptions(**params))
-    return workload_from_args(args), []
+    return workload_stream_from_args(args), []
 
 
-def run_sim(args: argparse.Namespace, profile: Profile, specs: list, config: EngineConfig,
-            replicas: int | None = None, slos: list | None = None, conversations: list | None = None) -> SimRun:
+def run_sim(args: argparse.Namespace, profile: Profile, specs: Workload | Sequence[RequestSpec], config: EngineConfig,
+            replicas: int | None = None, slos: list | None = None, conversations: list | None = None,
+            records: bool = False) -> SimRun:
+    """records: keep every request's record even above RECORDS_LIMIT (compare's plots read them)."""
     from iterserve.sim.simulator import simulate  # loads torch (through Request): not at --help time
 
     big = len(specs) > RECORDS_LIMIT
-    run = simulate(specs, config, profile, replicas or args.replicas, args.router, keep_steps=not big,
+    streaming = getattr(args, "streaming_summary", False) or (big and not records)
+    run = simulate(specs, config, profile, replicas or args.replicas, args.router, keep_steps=not (big or streaming),
                    keep_itl=not big, slos=slos or [], sample_replicas=getattr(args, "sample_replicas", None),
-                   conversations=conversations or [])
+                   conversations=conversations or [], streaming_summary=streaming)
     run.result.meta.update(workload=describe_workload(args), engine=config.__dict__, profile=profile.describe(),
                            estimate=profile.estimate)
     return run
 
 
-def _speed_line(run: SimRun) -> str:
+def _speed_line(run: SimRun, cpu_s: float | None = None) -> str:
+    """How fast the simulation ran: requests simulated, wall and CPU time, peak RSS of the process."""
     s = run.stats
-    return (f"simulate: {s['requests']} requests"
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return (f"simulate: {s['requests']} requests of {s['offered_requests']} offered"
             + (f" ({s['simulated_replicas']} of {s['replicas']} replicas)" if s['simulated_replicas'] < s['replicas']
                else "") + f", {s['steps']} steps, {s['simulated_s']:.1f} s simulated in "
             f"{s['wall_s']:.2f} s wall ({s['speedup']:.0f}x real time, {s['requests_per_wall_s']:.0f} req/s, "
             f"{s['steps'] / max(s['wall_s'], 1e-9):.0f} steps/s); busy "
             + ", ".join(f"{b:.0%}" for b in s["busy_fraction"][:8])
-            + (" ..." if len(s["busy_fraction"]) > 8 else ""))
+            + (" ..." if len(s["busy_fraction"]) > 8 else "")
+            + (f"; CPU {cpu_s:.2f} s (workload, simulation and report)" if cpu_s is not None else "")
+            + f"; peak RSS {peak_rss_mb:.0f} MB"
+            + ("; per-request records not kept (streaming summary)" if "percentiles" in run.result.summary() else ""))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    cpu0 = time.process_time()
     try:
         profile = Profile.load(args.profile)
         slos = [parse_slo(t) for t in args.slo]
@@ -159,13 +175,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.compare_out:
             if conversations:
                 raise WorkloadError("--compare-out needs a request list; multi-turn is conversations")
+            if args.streaming_summary:
+                raise WorkloadError("--compare-out plots every request's record: drop --streaming-summary")
             runs = {}
             at_once = [dataclasses.replace(s, arrival_s=0.0) for s in specs]
             for mode in MODES:
                 cfg = sim_config(args, batching=mode)
-                run = run_sim(args, profile, specs, cfg, slos=slos)
+                run = run_sim(args, profile, specs, cfg, slos=slos, records=True)
                 print(_speed_line(run), file=sys.stderr)
-                sat = run_sim(args, profile, at_once, cfg)
+                sat = run_sim(args, profile, at_once, cfg, records=True)
                 runs[mode] = ModeRun(mode, run.result.to_dict(), run.timelines[0], [f"--batching {mode}"],
                                      saturation_summary(sat.result.to_dict(), sat.timelines[0]))
             meta = {"simulated": True, "profile": profile.describe(), "estimate": profile.estimate,
@@ -180,7 +198,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = run.result
     result.base_url = f"simulated ({profile.describe()})"
     print_table(result)
-    print(_speed_line(run), file=sys.stderr)
+    print(_speed_line(run, time.process_time() - cpu0), file=sys.stderr)
     if args.result_json:
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +231,12 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--sample-replicas", type=int, default=None, metavar="K",
                    help="with --replicas N and round-robin: simulate only K of them, exactly, with the "
                         "requests round-robin sends them (the cost is per simulated request)")
-    p.add_argument("--result-json", metavar="PATH", help="write bench serve's summary and every request here")
+    p.add_argument("--streaming-summary", action="store_true",
+                   help=f"keep no per-request record: counts and means exact, percentiles from quantile sketches "
+                        f"within {DEFAULT_RELATIVE_ERROR:.1%} (relative), memory bounded however many requests "
+                        f"(automatic above {RECORDS_LIMIT:,} requests)")
+    p.add_argument("--result-json", metavar="PATH",
+                   help="write bench serve's summary and every request here (no requests with a streaming summary)")
     p.add_argument("--steps", action="store_true", help="with --result-json: add each replica's step records")
     p.add_argument("--compare-out", metavar="DIR",
                    help="simulate static and continuous batching and write compare's table, JSON and plots")
@@ -222,18 +245,18 @@ def add_simulate_parser(sub: Any) -> None:
 
 # ---------------------------------------------------------------- plan
 
-def rate_specs(args: argparse.Namespace, rate: float) -> list:
+def rate_specs(args: argparse.Namespace, rate: float) -> Workload | Sequence[RequestSpec]:
     """The workload offered at `rate` req/s on average (a trace is time-scaled to it)."""
     ns = copy.copy(args)
     if (ns.workload or ("trace" if ns.trace else "poisson")) == "trace":
         ns.time_scale = 1.0
-        base = workload_from_args(ns)
+        base = workload_stream_from_args(ns)
         span = max(s.arrival_s for s in base)
         natural = (len(base) - 1) / span if span > 0 else rate
         ns.time_scale = natural / rate
     else:
         ns.rate = rate
-    return workload_from_args(ns)
+    return workload_stream_from_args(ns)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -421,7 +421,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         "requests": num_records, "offered_requests": offered + sum(len(c.user_lens) for c in conversations),
         "steps": sum(e.num_steps for e in engines),
         "simulated_s": duration, "speedup": duration / wall if wall > 0 else math.inf,
-        "requests_per_wall_s": len(records) / wall if wall > 0 else math.inf,
+        "requests_per_wall_s": num_records / wall if wall > 0 else math.inf,
         "busy_fraction": [e.busy_s / duration if duration else 0.0 for e in engines],
         "mean_batch_size": [e.batch_seq_s / e.busy_s if e.busy_s else 0.0 for e in engines],
         "preemptions": sum(e.num_preempted for e in engines),
