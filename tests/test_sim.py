@@ -497,4 +497,4 @@ def test_simulate_cli_streaming_summary_keeps_no_records(tmp_path, capsys):
     assert data["records"] == [] and data["summary"]["completed"] == 300
     assert data["summary"]["percentiles"]["method"] == "sketch"
     err = capsys.readouterr().err
-    assert "300 requests of 3000 offered (2 of 20 replicas)" in err and "peak RSS" in err and "CPU" in err
+    assert "300 requests of 3000 offered (2 of 20 replicas)" in err and "peak RSS" in err and "s CPU" in err

@@ -150,8 +150,9 @@ def run_sim(args: argparse.Namespace, profile: Profile, specs: Workload | Sequen
     return run
 
 
-def _speed_line(run: SimRun, cpu_s: float | None = None) -> str:
-    """How fast the simulation ran: requests simulated, wall and CPU time, peak RSS of the process."""
+def _speed_line(run: SimRun, cpu_s: float | None = None, wall_s: float | None = None) -> str:
+    """How fast the simulation ran: requests simulated, wall and CPU time (of the simulation, and of
+    the whole command when given), peak RSS of the process."""
     s = run.stats
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     return (f"simulate: {s['requests']} requests of {s['offered_requests']} offered"
@@ -161,13 +162,14 @@ def _speed_line(run: SimRun, cpu_s: float | None = None) -> str:
             f"{s['steps'] / max(s['wall_s'], 1e-9):.0f} steps/s); busy "
             + ", ".join(f"{b:.0%}" for b in s["busy_fraction"][:8])
             + (" ..." if len(s["busy_fraction"]) > 8 else "")
-            + (f"; CPU {cpu_s:.2f} s (workload, simulation and report)" if cpu_s is not None else "")
+            + (f"; command: {wall_s:.2f} s wall, {cpu_s:.2f} s CPU (imports, workload, simulation, report)"
+               if cpu_s is not None and wall_s is not None else "")
             + f"; peak RSS {peak_rss_mb:.0f} MB"
             + ("; per-request records not kept (streaming summary)" if "percentiles" in run.result.summary() else ""))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    cpu0 = time.process_time()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     try:
         profile = Profile.load(args.profile)
         slos = [parse_slo(t) for t in args.slo]
@@ -198,7 +200,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = run.result
     result.base_url = f"simulated ({profile.describe()})"
     print_table(result)
-    print(_speed_line(run, time.process_time() - cpu0), file=sys.stderr)
     if args.result_json:
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +207,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.steps:
             data["timelines"] = [t.to_dict() for t in run.timelines]
         path.write_text(json.dumps(data, indent=1))
+    print(_speed_line(run, time.process_time() - cpu0, time.perf_counter() - wall0), file=sys.stderr)
     return 0 if result.completed else 1
 
 
