@@ -498,3 +498,12 @@ def test_simulate_cli_streaming_summary_keeps_no_records(tmp_path, capsys):
     assert data["summary"]["percentiles"]["method"] == "sketch"
     err = capsys.readouterr().err
     assert "300 requests of 3000 offered (2 of 20 replicas)" in err and "peak RSS" in err and "s CPU" in err
+
+
+@pytest.mark.parametrize("command, flag", [("profile", "--analytic"), ("simulate", "--streaming-summary"),
+                                           ("plan", "--target-rate")])
+def test_sim_commands_help(command, flag, capsys):
+    """--help renders (a bare % in a help text once broke it)."""
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0 and flag in capsys.readouterr().out

@@ -21,7 +21,7 @@ from importlib import resources
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypedDict, Unpack
+from typing import Any, Callable, Iterator, Sequence, TypedDict, Unpack
 
 import numpy as np
 

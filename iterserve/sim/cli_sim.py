@@ -235,7 +235,7 @@ def add_simulate_parser(sub: Any) -> None:
                         "requests round-robin sends them (the cost is per simulated request)")
     p.add_argument("--streaming-summary", action="store_true",
                    help=f"keep no per-request record: counts and means exact, percentiles from quantile sketches "
-                        f"within {DEFAULT_RELATIVE_ERROR:.1%} (relative), memory bounded however many requests "
+                        f"within {DEFAULT_RELATIVE_ERROR * 100:g}%% (relative), memory bounded however many requests "
                         f"(automatic above {RECORDS_LIMIT:,} requests)")
     p.add_argument("--result-json", metavar="PATH",
                    help="write bench serve's summary and every request here (no requests with a streaming summary)")
