@@ -260,6 +260,17 @@ def arrivals_in_order(specs: Iterable[RequestSpec], reach: Callable[[RequestSpec
         yield heapq.heappop(pending)
 
 
+def sweep_lag(oh: ServerOverhead, config: EngineConfig, max_model_len: int) -> float:
+    """How far before the clock a send or an end not yet known can still lie: a request reaches the
+    engine its arrival term after its send (prompts no longer than the model accepts), and its end
+    is stamped at its step's forward-pass end plus the finish term, while the event that reveals it
+    comes the step's gap later. The streaming summary's concurrency sweep holds events that long."""
+    seqs = max(config.max_num_seqs, config.max_batch_size)
+    arrival = max(oh.to_arrival(0), oh.to_arrival(max_model_len))
+    gap = max(oh.gap(0), oh.gap(seqs))
+    return max(arrival, 0.0) + max(gap, 0.0) + max(-oh.finish_s, 0.0)
+
+
 def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profile, replicas: int = 1,
              router: str | Router = "round-robin", make_scheduler: SchedulerFactory = build_scheduler,
              keep_steps: bool = True, keep_itl: bool = True, slos: Sequence = (),
@@ -324,8 +335,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
                               keep_itl=keep_itl) if streaming_summary else None
     keep = summary.add if summary is not None else records.append
     num_records = 0
-    # no accepted request reaches the engine later than this after it was sent (prompts fit the model)
-    arrival_lag = max(oh.to_arrival(0), oh.to_arrival(max(e.max_model_len for e in engines)))
+    lag = sweep_lag(oh, config, max(e.max_model_len for e in engines))
     events: list[tuple[float, int, int, bool]] = []  # (time, seq, replica, is_step_end)
     seq = itertools.count()
 
@@ -400,8 +410,8 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
                     answered = req.times.finished + oh.finish_s  # the client has the whole answer
                     push_turn(conv, turn + 1, answered + conv.think_s[turn], req.prompt_token_ids + req.output_token_ids)
             kick(e, now)
-            if summary is not None:  # later sends are at least this late, later ends at least now
-                summary.advance(now - arrival_lag)
+            if summary is not None:
+                summary.advance(now - lag)
         elif e.wake_at == now:  # else stale: a step started (or an earlier wake-up came) meanwhile
             e.wake_at = None
             if e.in_flight is None:
