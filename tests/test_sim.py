@@ -287,6 +287,17 @@ def test_multi_turn_conversations_grow_a_cached_history(capsys):
     assert 0 < alone["prefix_cache_hits"] <= run.stats["prefix_cache_hits"] - 2 * 192
 
 
+def test_a_later_turn_hits_its_previous_prompt_not_the_answer():
+    """Clients send the answer back as text, and its re-tokenisation is not the generated ids, so
+    the next turn reuses the previous prompt's blocks only: 80 prompt tokens (5 blocks of 16) hit,
+    not the 112 of prompt + answer."""
+    opts = ConversationOptions(num_conversations=1, turns=2, system_prompt_len=64, user_len=16, output_len=32,
+                               think_time_s=0.0, seed=0)
+    run = simulate([], EngineConfig(block_size=16), linear_profile(), conversations=conversation_plans(opts))
+    assert sorted(r.prompt_tokens for r in run.result.records) == [80, 128]
+    assert run.stats["prefix_cache_hits"] == 80
+
+
 def overhead_profile(**kw) -> Profile:
     return linear_profile(server_overhead=ServerOverhead(gap_s=[0.002, 0.0001], admit_s=0.001,
                                                          arrival_s=[0.003, 2e-5], first_token_s=0.004,

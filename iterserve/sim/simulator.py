@@ -286,7 +286,11 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
 
     conversations: multi-turn chats (closed loop within each, as bench/conversation.py runs them):
     a turn arrives its think time after the previous answer ended, its prompt the previous prompt
-    and answer plus the new user message, so the prefix cache sees the history grow.
+    and answer plus the new user message, so the prefix cache sees the history grow. The answer's
+    ids are new ones, never the ids the engine generated: clients send the answer back as text and
+    its re-tokenisation does not reproduce the generated ids (measured on SmolLM2's tokenizer: the
+    next turn's prompt agreed with prompt + generated ids up to the end of the previous prompt and
+    no further, in every turn tried), so only the previous prompt's blocks can hit.
 
     sample_replicas=k (round-robin only) simulates just the first k replicas with exactly the
     requests round-robin sends them: round-robin never looks at the replicas' state, so their
@@ -364,6 +368,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         heapq.heappush(turns, (reach(spec, len(ids)), next(seq), spec, ids, (conv, turn)))
 
     turn_ids = itertools.count(2_000_000)  # ids of user messages: distinct from prompt_ids' own parts
+    answer_ids = itertools.count(4_000_000)  # first id of each answer sent back: never a generated id
     for conv in conversations:
         push_turn(conv, 0, conv.start_s, conv.system_prompt_ids())
 
@@ -408,7 +413,8 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
                 if conv_turn is not None and conv_turn[1] + 1 < len(conv_turn[0].user_lens):
                     conv, turn = conv_turn
                     answered = req.times.finished + oh.finish_s  # the client has the whole answer
-                    push_turn(conv, turn + 1, answered + conv.think_s[turn], req.prompt_token_ids + req.output_token_ids)
+                    answer = [next(answer_ids)] + [0] * (len(req.output_token_ids) - 1)  # re-tokenised text
+                    push_turn(conv, turn + 1, answered + conv.think_s[turn], req.prompt_token_ids + answer)
             kick(e, now)
             if summary is not None:
                 summary.advance(now - lag)
