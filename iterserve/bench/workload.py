@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 import itertools
 import json
 import math
@@ -295,18 +294,8 @@ def trace(path: str | Path, time_scale: float = 1.0, *, start: int = 0,
         raise WorkloadError(f"time_scale must be >= 0, got {time_scale}")
     if start < 0:
         raise WorkloadError(f"trace start must be >= 0, got {start}")
-    rows, columns = _read_rows(Path(path))
-    time_col = _column(columns, _TIME_COLUMNS, "timestamp", path)
-    in_col = _column(columns, _INPUT_COLUMNS, "input token", path)
-    out_col = _column(columns, _OUTPUT_COLUMNS, "output token", path)
     stop = None if num_requests is None else start + _count(num_requests)
-    window = rows[start:stop]
-    if not window:
-        raise WorkloadError(f"trace {path}: no rows from row {start} on (it has {len(rows)})")
-    rownum = range(start + 1, start + len(window) + 1)
-    times = np.array([_cell(r, time_col, n, path, _parse_time) for n, r in zip(rownum, window)])
-    ins = np.array([_cell(r, in_col, n, path, _parse_count) for n, r in zip(rownum, window)])
-    outs = np.array([_cell(r, out_col, n, path, _parse_count) for n, r in zip(rownum, window)])
+    times, ins, outs = (np.array(c) for c in zip(*_trace_cells(Path(path), start, stop)))
     return _specs((times - times.min()) * time_scale, ins, outs, max_input_len, max_output_len)
 
 
@@ -350,12 +339,13 @@ def _trace_cells(path: Path, start: int, stop: int | None) -> Iterator[tuple[flo
         yield (_cell(row, time_col, n, path, _parse_time), int(_cell(row, in_col, n, path, _parse_count)),
                int(_cell(row, out_col, n, path, _parse_count)))
     if not seen:
-        raise WorkloadError(f"trace {path}: no rows from row {start} on")
+        total = sum(1 for _ in _stream_rows(path)) - 1  # the error path only: count by reading again
+        raise WorkloadError(f"trace {path}: no rows from row {start} on (it has {total})")
 
 
 def _stream_rows(path: Path) -> Iterator[Any]:
-    """Yields the column names, then each row as a dict, reading as it goes (JSON lines and CSV; a
-    JSON array, which cannot be streamed, is read whole by `_read_rows`)."""
+    """Yields the column names, then each row as a dict, reading as it goes: JSON lines if the file
+    starts with {, a JSON array (read whole: it cannot be streamed) if with [, else CSV."""
     if not path.exists():
         raise WorkloadError(f"trace file not found: {path}")
     try:
@@ -363,12 +353,16 @@ def _stream_rows(path: Path) -> Iterator[Any]:
             head = ""
             while not head and (block := f.read(4096)):
                 head = block.lstrip()[:1]
-            if head in ("", "["):
-                rows, columns = _read_rows(path)
-                yield columns
+            if not head:
+                raise WorkloadError(f"trace {path} is empty")
+            f.seek(0)
+            if head == "[":
+                rows = json.load(f)
+                if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                    raise WorkloadError(f"trace {path}: JSON rows must be objects")
+                yield list(rows[0]) if rows else []
                 yield from rows
                 return
-            f.seek(0)
             if head == "{":
                 lines = (json.loads(line) for line in f if line.strip())
                 first = next(lines)
@@ -388,33 +382,6 @@ def _stream_rows(path: Path) -> Iterator[Any]:
         raise WorkloadError(f"cannot read trace {path}: {one_line(e)}") from None
     except (json.JSONDecodeError, csv.Error) as e:
         raise WorkloadError(f"cannot parse trace {path}: {one_line(e)}") from None
-
-
-def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """All rows as dicts plus the column names; JSON lines / a JSON array if it starts with { or [."""
-    if not path.exists():
-        raise WorkloadError(f"trace file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise WorkloadError(f"cannot read trace {path}: {one_line(e)}") from None
-    head = text.lstrip()[:1]
-    if not head:
-        raise WorkloadError(f"trace {path} is empty")
-    try:
-        if head == "[":
-            rows = json.loads(text)
-        elif head == "{":
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            reader = csv.DictReader(io.StringIO(text))
-            rows = list(reader)
-            return rows, [c.strip() for c in reader.fieldnames or []]
-    except (json.JSONDecodeError, csv.Error) as e:
-        raise WorkloadError(f"cannot parse trace {path}: {one_line(e)}") from None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise WorkloadError(f"trace {path}: JSON rows must be objects")
-    return rows, list(rows[0]) if rows else []
 
 
 def _column(columns: Sequence[str], wanted: Sequence[str], what: str, path: str | Path) -> str:
