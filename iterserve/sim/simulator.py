@@ -310,6 +310,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         return spec.arrival_s + oh.to_arrival(prompt_tokens)
 
     offered = 0
+    replicas_total = replicas
     sampled = sample_replicas if sample_replicas is not None else replicas
 
     def arrivals() -> Iterator[tuple[float, int, RequestSpec]]:
@@ -328,7 +329,6 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
     if conversations and not isinstance(specs, Sequence):
         raise ValueError("conversations go with a list of requests (their turns are numbered after them)")
     order = arrivals()
-    replicas_total = replicas
     if sample_replicas is not None:
         router, replicas = ROUTERS["round-robin"](), sample_replicas
     engines = [SimEngine(config, profile, i, make_scheduler, keep_steps) for i in range(replicas)]
@@ -337,8 +337,14 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
     records: list[RequestRecord] = []
     summary = StreamingResult("simulated", profile.model, "completions", list(slos), relative_error=relative_error,
                               keep_itl=keep_itl) if streaming_summary else None
-    keep = summary.add if summary is not None else records.append
+    sink = summary.add if summary is not None else records.append
     num_records = 0
+
+    def keep(record: RequestRecord) -> None:
+        """Hands a finished (or refused) request's record to the result, and counts it."""
+        nonlocal num_records
+        num_records += 1
+        sink(record)
     lag = sweep_lag(oh, config, max(e.max_model_len for e in engines))
     events: list[tuple[float, int, int, bool]] = []  # (time, seq, replica, is_step_end)
     seq = itertools.count()
@@ -393,7 +399,6 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
                 req = e.add(spec, params, ids, at=now)
             except RequestRejected as err:
                 keep(_record(spec, None, f"HTTP {err.status_code}: {err}"))
-                num_records += 1
                 continue  # a conversation whose turn is refused ends there
             spec_of[req.request_id] = spec
             if summary is not None:
@@ -408,7 +413,6 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         if is_step_end:
             for req in e.end_step():
                 keep(_record(spec_of.pop(req.request_id), req, keep_itl=keep_itl, overhead=oh))
-                num_records += 1
                 conv_turn = turn_of.pop(req.request_id, None)
                 if conv_turn is not None and conv_turn[1] + 1 < len(conv_turn[0].user_lens):
                     conv, turn = conv_turn
@@ -424,7 +428,6 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
                 kick(e, now)
     for rid, spec in spec_of.items():  # nothing may vanish: say so if the engines stalled
         keep(_record(spec, None, f"simulation ended with {rid} unfinished (engine stalled)"))
-        num_records += 1
     records.sort(key=lambda r: r.index)
     if summary is not None:
         duration = summary.last_end_s
