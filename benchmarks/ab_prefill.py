@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from decode_speed import start_decode_batch  # noqa: E402  (sibling scripts)
-from profile_step import add_prompt  # noqa: E402
+from decode_speed import drain, start_decode_batch  # noqa: E402  (sibling scripts)
+from profile_step import time_prompt_step  # noqa: E402
 
 from iterserve.attention.backend import AttentionBackend  # noqa: E402
 from iterserve.attention.cpu_backend import CpuKernelAttentionBackend  # noqa: E402
@@ -47,12 +46,6 @@ def main() -> None:
         raise SystemExit(f"needs the C++ attention backend with AVX512-BF16 (got {ours.name})")
     backends = {"torch SDPA": TorchPrefillBackend(ours.kernels), "kernel": ours}
 
-    def one(chunk: int) -> float:
-        add_prompt(llm, chunk)
-        t0 = time.perf_counter()
-        eng.step()
-        return time.perf_counter() - t0
-
     rows = []
     for d, c in kinds:
         if d:
@@ -61,12 +54,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, backend in backends.items():
                 eng.runner.attention = backend
-                best[name] = min(best[name], one(c))
+                best[name] = min(best[name], time_prompt_step(llm, c, d))
         eng.runner.attention = ours
-        for rid in list(eng.requests):
-            eng.abort_request(rid)
-        while eng.has_unfinished_requests():
-            eng.step()
+        drain(llm)
         row = {"decodes": d, "chunk": c} | {k: round(v * 1e3, 1) for k, v in best.items()}
         row["speedup"] = round(best["torch SDPA"] / best["kernel"], 2)
         rows.append(row)

@@ -13,8 +13,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from decode_speed import start_decode_batch  # noqa: E402  (sibling scripts)
-from profile_step import add_prompt  # noqa: E402
+from decode_speed import drain, start_decode_batch  # noqa: E402  (sibling scripts)
+from profile_step import time_prompt_step  # noqa: E402
 
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.model.llama import RMSNorm  # noqa: E402
@@ -50,18 +50,12 @@ def main() -> None:
             best[on] = min(best[on], (time.perf_counter() - t0) / 8)
     print(f"decode batch {args.batch}: torch RMSNorm {best[False] * 1e3:.2f} ms/step, kernel {best[True] * 1e3:.2f} "
           f"({best[False] / best[True]:.3f}x)", flush=True)
-    for rid in list(eng.requests):
-        eng.abort_request(rid)
-    while eng.has_unfinished_requests():
-        eng.step()
+    drain(llm)
     best = {False: float("inf"), True: float("inf")}
     for _ in range(max(3, args.rounds // 2)):
         for on in best:
             use_kernel(on)
-            add_prompt(llm, args.prefill)
-            t0 = time.perf_counter()
-            eng.step()
-            best[on] = min(best[on], time.perf_counter() - t0)
+            best[on] = min(best[on], time_prompt_step(llm, args.prefill, 0))
     use_kernel(True)
     print(f"{args.prefill}-token prompt: torch RMSNorm {best[False] * 1e3:.1f} ms, kernel {best[True] * 1e3:.1f} "
           f"({best[False] / best[True]:.3f}x)", flush=True)

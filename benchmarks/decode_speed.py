@@ -29,6 +29,16 @@ def start_decode_batch(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -
         eng.step()
 
 
+def drain(llm: LLM) -> None:
+    """Aborts every request and steps until the engine holds none, so the next measurement starts
+    from an empty batch. Shared by profile_step, ab_prefill and ab_rms_norm."""
+    eng = llm.engine
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
 def run(llm: LLM, batch: int, tokens: int, prompt_len: int) -> dict:
     start_decode_batch(llm, batch, prompt_len, tokens)
     eng = llm.engine

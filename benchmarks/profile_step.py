@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from decode_speed import start_decode_batch  # noqa: E402  (sibling script)
+from decode_speed import drain, start_decode_batch  # noqa: E402  (sibling script)
 
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
@@ -83,31 +83,34 @@ def add_prompt(llm: LLM, n: int) -> None:
                            prompt_token_ids=[(base + 13 * j) % 40000 + 100 for j in range(n)])
 
 
+def time_prompt_step(llm: LLM, chunk: int, decodes: int) -> float:
+    """Seconds of one step carrying a fresh `chunk`-token prompt beside the `decodes` running
+    decodes; fails if the step did not hold the whole chunk. Shared by ab_prefill and ab_rms_norm."""
+    eng = llm.engine
+    add_prompt(llm, chunk)
+    t0 = time.perf_counter()
+    eng.step()
+    dt = time.perf_counter() - t0
+    assert eng.records[-1].prefill_tokens == chunk and eng.records[-1].decode_tokens == decodes, \
+        "the step did not hold the whole chunk: raise max_num_batched_tokens"
+    return dt
+
+
 def profile_prompt_steps(llm: LLM, decodes: int, chunk: int, steps: int) -> dict:
     """Steps of `decodes` running decodes (context 64) plus one fresh `chunk`-token prompt each; the
     wall time is the best step of `steps` (a shared host's noise only adds), the profile the mean."""
-    eng = llm.engine
     if decodes:
         start_decode_batch(llm, decodes, 64, 4 + 3 * steps)
 
     def one() -> float:
-        add_prompt(llm, chunk)
-        t0 = time.perf_counter()
-        eng.step()
-        dt = time.perf_counter() - t0
-        assert eng.records[-1].prefill_tokens == chunk and eng.records[-1].decode_tokens == decodes, \
-            "the step did not hold the whole chunk: raise max_num_batched_tokens"
-        return dt
+        return time_prompt_step(llm, chunk, decodes)
 
     one()
     wall_ms = min(one() for _ in range(steps)) * 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             one()
-    for rid in list(eng.requests):
-        eng.abort_request(rid)
-    while eng.has_unfinished_requests():
-        eng.step()
+    drain(llm)
     return {"decodes": decodes, "chunk": chunk, "wall_ms_per_step": wall_ms} | summarise(prof, steps)
 
 
