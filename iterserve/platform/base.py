@@ -24,6 +24,13 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float3
           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Puts `new` where `model.get_submodule(name)` was: how a platform swaps in its own layers
+    (CpuLinear, CpuRMSNorm) for the model's."""
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
 def user_cache_dir() -> Path:
     """iterserve's folder in the user's cache ($XDG_CACHE_HOME/iterserve, else ~/.cache/iterserve):
     the measured kernel table (platform/kernel_choice.py) and inductor's compiled graphs."""

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from iterserve.cpu_info import cpu_flags
+from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 
 GROUP_SIZE = 32
@@ -253,7 +254,6 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
         else:
             fits = head_max and mod.in_features % GROUP_SIZE == 0
             new = CpuLinear(mod, "q8_0" if fits else None, head_max, keep_weight=True, layout=lay)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        replace_module(model, name, new)
         changed += 1
     return changed

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from iterserve.model.llama import RMSNorm
+from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 
 
@@ -35,7 +36,6 @@ def use_cpu_rms_norm(model: nn.Module) -> int:
     changed = 0
     for name, mod in list(model.named_modules()):
         if type(mod) is RMSNorm and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu":
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, CpuRMSNorm(mod))
+            replace_module(model, name, CpuRMSNorm(mod))
             changed += 1
     return changed
