@@ -189,6 +189,11 @@ class EngineConfig:
                              "--batching continuous")
 
     @property
+    def max_seqs_per_step(self) -> int:
+        """Sequences one step can hold: --max-num-seqs with continuous batching, --max-batch-size with static."""
+        return self.max_num_seqs if self.batching == "continuous" else self.max_batch_size
+
+    @property
     def prefix_caching(self) -> bool:
         """Whether the block pool shares cached prefixes (the resolved default)."""
         return self.batching == "continuous" and self.enable_prefix_caching is not False

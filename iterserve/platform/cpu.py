@@ -105,7 +105,7 @@ class CpuPlatform(Platform):
         """Times the candidates (or reads the cached table), logs the table, and returns the per-shape plan."""
         cfg = self.config
         mcfg = model.cfg
-        max_seqs = cfg.max_num_seqs if cfg.batching == "continuous" else cfg.max_batch_size
+        max_seqs = cfg.max_seqs_per_step
         measure_attention = cfg.decode_attention == "auto" and self.kernels is not None
         req = ChoiceRequest(shapes=shapes_of(model), buckets=batch_buckets(max_seqs), dtype=self.dtype,
                             layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,

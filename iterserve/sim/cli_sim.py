@@ -26,6 +26,7 @@ from iterserve.bench.report import MODES, ModeRun, direction_notes, saturation_s
 from iterserve.bench.tune import parse_int_list, slo_met
 from iterserve.bench.common import one_line
 from iterserve.bench.sketch import DEFAULT_RELATIVE_ERROR
+from iterserve.bench.streaming_result import StreamingResult
 from iterserve.bench.workload import (RequestSpec, Workload, WorkloadError, add_workload_args, describe_workload,
                                       workload_stream_from_args)
 from iterserve.config import EngineConfig
@@ -66,9 +67,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
             from iterserve.sim.measure_server import measure_server_overhead
 
             print("profile: measuring the server's overhead (a server with the same engine flags)", file=sys.stderr)
-            max_seqs = config.max_num_seqs if config.batching == "continuous" else config.max_batch_size
             prof.server_overhead = measure_server_overhead(
-                config.model, engine_flags_from_args(args), load_tokenizer(resolve_model(config.model)), max_seqs,
+                config.model, engine_flags_from_args(args), load_tokenizer(resolve_model(config.model)),
+                config.max_seqs_per_step,
                 max_prompt=config.max_input_len, max_output=config.max_output_len)
     prof.save(args.out)
     print(prof.describe())
@@ -165,7 +166,7 @@ def _speed_line(run: SimRun, cpu_s: float | None = None, wall_s: float | None = 
             + (f"; command: {wall_s:.2f} s wall, {cpu_s:.2f} s CPU (imports, workload, simulation, report)"
                if cpu_s is not None and wall_s is not None else "")
             + f"; peak RSS {peak_rss_mb:.0f} MB"
-            + ("; per-request records not kept (streaming summary)" if "percentiles" in run.result.summary() else ""))
+            + ("; per-request records not kept (streaming summary)" if isinstance(run.result, StreamingResult) else ""))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
