@@ -92,6 +92,14 @@ def conversation_options(load: str, args: argparse.Namespace) -> ConversationOpt
                                output_len=args.max_output_len, think_time_s=1.0, stagger_s=2.0, seed=args.seed)
 
 
+def fit_profile(model: str, path: Path, flags: list[str], tiny: bool = False) -> None:
+    """`iterserve profile MODEL FLAGS` in a process and run of its own, as a user would fit it,
+    written to `path` (tiny: a quick grid, one repeat). Shared with tune_sim_check.py."""
+    cmd = [sys.executable, "-m", "iterserve.cli", "profile", model, "--out", str(path), "--no-progress", *flags]
+    subprocess.run(cmd + (["--quick", "--repeats", "1"] if tiny else []), check=True,
+                   env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+
+
 def engine_config(flags: list[str], model: str):
     p = argparse.ArgumentParser(add_help=False)
     add_engine_args(p)
@@ -209,7 +217,7 @@ class Validation:
                                          f"{oh.admit_s * 1e3:.2f} ms, arrival {oh.arrival_s[0] * 1e3:.1f} ms + "
                                          f"{oh.arrival_s[1] * 1e6:.1f} us/token, first token {oh.first_token_s * 1e3:.1f} ms,"
                                          f" finish {oh.finish_s * 1e3:.1f} ms" if oh else "none")),
-                 f"load average (1 min) before/after each run: "
+                 "load average (1 min) before/after each run: "
                  + ", ".join(f"{r['load_avg_before'][0]:.1f}/{r['load_avg_after'][0]:.1f}" for r in self.rows
                              if r.get("load_avg_before") and r.get("load_avg_after")),
                  "", text, "", f"targets met: {met} of {checked}", "", self.step_check]
@@ -258,12 +266,9 @@ def main() -> int:
     extra = shlex.split(args.server_args) + ["--max-input-len", str(args.max_input_len),
                                              "--max-output-len", str(args.max_output_len)]
     prof_path = args.profile or args.out / "profile.json"
-    if args.profile is None:  # a separate process and run, as a user would fit it
-        cmd = [sys.executable, "-m", "iterserve.cli", "profile", args.model, "--out", str(prof_path), "--no-progress",
-               *extra, *MODE_FLAGS["continuous"]]
-        cmd += [] if args.no_server_overhead else ["--server-overhead"]
-        subprocess.run(cmd + (["--quick", "--repeats", "1"] if args.tiny else []), check=True,
-                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    if args.profile is None:
+        fit_profile(args.model, prof_path, [*extra, *MODE_FLAGS["continuous"]]
+                    + ([] if args.no_server_overhead else ["--server-overhead"]), args.tiny)
     profile = Profile.load(prof_path)
     tokenizer = load_tokenizer(resolve_model(args.model))
     v = Validation(args, profile, host, command)

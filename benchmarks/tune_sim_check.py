@@ -20,9 +20,7 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,8 +32,8 @@ from iterserve.bench.tune import GridPoint, best_config, predicted_vs_measured, 
 from iterserve.bench.workload import RequestSpec, build_prompts, trace
 from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.sim.profile import Profile
+from sim_validation import TRACE, fit_profile  # sibling script
 
-TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
 TARGET = 0.10
 
 
@@ -82,10 +80,7 @@ def main() -> int:
     prof_path = args.profile or args.out / "profile.json"
     if args.profile is None:
         top = max(pt.max_num_seqs for pt in points)
-        cmd = [sys.executable, "-m", "iterserve.cli", "profile", args.model, "--out", str(prof_path), "--no-progress",
-               "--server-overhead", "--max-num-seqs", str(top), *extra]
-        subprocess.run(cmd + (["--quick", "--repeats", "1"] if args.tiny else []), check=True,
-                       env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        fit_profile(args.model, prof_path, ["--server-overhead", "--max-num-seqs", str(top), *extra], args.tiny)
     profile = Profile.load(prof_path)
     slos = [parse_slo(args.slo)]
     probe = conversation_specs(args.trace, args.num_requests, 1.0, args.max_input_len, args.max_output_len)
