@@ -39,11 +39,12 @@ import traceback
 from pathlib import Path
 
 from iterserve.bench.common import load_average
-from iterserve.bench.compare import replay
+from iterserve.bench.compare import current_step, replay
 from iterserve.bench.conversation import ConversationOptions, build_conversations, run_conversations
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.machine import figures_line, machine_figures
 from iterserve.bench.summary import git_commit
+from iterserve.bench.timeline import SchedulerPoller
 from iterserve.bench.report import ModeRun
 from iterserve.bench.workload import WORKLOADS, RequestSpec, build_prompts, bursty, make_workload, trace
 from iterserve.engine_args import add_engine_args, engine_config_from_args
@@ -52,7 +53,7 @@ from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile
 from iterserve.sim.simulator import conversation_plans, simulate
-from iterserve.sim.step_model import StepFeatures, step_features
+from iterserve.sim.step_model import StepFeatures, record_features, step_features
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
 MODE_FLAGS = {"static": ["--batching", "static", "--max-batch-size", "8", "--batch-timeout", "100"],
@@ -90,6 +91,19 @@ def conversation_options(load: str, args: argparse.Namespace) -> ConversationOpt
     return ConversationOptions(num_conversations=CONVERSATIONS[load], turns=2 if args.tiny else 4,
                                system_prompt_len=32 if args.tiny else 400, user_len=(8, 16) if args.tiny else (16, 64),
                                output_len=args.max_output_len, think_time_s=1.0, stagger_s=2.0, seed=args.seed)
+
+
+async def conversations_polled(base_url: str, convs) -> tuple[dict, list[dict]]:
+    """The multi-turn replay while polling the server's step records: (summary, steps)."""
+    poller = SchedulerPoller(base_url, start_step=await current_step(base_url))
+    stop = asyncio.Event()
+    polling = asyncio.create_task(poller.run(stop))
+    try:
+        result = await run_conversations(base_url, convs, endpoint="completions", progress=False)
+    finally:
+        stop.set()
+        await polling
+    return result.summary(), poller.result().steps
 
 
 def fit_profile(model: str, path: Path, flags: list[str], tiny: bool = False) -> None:
@@ -150,6 +164,41 @@ def rel_error(real: float | None, sim: float | None) -> float | None:
     return None if real is None or sim is None or not real else (sim - real) / real
 
 
+def step_kind(f: StepFeatures) -> str:
+    return "decode" if not f.prefill_tokens else ("prefill" if f.seqs == 1 else "mixed")
+
+
+def work(steps: list[dict]) -> dict:
+    """What the engine computed in a run (from step records, real or simulated): steps, tokens, busy time."""
+    return {"steps": len(steps), "prefill_tokens": sum(int(s["prefill_tokens"]) for s in steps),
+            "decode_tokens": sum(int(s["decode_tokens"]) for s in steps),
+            "busy_s": sum(float(s["duration"]) for s in steps)}
+
+
+def server_step_errors(steps: list[dict], profile: Profile) -> dict[str, dict]:
+    """The step model on a real server's own steps during the replay: per kind of step, how many,
+    and the mean and mean absolute relative error of the prediction against the measured runner time."""
+    by_kind: dict[str, list[float]] = {}
+    for s in steps:
+        f = record_features(s)
+        t = float(s["duration"])
+        if f is None or t <= 0:
+            continue
+        by_kind.setdefault(step_kind(f), []).append((profile.step_model.predict(f) - t) / t)
+    return {k: {"steps": len(v), "mean": sum(v) / len(v), "mean_abs": sum(map(abs, v)) / len(v)}
+            for k, v in by_kind.items()}
+
+
+def work_line(r: dict) -> str:
+    """One point's work, real vs simulated, and the step model on the server's steps."""
+    w = r.get("work") or {}
+    real, sim = w.get("real") or {}, w.get("sim") or {}
+    parts = [f"{k} {real.get(k, 0):.4g} / {sim.get(k, 0):.4g}" for k in ("steps", "prefill_tokens", "decode_tokens", "busy_s")]
+    steps = "; ".join(f"{k} {v['steps']} steps {100 * v['mean']:+.0f}% (|{100 * v['mean_abs']:.0f}%|)"
+                      for k, v in (r.get("server_steps") or {}).items())
+    return f"- {r['workload']} {r['load']} {r['mode']}: real / sim " + ", ".join(parts) + f"; step model on the server's steps: {steps or '-'}"
+
+
 def table(rows: list[dict]) -> tuple[str, int, int]:
     """The markdown table, and (targets met, targets checked)."""
     head = "| workload | load | mode | " + " | ".join(f"{k} real / sim / error (target {v:.0%})"
@@ -189,9 +238,12 @@ class Validation:
         t0 = time.perf_counter()
         row: dict = {"workload": kind, "load": load, "mode": mode, "load_avg_before": load_average()}
         try:
-            real = run_real()
+            real, real_steps = run_real()
             config = engine_config(flags, self.args.model)
-            sim = simulate(config=config, profile=self.profile, **sim_input).result.summary()
+            run = simulate(config=config, profile=self.profile, **sim_input)
+            sim = run.result.summary()
+            row.update(work={"real": work(real_steps), "sim": work(run.timelines[0].steps)},
+                       server_steps=server_step_errors(real_steps, self.profile))
             bare = simulate(config=config, profile=self.bare, **sim_input).result.summary()
             row.update(real=real, sim=sim, errors=errors(real, sim), errors_no_overhead=errors(real, bare),
                        completed=(real["completed"], sim["completed"]), failed=(real["failed"], sim["failed"]))
@@ -220,7 +272,10 @@ class Validation:
                  "load average (1 min) before/after each run: "
                  + ", ".join(f"{r['load_avg_before'][0]:.1f}/{r['load_avg_after'][0]:.1f}" for r in self.rows
                              if r.get("load_avg_before") and r.get("load_avg_after")),
-                 "", text, "", f"targets met: {met} of {checked}", "", self.step_check]
+                 "", text, "", f"targets met: {met} of {checked}", "", self.step_check, "",
+                 "Work per run (engine steps, prompt tokens computed, decode tokens, busy seconds; real / "
+                 "simulated) and the step model on the real server's own steps (mean error, mean |error|):",
+                 *[work_line(r) for r in self.rows if r.get("work")]]
         summary = "\n".join(lines) + "\n"
         out = self.args.out
         (out / "summary.md").write_text(summary)
@@ -304,8 +359,7 @@ def main() -> int:
 
                 def run_real(flags=flags, opts=opts, log=args.out / f"server-multi-turn-{load}-{mode}.log"):
                     with ServerProcess([args.model, *flags], log_path=log) as srv:
-                        return asyncio.run(run_conversations(srv.base_url, build_conversations(opts, tokenizer),
-                                                             endpoint="completions", progress=False)).summary()
+                        return asyncio.run(conversations_polled(srv.base_url, build_conversations(opts, tokenizer)))
                 v.point("multi-turn", load, mode, flags, run_real,
                         {"specs": [], "conversations": conversation_plans(opts)})
     for kind in kinds:
@@ -318,7 +372,8 @@ def main() -> int:
                 def run_real(flags=flags, specs=specs, log=args.out / f"server-{kind}-{load}-{mode}.log"):
                     with ServerProcess([args.model, *flags], log_path=log) as srv:
                         result, timeline = asyncio.run(replay(srv.base_url, specs, progress=False))
-                    return {**result.summary(), "engine": ModeRun(mode, result.to_dict(), timeline).metrics()}
+                    return ({**result.summary(), "engine": ModeRun(mode, result.to_dict(), timeline).metrics()},
+                            timeline.steps)
                 v.point(kind, load, mode, flags, run_real, {"specs": specs})
     print(v.write())
     print(f"wrote {args.out / 'summary.md'} and {args.out / 'validation.json'}", file=sys.stderr)

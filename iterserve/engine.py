@@ -56,6 +56,8 @@ class StepRecord:
     admitted: list[tuple[str, int]] = field(default_factory=list)  # (request id, prefix-cache hit tokens)
     prefix_cache_queries: int = 0  # tokens looked up at this step's admissions
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    decode_kv_tokens: int = 0  # context lengths of the single-token rows, summed (SchedulerOutput.attended_kv)
+    prefill_kv_tokens: int = 0  # sum over prompt chunks of chunk length x context length
 
     def log_line(self) -> str:
         line = (f"step {self.step} | running {self.num_running} waiting {self.num_waiting} "
@@ -362,6 +364,7 @@ class LLMEngine:
         queries, hits = self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
         prev_queries, prev_hits = self._prefix_cache_seen
         self._prefix_cache_seen = (queries, hits)
+        decode_kv, prefill_kv = sched.attended_kv()
         rec = StepRecord(
             step=self.step_count, start=now - duration, duration=duration,
             batch_size=len(sched.scheduled), num_padding=sched.num_padding,
@@ -371,7 +374,7 @@ class LLMEngine:
             kv_tokens=usage.tokens_stored,
             preempted=[r.request_id for r in sched.preempted], finished=finished,
             admitted=list(sched.admitted), prefix_cache_queries=queries - prev_queries,
-            prefix_cache_hits=hits - prev_hits,
+            prefix_cache_hits=hits - prev_hits, decode_kv_tokens=decode_kv, prefill_kv_tokens=prefill_kv,
         )
         self.records.append(rec)
         if self.config.log_scheduler:

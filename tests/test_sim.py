@@ -530,3 +530,29 @@ def test_streaming_peak_concurrency_is_exact_with_server_overheads():
         exact = simulate(specs, EngineConfig(max_num_seqs=8), prof, replicas=3).result.summary()
         sketch = simulate(specs, EngineConfig(max_num_seqs=8), prof, replicas=3, streaming_summary=True)
         assert sketch.result.summary()["peak_concurrency"] == exact["peak_concurrency"] > 1
+
+
+def test_server_step_records_carry_the_step_models_features(make_engine):
+    """A step record (`/v1/scheduler`'s step dict) gives the step model the same features as the
+    SchedulerOutput the step ran, so the model can be checked on a server's own steps."""
+    from iterserve.sampling import SamplingParams
+    from iterserve.server.api import step_dict
+    from iterserve.sim.step_model import record_features, step_features
+
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=32, block_size=16)
+    seen = []
+    execute = engine.runner.execute
+
+    def spy(sched):
+        seen.append(step_features(sched))
+        return execute(sched)
+
+    engine.runner.execute = spy
+    for i, n in enumerate((40, 7, 70)):  # chunked prompts next to decodes: every kind of step
+        engine.add_request(params=SamplingParams(max_tokens=5, ignore_eos=True), request_id=f"r{i}",
+                           prompt_token_ids=list(range(3 + i, 3 + i + n)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    got = [record_features(step_dict(rec, 0.0)) for rec in engine.records]
+    assert got == seen and any(f.prefill_tokens and f.decode_kv for f in got)
+    assert record_features({"batch_size": 1, "prefill_tokens": 0, "decode_tokens": 1}) is None  # older server

@@ -47,6 +47,25 @@ def test_best_config_prefers_slo_then_goodput_then_throughput():
     assert len(table) == 2 + len(results) and "missed" in table[2] and "skipped" in table[-1]
 
 
+def test_best_config_without_a_winner_takes_the_closest_to_the_percentile_slo():
+    """Nothing meets e2e p95 <= 2 s: the choice is the lowest p95 / 2 s, not the most goodput."""
+    def missed(seqs, p95_ms, goodput):
+        r = _result(seqs, 16, goodput, 100.0, False)
+        r.summary["slos"] = [{"slo": "e2e_p95=2s", "percentile": 95.0, "threshold_ms": 2000.0, "run_value_ms": p95_ms}]
+        return r
+
+    results = [missed(4, 9000.0, 0.5), missed(8, 5200.0, 0.3), missed(16, 5700.0, 0.4)]
+    best, met = best_config(results)
+    assert not met and best.point == GridPoint(8, 16)
+    assert tune.slo_shortfall(best) == pytest.approx(2.6)
+    assert [r.point.max_num_seqs for r in tune._ranked(results)] == [8, 16, 4]
+    results.append(missed(32, None, 0.9))  # no value at all: farthest away
+    assert tune._ranked(results)[-1].point.max_num_seqs == 32
+    met_one = _result(2, 16, 0.1, 10.0, True)
+    assert best_config(results + [met_one]) == (met_one, True)  # meeting the SLO still beats everything
+    assert "came closest, at 2.60x" in tune.explain(results, best, False, [parse_slo("e2e_p95=2s")])[0]
+
+
 def test_budget_skips_remaining_configs(monkeypatch):
     ran = []
 

@@ -73,7 +73,8 @@ def server_flags(mode: str, args: argparse.Namespace) -> list[str]:
     return ["--batching", "continuous", "--max-num-seqs", str(args.max_num_seqs), *common]
 
 
-async def _current_step(base_url: str) -> int:
+async def current_step(base_url: str) -> int:
+    """The server's step counter now: a replay's step records are the ones after it."""
     async with httpx.AsyncClient() as http:
         try:
             resp = await http.get(base_url.rstrip("/") + "/v1/scheduler", timeout=30.0)
@@ -90,7 +91,7 @@ async def replay(base_url: str, specs: Sequence[RequestSpec], timeout_s: float |
     if warmup:
         warm = [RequestSpec(i, 0.0, 8, 4, specs[i % len(specs)].prompt) for i in range(WARMUP_REQUESTS)]
         await run_load(base_url, warm, progress=False)
-    start_step = await _current_step(base_url)
+    start_step = await current_step(base_url)
     poller = SchedulerPoller(base_url, t0=time.perf_counter(), start_step=start_step)
     stop = asyncio.Event()
     polling = asyncio.create_task(poller.run(stop))

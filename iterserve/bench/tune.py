@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import math
 import random
 import shlex
 import sys
@@ -221,15 +222,30 @@ def _load_1m() -> float | None:
 
 # ---------------------------------------------------------------- the sweep and its conclusion
 
+def slo_shortfall(r: ConfigResult) -> float:
+    """How far a run is from its percentile SLOs: the largest run pXX / threshold (1 or below: met;
+    0 where no percentile SLO was set). Plain per-request SLOs show in goodput instead."""
+    ratios = [math.inf if row.get("run_value_ms") is None else row["run_value_ms"] / row["threshold_ms"]
+              for row in r.summary.get("slos") or [] if row.get("percentile") is not None and row.get("threshold_ms")]
+    return max(ratios, default=0.0)
+
+
+def rank_key(r: ConfigResult) -> tuple:
+    """Tune's order: configurations meeting the SLOs first, by goodput, then throughput; below them
+    the rest, closest to their percentile SLOs first (what a user asking for p95 <= 2 s wants when
+    nothing gets there), then goodput and throughput."""
+    good, tput = r.metric("goodput") or 0.0, r.metric("throughput") or 0.0
+    return (1, 0.0, good, tput) if r.slo_met else (0, -slo_shortfall(r), good, tput)
+
+
 def best_config(results: Sequence[ConfigResult]) -> tuple[ConfigResult | None, bool]:
     """(best, met): the highest goodput among configs meeting the SLOs (throughput breaks ties);
-    if none meets them, the highest goodput overall with met=False."""
+    if none meets them, the one closest to its percentile SLOs (`rank_key`), with met=False."""
     ok = [r for r in results if r.status == "ok"]
-    key = lambda r: (r.metric("goodput") or 0.0, r.metric("throughput") or 0.0)  # noqa: E731
-    meeting = [r for r in ok if r.slo_met]
-    if meeting:
-        return max(meeting, key=key), True
-    return (max(ok, key=key), False) if ok else (None, False)
+    if not ok:
+        return None, False
+    best = max(ok, key=rank_key)
+    return best, best.slo_met
 
 
 def _pct(x: float | None) -> str:
@@ -244,7 +260,8 @@ def explain(results: Sequence[ConfigResult], best: ConfigResult | None, met: boo
     if best is None:
         return ["no configuration completed a run"]
     lines = [f"best: {best.point.label()} "
-             + (f"meets {slo_text}" if met else f"(no configuration met {slo_text}; this one had the highest goodput)")
+             + (f"meets {slo_text}" if met else f"(no configuration met {slo_text}; this one came closest"
+                + (f", at {slo_shortfall(best):.2f}x its percentile bound" if slo_shortfall(best) else ", by goodput") + ")")
              + f" with goodput {best.metric('goodput') or 0:.3g} req/s, "
                f"{best.metric('throughput') or 0:.1f} output tok/s, "
                f"e2e p95 {best.summary['e2e_ms']['p95'] or 0:.0f} ms"]
@@ -426,9 +443,8 @@ def simulate_config(point: GridPoint, profile: Profile, server_args: Sequence[st
 
 
 def _ranked(results: Sequence[ConfigResult]) -> list[ConfigResult]:
-    """best_config's order: meeting the SLOs first, then goodput, then throughput."""
-    key = lambda r: (r.slo_met, r.metric("goodput") or 0.0, r.metric("throughput") or 0.0)  # noqa: E731
-    return sorted((r for r in results if r.status == "ok"), key=key, reverse=True)
+    """best_config's order (`rank_key`), best first."""
+    return sorted((r for r in results if r.status == "ok"), key=rank_key, reverse=True)
 
 
 def predicted_vs_measured(pairs: Sequence[tuple[ConfigResult, ConfigResult]]) -> str:

@@ -69,6 +69,20 @@ class SchedulerOutput:
     def num_padding(self) -> int:
         return sum(s.padding for s in self.scheduled)
 
+    def attended_kv(self) -> tuple[int, int]:
+        """What attention reads this step, which its time grows with: (the single-token rows'
+        context lengths summed, the sum over prompt chunks of chunk length x context length).
+        Each row attends to its `start` cached tokens plus its own new ones. Step records carry
+        both, so a step-time model can be checked on a server's own steps."""
+        decode = prefill = 0
+        for s in self.scheduled:
+            ctx = s.start + s.num_tokens
+            if s.num_tokens == 1:
+                decode += ctx
+            else:
+                prefill += s.num_tokens * ctx
+        return decode, prefill
+
     @property
     def is_empty(self) -> bool:
         return not self.scheduled

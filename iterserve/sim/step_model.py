@@ -57,18 +57,18 @@ class StepFeatures:
 def step_features(sched: SchedulerOutput) -> StepFeatures:
     """Each row attends to its `start` cached tokens plus its `n` new ones (a static padding row's
     start is kept inside its reservation, as the runner computes it)."""
-    tokens = prefill = decode_kv = 0
-    prefill_kv = 0
-    for s in sched.scheduled:
-        n = s.num_tokens
-        ctx = s.start + n
-        tokens += n
-        if n == 1:
-            decode_kv += ctx
-        else:
-            prefill += n
-            prefill_kv += n * ctx
-    return StepFeatures(len(sched.scheduled), tokens, prefill, decode_kv, prefill_kv / 1e3)
+    decode_kv, prefill_kv = sched.attended_kv()
+    return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens, decode_kv, prefill_kv / 1e3)
+
+
+def record_features(step: dict[str, Any]) -> StepFeatures | None:
+    """The same features from a server's step record (`/v1/scheduler`), or None from a server that
+    does not report what attention read."""
+    if "decode_kv_tokens" not in step:
+        return None
+    prefill = int(step["prefill_tokens"])
+    return StepFeatures(int(step["batch_size"]), prefill + int(step["decode_tokens"]), prefill,
+                        int(step["decode_kv_tokens"]), int(step["prefill_kv_tokens"]) / 1e3)
 
 
 class StepTimeModel(Protocol):
