@@ -40,7 +40,8 @@ from pathlib import Path
 
 from iterserve.bench.common import load_average
 from iterserve.bench.compare import current_step, replay
-from iterserve.bench.conversation import ConversationOptions, build_conversations, run_conversations
+from iterserve.bench.conversation import (ConversationOptions, build_conversations, conversation_framing,
+                                          run_conversations)
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.machine import figures_line, machine_figures
 from iterserve.bench.summary import git_commit
@@ -326,6 +327,7 @@ def main() -> int:
                     + ([] if args.no_server_overhead else ["--server-overhead"]), args.tiny)
     profile = Profile.load(prof_path)
     tokenizer = load_tokenizer(resolve_model(args.model))
+    framing = conversation_framing(tokenizer)  # the multi-turn prompts' "User:" / "Assistant:" tokens
     v = Validation(args, profile, host, command)
     kinds = [k for k in args.workloads.split(",") if k != "multi-turn"]
     # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
@@ -344,7 +346,7 @@ def main() -> int:
             if "multi-turn" in args.workloads.split(","):
                 flags = MODE_FLAGS[mode] + extra + ["--max-input-len", str(MULTI_TURN_MAX_INPUT)]
                 planned += simulate([], engine_config(flags, args.model), profile,
-                                    conversations=conversation_plans(conversation_options(load, args))).result.duration_s
+                                    conversations=conversation_plans(conversation_options(load, args), framing)).result.duration_s
     print(f"plan: predicted capacity {', '.join(f'{k} {c:.2f} req/s' for k, c in caps.items())}; the replays "
           f"take about {planned / 60:.0f} min as simulated, plus a server start for each", file=sys.stderr)
     if kinds:
@@ -361,7 +363,7 @@ def main() -> int:
                     with ServerProcess([args.model, *flags], log_path=log) as srv:
                         return asyncio.run(conversations_polled(srv.base_url, build_conversations(opts, tokenizer)))
                 v.point("multi-turn", load, mode, flags, run_real,
-                        {"specs": [], "conversations": conversation_plans(opts)})
+                        {"specs": [], "conversations": conversation_plans(opts, framing)})
     for kind in kinds:
         for load in args.loads.split(","):
             specs = workload(kind, args.num_requests, LOADS[load] * caps[kind], args)

@@ -556,3 +556,35 @@ def test_server_step_records_carry_the_step_models_features(make_engine):
     got = [record_features(step_dict(rec, 0.0)) for rec in engine.records]
     assert got == seen and any(f.prefill_tokens and f.decode_kv for f in got)
     assert record_features({"batch_size": 1, "prefill_tokens": 0, "decode_tokens": 1}) is None  # older server
+
+
+@pytest.mark.real_model
+def test_multi_turn_framing_makes_simulated_prompts_as_long_as_the_real_ones():
+    """The completions endpoint's flattened prompts carry "System:" / "User:" / "Assistant:" and a
+    preamble; counted with SmolLM2's tokenizer, the simulated prompts come within a token or two per
+    turn of the real prompts' lengths (without the framing they are ~25 tokens short at turn 1)."""
+    from iterserve.bench.conversation import _flatten, _messages, conversation_framing
+    from iterserve.bench.workload import prose_source
+    from iterserve.model.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("smollm2-135m"))
+    framing = conversation_framing(tok)
+    assert framing.system > 10 and framing.user > 3  # the preamble; "User: ...\n\nAssistant:"
+    opts = ConversationOptions(num_conversations=3, turns=3, system_prompt_len=300, user_len=(16, 64),
+                               output_len=48, think_time_s=0.0, seed=5)
+    source = prose_source(tok)
+    plans = conversation_plans(opts, framing)
+    for conv, plan in zip(build_conversations(opts, tok), plans):
+        sim_len = plan.system_prompt_len + plan.framing.system
+        for turn in range(opts.turns):
+            sim_len += plan.user_len(turn)
+            real_len = len(tok.encode(_flatten(_messages(conv, turn)), add_special_tokens=False))
+            assert abs(real_len - sim_len) <= 2 + turn, (conv.index, turn, real_len, sim_len)
+            answer = source.text(plan.output_lens[turn], 101 * turn + conv.index)  # stands in for the answer
+            conv.history += [{"role": "user", "content": conv.user_turns[turn]},
+                             {"role": "assistant", "content": answer}]
+            sim_len += plan.answer_len(plan.output_lens[turn])
+    # and the simulator sends exactly those lengths
+    run = simulate([], EngineConfig(block_size=16), linear_profile(), conversations=plans)
+    first = min((r for r in run.result.records), key=lambda r: r.index)
+    assert first.prompt_tokens == 300 + framing.system + plans[0].user_len(0)

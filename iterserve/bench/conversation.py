@@ -27,7 +27,7 @@ from tqdm import tqdm
 from iterserve.bench.client import (CONNECT_TIMEOUT_S, GRACE_S, ClientError, RequestRecord, RunResult,
                                     api_root, prefix_cache_counters, prefix_cache_delta, resolve_served_model,
                                     stream_request)
-from iterserve.bench.workload import LenSpec, WorkloadError, sample_lengths, prose_source
+from iterserve.bench.workload import WORDS_PER_TOKEN, LenSpec, WorkloadError, prose_source, sample_lengths
 
 
 SYSTEM_PROMPTS = ("shared", "distinct")
@@ -106,10 +106,52 @@ def _messages(conv: Conversation, turn: int) -> list[dict[str, str]]:
             + [{"role": "user", "content": conv.user_turns[turn]}])
 
 
+ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
+PROMPT_TAIL = "Assistant:"  # the flattened prompt ends here: the answer follows
+
+
+def _message_text(role: str, content: str) -> str:
+    return f"{ROLE_NAMES[role]}: {content}\n\n"
+
+
 def _flatten(messages: Sequence[dict[str, str]]) -> str:
     """The completions endpoint's prompt: the same growing prefix, without a chat template."""
-    names = {"system": "System", "user": "User", "assistant": "Assistant"}
-    return "".join(f"{names[m['role']]}: {m['content']}\n\n" for m in messages) + "Assistant:"
+    return "".join(_message_text(m["role"], m["content"]) for m in messages) + PROMPT_TAIL
+
+
+@dataclass(frozen=True)
+class ConversationFraming:
+    """Tokens a flattened prompt carries beyond its nominal lengths (the system prompt's, each user
+    message's, each answer's): the preamble and "System: ... \\n\\n" around the system prompt, "User:
+    ... \\n\\nAssistant:" around each user message, " ... \\n\\n" around each answer sent back. The
+    simulator adds them to the conversations it plans (sim/simulator.py `conversation_plans`), so
+    its prompts are as long as the ones the server is sent."""
+
+    system: int = 0
+    user: int = 0
+    answer: int = 0
+
+
+def conversation_framing(tokenizer: Any = None, samples: int = 8) -> ConversationFraming:
+    """Counts the framing with `tokenizer` on this module's own texts (mean over a few samples,
+    each piece tokenised alone: a merge across a boundary can shift one token); without one, by
+    the word estimate the prose source uses when it has no tokenizer (0.75 words a token)."""
+    source = prose_source(tokenizer)
+    if tokenizer is not None:
+        def count(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        def count(text: str) -> int:
+            return round(len(text.split()) / WORDS_PER_TOKEN)
+    n, sys_x, user_x, ans_x = 64, [], [], []
+    for k in range(samples):
+        body = source.text(n, 997 * k + 13)
+        nominal = count(body)
+        sys_x.append(count(_message_text("system", SYSTEM_PREAMBLE + body)) - nominal)
+        user_x.append(count(_message_text("user", body) + PROMPT_TAIL) - nominal)
+        ans_x.append(count(" " + _message_text("assistant", body).split(": ", 1)[1]) - nominal)
+    mean = lambda xs: max(0, round(sum(xs) / len(xs)))  # noqa: E731
+    return ConversationFraming(mean(sys_x), mean(user_x), mean(ans_x))
 
 
 def turn_body(conv: Conversation, turn: int, model: str, chat: bool, ignore_eos: bool) -> dict[str, Any]:

@@ -460,7 +460,7 @@ def make_workload(kind: str, **kwargs: Any) -> list[RequestSpec]:
 # Public domain: the openings of Jane Austen's "Pride and Prejudice" (1813) and Herman Melville's
 # "Moby-Dick" (1851). Real prose tokenizes like real prompts do, unlike random token ids.
 _PROSE = (resources.files(__package__) / "prose.txt").read_text(encoding="utf-8")
-_WORDS_PER_TOKEN = 0.75
+WORDS_PER_TOKEN = 0.75
 _GOLDEN = 0.6180339887498949  # offsets index * golden ratio spread prompts evenly over the text
 
 
@@ -496,7 +496,7 @@ class _WordText:
         self.size = len(self.words)
 
     def text(self, n_tokens: int, offset: int) -> str:
-        return " ".join(_cyclic(self.words, offset, max(1, round(n_tokens * _WORDS_PER_TOKEN))))
+        return " ".join(_cyclic(self.words, offset, max(1, round(n_tokens * WORDS_PER_TOKEN))))
 
 
 class _TokenText:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from iterserve.bench.client import ClientError, parse_slo, print_table
-from iterserve.bench.conversation import ConversationOptions
+from iterserve.bench.conversation import ConversationFraming, ConversationOptions, conversation_framing
 from iterserve.bench.compare import write_report
 from iterserve.bench.report import MODES, ModeRun, direction_notes, saturation_summary
 from iterserve.bench.tune import parse_int_list, slo_met
@@ -124,14 +124,33 @@ def sim_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     return engine_config_from_args(args, model=getattr(args, "model", None) or "simulated", **overrides)
 
 
-def sim_workload(args: argparse.Namespace) -> tuple[Workload | Sequence[RequestSpec], list]:
-    """(requests, conversations): the multi-turn workload is conversations, every other a lazy
-    request workload (drawn as the simulation reaches it; see `bench.workload.Workload`)."""
+def prompt_framing(model: str) -> ConversationFraming:
+    """The multi-turn prompts' framing tokens, counted with `model`'s tokenizer where it is a model
+    this machine has (a measured profile names one), else by the word estimate."""
+    from iterserve.model.loader import ModelNotFound, load_tokenizer, resolve_model  # only for multi-turn
+
+    tokenizer = None
+    if model:
+        try:
+            tokenizer = load_tokenizer(resolve_model(model))
+        except (ModelNotFound, OSError, ValueError):
+            pass
+    framing = conversation_framing(tokenizer)
+    how = f"counted with {model}'s tokenizer" if tokenizer is not None else "estimated from words"
+    print(f"simulate: multi-turn prompts framed by {framing.system} / {framing.user} / {framing.answer} tokens around "
+          f"the system prompt / each user message / each answer ({how})", file=sys.stderr)
+    return framing
+
+
+def sim_workload(args: argparse.Namespace, model: str = "") -> tuple[Workload | Sequence[RequestSpec], list]:
+    """(requests, conversations): the multi-turn workload is conversations (their prompts framed as
+    `model`'s tokenizer counts the real ones), every other a lazy request workload (drawn as the
+    simulation reaches it; see `bench.workload.Workload`)."""
     from iterserve.sim.simulator import conversation_plans  # loads torch (through Request): not at --help time
 
     params = describe_workload(args)
     if params.pop("kind") == "multi-turn":
-        return [], conversation_plans(ConversationOptions(**params))
+        return [], conversation_plans(ConversationOptions(**params), prompt_framing(model))
     return workload_stream_from_args(args), []
 
 
@@ -174,7 +193,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         profile = Profile.load(args.profile)
         slos = [parse_slo(t) for t in args.slo]
-        specs, conversations = sim_workload(args)
+        specs, conversations = sim_workload(args, profile.model)
         if args.compare_out:
             if conversations:
                 raise WorkloadError("--compare-out needs a request list; multi-turn is conversations")
