@@ -59,7 +59,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         grid = ProfileGrid()
         if args.quick:
             grid = ProfileGrid(decode_batches=[1, 4, 16], context_lens=[128, 512], prefill_chunks=[32, 256],
-                               mixed_decode=[4], mixed_chunks=[64])
+                               mixed_decode=[4], mixed_chunks=[64], later_chunks=[64])
         config = engine_config_from_args(args, model=args.model or "smollm2-135m")
         prof = measure_profile(config, grid, args.repeats, progress=not args.no_progress)
         if args.server_overhead:

@@ -36,6 +36,9 @@ class ProfileGrid:
     chunk_context: int = 512  # a later chunk of a long prompt: this many tokens already computed
     mixed_decode: list[int] = field(default_factory=lambda: [4, 15])
     mixed_chunks: list[int] = field(default_factory=lambda: [64, 512])
+    # short chunks after chunk_context cached tokens, alone and next to mixed_decode rows: what a
+    # prefix-cache hit leaves to compute (a chat turn after its cached history)
+    later_chunks: list[int] = field(default_factory=lambda: [64, 256])
 
     def shapes(self, max_tokens: int, max_len: int, cuts: tuple[int, ...] = ()) -> list[list[tuple[int, int]]]:
         """Each step as its rows: (tokens already computed, tokens computed now). `cuts`: the
@@ -57,6 +60,11 @@ class ProfileGrid:
             for chunk in self.mixed_chunks:
                 if b + chunk <= max_tokens and chunk < max_len:
                     out.append([(256, 1)] * b + [(0, chunk)])
+        ctx = self.chunk_context
+        for chunk in self.later_chunks:
+            if ctx + chunk <= max_len and chunk <= max_tokens:
+                out.append([(ctx, chunk)])
+                out += [[(ctx, 1)] * b + [(ctx, chunk)] for b in self.mixed_decode if b + chunk <= max_tokens]
         return out
 
 
