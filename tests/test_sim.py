@@ -588,3 +588,30 @@ def test_multi_turn_framing_makes_simulated_prompts_as_long_as_the_real_ones():
     run = simulate([], EngineConfig(block_size=16), linear_profile(), conversations=plans)
     first = min((r for r in run.result.records), key=lambda r: r.index)
     assert first.prompt_tokens == 300 + framing.system + plans[0].user_len(0)
+
+
+def test_calibration_refits_on_the_servers_own_steps(tmp_path):
+    """A profile keeps the server's in-service steps; `calibrated()` fits grid and in-service steps
+    together, so a step model that is 25% fast on the server's decode steps moves toward them, and
+    the profile round-trips through JSON with them."""
+    import dataclasses as dc
+
+    true = LinearStepModel([0.004, 0.0003, 0.00002, 0.00001, 2e-7, 0.0001])
+    grid = [StepFeatures(b, b, 0, b * ctx, 0.0) for b in (1, 2, 4, 8, 16) for ctx in (128, 512)]
+    grid += [StepFeatures(1, n, n, 0, n * n / 1e3) for n in (16, 64, 256)]
+    grid += [StepFeatures(5, 4 + n, n, 4 * 256, n * n / 1e3) for n in (64, 256)]
+    samples = [{**dc.asdict(f), "seconds": true.predict(f)} for f in grid]
+    served = [StepFeatures(b, b, 0, b * 300, 0.0) for b in (1, 1, 2, 3, 5, 8, 12, 16)]
+    in_service = [{**dc.asdict(f), "seconds": 1.25 * true.predict(f)} for f in served]
+    prof = linear_profile(coef=true.coef, samples=samples, in_service_samples=in_service)
+    before = prof.in_service_errors()
+    assert set(before) == {"decode"} and before["decode"]["steps"] == 8
+    assert before["decode"]["mean"] == pytest.approx(-0.2)  # predicts 1/1.25 of the served time
+    cal = prof.calibrated()
+    after = cal.in_service_errors()["decode"]
+    assert abs(after["mean"]) < abs(before["decode"]["mean"]) and cal.fit["calibrated_on_in_service_steps"] == 8
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").in_service_samples == in_service
+    with pytest.raises(ValueError, match="in-service steps"):
+        linear_profile().calibrated()
+    assert main(["profile", "--calibrate", "--out", str(tmp_path / "q.json")]) == 2  # needs --server-overhead

@@ -45,6 +45,8 @@ RECORDS_LIMIT = 200_000  # above this many requests, results keep no per-step or
 # ---------------------------------------------------------------- profile
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.calibrate and (args.analytic or not args.server_overhead):
+        raise ValueError("--calibrate refits on a server's own steps: it needs --server-overhead (and no --analytic)")
     if args.analytic:
         if args.gpu is None:
             raise ValueError("--analytic needs --gpu (one of " + ", ".join(GPUS) + ")")
@@ -67,10 +69,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
             from iterserve.sim.measure_server import measure_server_overhead
 
             print("profile: measuring the server's overhead (a server with the same engine flags)", file=sys.stderr)
-            prof.server_overhead = measure_server_overhead(
+            prof.server_overhead, prof.in_service_samples = measure_server_overhead(
                 config.model, engine_flags_from_args(args), load_tokenizer(resolve_model(config.model)),
                 config.max_seqs_per_step,
                 max_prompt=config.max_input_len, max_output=config.max_output_len)
+            print("profile: the grid's step model on the server's own steps: " + in_service_line(prof), file=sys.stderr)
+            if args.calibrate:
+                prof = prof.calibrated()
+                print("profile: --calibrate: refitted on the grid and the server's steps together; on the server's "
+                      "steps now: " + in_service_line(prof), file=sys.stderr)
     prof.save(args.out)
     print(prof.describe())
     if prof.fit:
@@ -86,6 +93,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(prof.note)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def in_service_line(prof: Profile) -> str:
+    return "; ".join(f"{kind} {e['steps']} steps, mean error {e['mean']:+.0%} (|{e['mean_abs']:.0%}|)"
+                     for kind, e in prof.in_service_errors().items()) or "no steps recorded"
 
 
 def add_profile_parser(sub: Any) -> None:
@@ -106,6 +118,11 @@ def add_profile_parser(sub: Any) -> None:
                    help="also start a server with the same engine flags and fit what it costs besides the forward "
                         "passes (the gap between steps, per-request arrival / first-token / finish delays; about "
                         "a minute): the simulator charges these, which matters most for small models")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --server-overhead: fit the step model on the grid's steps and the server's own steps "
+                        "together (steps taken in service, with the HTTP front end and the load client on the same "
+                        "cores, can be slower than the grid's isolated repeats). The fit's error on the server's steps "
+                        "is printed either way")
     a = p.add_argument_group("analytic (an estimate for hardware not at hand)")
     a.add_argument("--analytic", action="store_true", help="roofline estimate instead of measuring")
     a.add_argument("--gpu", choices=sorted(GPUS), help="the GPU's published peaks")

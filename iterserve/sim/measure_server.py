@@ -18,6 +18,7 @@ same cores is therefore part of the figures, as it is of any measured run on one
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from iterserve.bench.compare import replay
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.workload import RequestSpec, build_prompts
 from iterserve.sim.overhead import ServerOverhead, fit_gaps, nonnegative_lstsq
+from iterserve.sim.step_model import record_features
 
 ISOLATED_PROMPTS = (16, 128, 512)
 ISOLATED_OUTPUT = 8
@@ -56,11 +58,24 @@ def isolated_terms(records: list[Any], steps: list[dict[str, Any]]) -> dict[str,
     return out
 
 
+def in_service_samples(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The server's steps as step-model samples (features and runner seconds), as `Profile.samples`
+    holds the grid's: steps taken in service, with the HTTP front end and the client on the same
+    cores, which the grid's isolated repeats of one shape do not see."""
+    out = []
+    for s in steps:
+        f = record_features(s)
+        if f is not None and float(s["duration"]) > 0:
+            out.append({**dataclasses.asdict(f), "seconds": float(s["duration"])})
+    return out
+
+
 def measure_server_overhead(model: str, engine_flags: list[str], tokenizer: Any, max_seqs: int,
                             max_prompt: int | None = None, max_output: int | None = None, isolated: int = 12,
                             burst_output: int = 32,
-                            log_path: str | Path | None = None) -> ServerOverhead:
-    """max_prompt / max_output: the server's --max-input-len / --max-output-len where it has them
+                            log_path: str | Path | None = None) -> tuple[ServerOverhead, list[dict[str, Any]]]:
+    """(the overhead terms, the server's steps as step-model samples: `in_service_samples`).
+    max_prompt / max_output: the server's --max-input-len / --max-output-len where it has them
     (the requests are cut to fit)."""
     burst_output = min(burst_output, max_output or burst_output)
     lens = [min(n, max_prompt or n) for n in ISOLATED_PROMPTS]
@@ -94,6 +109,7 @@ def measure_server_overhead(model: str, engine_flags: list[str], tokenizer: Any,
                  "first_token_median_s": float(np.median(alone["first_token"])),
                  "finish_median_s": float(np.median(alone["finish"])), "engine_flags": list(engine_flags),
                  "clock_error_s": timeline.clock_error_s})
-    return ServerOverhead(gap_s=gap, admit_s=admit, arrival_s=[a0, float(a_tok)],
-                          first_token_s=max(float(np.median(alone["first_token"])), 0.0),
-                          finish_s=max(float(np.median(alone["finish"])), 0.0), fit=info)
+    overhead = ServerOverhead(gap_s=gap, admit_s=admit, arrival_s=[a0, float(a_tok)],
+                              first_token_s=max(float(np.median(alone["first_token"])), 0.0),
+                              finish_s=max(float(np.median(alone["finish"])), 0.0), fit=info)
+    return overhead, in_service_samples(steps)

@@ -6,6 +6,7 @@ for that combination; an analytic profile says `"estimate": true` and which assu
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -19,7 +20,7 @@ from iterserve.bench.common import load_average
 from iterserve.config import EngineConfig, parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
-from iterserve.sim.step_model import StepTimeModel, model_from_dict
+from iterserve.sim.step_model import LinearStepModel, StepTimeModel, features_of, model_from_dict, step_kind
 
 FORMAT = "iterserve-step-profile/1"
 # the flags that decide which CPU kernels a step runs (so two machines' profiles can be told apart)
@@ -45,6 +46,8 @@ class Profile:
     samples: list[dict[str, Any]] = field(default_factory=list)  # measured steps: features and seconds
     note: str = ""
     server_overhead: ServerOverhead | None = None  # None: not measured, the simulator charges none
+    # a server's own steps during the overhead measurement (features and seconds, as `samples`)
+    in_service_samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def overhead(self) -> ServerOverhead:
@@ -71,7 +74,8 @@ class Profile:
                 "created": self.created, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "max_model_len": self.max_model_len, "kv_memory_bytes": self.kv_memory_bytes,
                 "step_model": self.step_model.to_dict(), "fit": self.fit, "samples": self.samples,
-                "server_overhead": self.server_overhead.to_dict() if self.server_overhead else None}
+                "server_overhead": self.server_overhead.to_dict() if self.server_overhead else None,
+                "in_service_samples": self.in_service_samples}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
@@ -84,7 +88,36 @@ class Profile:
                    engine_flags=d.get("engine_flags") or {}, machine=d.get("machine") or {},
                    commit=d.get("commit"), created=d.get("created", ""), fit=d.get("fit") or {},
                    samples=d.get("samples") or [], note=d.get("note", ""),
-                   server_overhead=ServerOverhead.from_dict(d["server_overhead"]) if d.get("server_overhead") else None)
+                   server_overhead=ServerOverhead.from_dict(d["server_overhead"]) if d.get("server_overhead") else None,
+                   in_service_samples=d.get("in_service_samples") or [])
+
+    def in_service_errors(self) -> dict[str, dict[str, float]]:
+        """The step model on the server's own steps (`in_service_samples`), per kind of step
+        (decode, prefill alone, mixed): count, mean and mean |relative error|."""
+        by_kind: dict[str, list[float]] = {}
+        for s in self.in_service_samples:
+            f = features_of(s)
+            by_kind.setdefault(step_kind(f), []).append((self.step_model.predict(f) - s["seconds"]) / s["seconds"])
+        return {k: {"steps": len(v), "mean": sum(v) / len(v), "mean_abs": sum(map(abs, v)) / len(v)}
+                for k, v in by_kind.items()}
+
+    def calibrated(self) -> "Profile":
+        """This profile with its linear step model refitted on the grid's samples and the server's
+        in-service steps together, each set carrying half the weight (what `iterserve profile
+        --calibrate` saves): the grid spans the shapes, the in-service steps carry what serving adds
+        to a step on shared cores."""
+        if not isinstance(self.step_model, LinearStepModel) or not self.in_service_samples:
+            raise ValueError("calibration needs a measured (linear) profile with in-service steps "
+                             "(`iterserve profile MODEL --server-overhead`)")
+        both = self.samples + self.in_service_samples
+        # as much weight to the in-service steps in all as to the grid's few shapes, however many there are
+        share = len(self.samples) / len(self.in_service_samples)
+        m = self.step_model
+        model = LinearStepModel.fit([features_of(s) for s in both], [s["seconds"] for s in both],
+                                    m.twin_max_tokens, m.head_max_seqs,
+                                    weights=[1.0] * len(self.samples) + [share] * len(self.in_service_samples))
+        return dataclasses.replace(self, step_model=model, fit={**self.fit, "calibrated_on_in_service_steps":
+                                                                len(self.in_service_samples)})
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

@@ -71,6 +71,17 @@ def record_features(step: dict[str, Any]) -> StepFeatures | None:
                         int(step["decode_kv_tokens"]), int(step["prefill_kv_tokens"]) / 1e3)
 
 
+def features_of(sample: dict[str, Any]) -> StepFeatures:
+    """A saved sample's features (a profile's `samples` / `in_service_samples` entry)."""
+    return StepFeatures(int(sample["seqs"]), int(sample["tokens"]), int(sample["prefill_tokens"]),
+                        int(sample["decode_kv"]), float(sample["prefill_kv_k"]))
+
+
+def step_kind(f: StepFeatures) -> str:
+    """decode (single-token rows only), prefill (one prompt chunk alone) or mixed."""
+    return "decode" if not f.prefill_tokens else ("prefill" if f.seqs == 1 else "mixed")
+
+
 class StepTimeModel(Protocol):
     def predict(self, f: StepFeatures) -> float: ...
 
@@ -106,13 +117,13 @@ class LinearStepModel:
 
     @classmethod
     def fit(cls, rows: list[StepFeatures], seconds: list[float], twin_max_tokens: int = 0,
-            head_max_seqs: int = 0) -> "LinearStepModel":
-        """Non-negative least squares on relative error (each row weighted by 1/t)."""
+            head_max_seqs: int = 0, weights: list[float] | None = None) -> "LinearStepModel":
+        """Non-negative least squares on relative error (each row weighted by 1/t, times its weight)."""
         if len(rows) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(rows)}")
         x = np.array([r.row(twin_max_tokens, head_max_seqs) for r in rows], dtype=float)
         y = np.asarray(seconds, dtype=float)
-        w = 1.0 / y
+        w = (1.0 if weights is None else np.sqrt(np.asarray(weights, dtype=float))) / y
         coef = nonnegative_lstsq(x * w[:, None], y * w)
         return cls([float(c) for c in coef], twin_max_tokens, head_max_seqs)
 
