@@ -5,7 +5,8 @@ chosen by replaying one's own traffic. For each (max-num-seqs, block-size[, max-
 this starts a fresh server, sends a short warm-up, replays the same requests at the same arrival times, and reads the
 server's per-step records (/v1/scheduler) for KV usage and internal fragmentation. It reports
 throughput, goodput under the SLOs, latency, queue time and KV figures per config, names the best
-config that meets the SLOs, and says why (the trade-offs in `explain`). A time budget bounds the
+config that meets the SLOs (or, when none does, the one that came closest: `rank_key`), and says why
+(the trade-offs in `explain`). A time budget bounds the
 whole sweep: configs left when it runs out are skipped, and said so.
 """
 from __future__ import annotations
