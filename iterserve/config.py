@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 DECODE_ATTENTION_CHOICES = ("auto", "torch", "cpu", "triton")  # attention/selector.py's backends
-BF16_GEMM_CHOICES = ("auto", "tiled", "onednn", "float32")  # platform/cpu_linear.py's layouts
+BF16_GEMM_CHOICES = ("auto", "tiled", "onednn", "float32", "bf16w")  # platform/cpu_linear.py's layouts
 ENV_DEFAULTS = {  # EngineConfig field -> the environment variable its default comes from
     "cpu_kernels": "ITERSERVE_CPU_KERNELS",
     "bf16_gemm": "ITERSERVE_BF16_GEMM",
@@ -109,10 +109,11 @@ class EngineConfig:
     compile: bool = False
     # kernels (defaults from the environment: ENV_DEFAULTS). cpu_kernels: load iterserve's C++ CPU
     # kernels (off: torch and oneDNN paths only); bf16_gemm: the CPU bf16 projections' GEMM (auto:
-    # ours where AVX512-BF16 exists and the CPU has no AMX, else oneDNN's); decode_attention: the
+    # ours where AVX512-BF16 exists and the CPU has no AMX, else oneDNN's; a float32 run takes
+    # float32 or bf16w, bf16 weights on our AVX2 GEMM, and auto there is measured); decode_attention: the
     # decode attention backend (auto: Triton on CUDA, the C++ kernel on CPU, else torch)
     cpu_kernels: bool = field(default_factory=lambda: _env("cpu_kernels", "1") != "0")
-    bf16_gemm: Literal["auto", "tiled", "onednn"] = field(default_factory=lambda: _env("bf16_gemm", "auto"))
+    bf16_gemm: Literal["auto", "tiled", "onednn", "float32", "bf16w"] = field(default_factory=lambda: _env("bf16_gemm", "auto"))
     decode_attention: Literal["auto", "torch", "cpu", "triton"] = field(
         default_factory=lambda: _env("decode_attention", "auto"))
     # CPU: what "auto" above means is timed once per machine and model shape (platform/kernel_choice.py,

@@ -64,9 +64,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the GEMM of the CPU bf16 projections: tiled (ours, where AVX512-BF16 exists), onednn "
                         "(on AMX tiles where the CPU has them), float32 (a float32 copy of each weight), or auto: "
                         "the fastest per shape as timed on this machine (--measure-kernels), else by CPU flags "
-                        "(ours unless the CPU has AMX) (default: $ITERSERVE_BF16_GEMM, else auto)")
+                        "(ours unless the CPU has AMX). A float32 run (a CPU without fast bf16) takes float32 "
+                        "(plain F.linear), bf16w (bf16 weights on our AVX2 float32 GEMM: half the bytes read) "
+                        "or auto: timed, else float32 (default: $ITERSERVE_BF16_GEMM, else auto)")
     g.add_argument("--measure-kernels", action=argparse.BooleanOptionalAction, default=d.measure_kernels,
-                   help="CPU: choose each projection's GEMM (ours, oneDNN's: AMX where present, float32), the "
+                   help="CPU: choose each projection's GEMM (ours, oneDNN's: AMX where present, float32; in a "
+                        "float32 run float32 or bf16w), the "
                         "4-bit / Q8_0 copies' cut-overs and the decode attention by timing them at start-up for "
                         "this model's shapes (a few seconds, once: cached under ~/.cache/iterserve/kernel_choice "
                         "per CPU, torch, sources and model); --no-measure-kernels decides by CPU flags and fixed "

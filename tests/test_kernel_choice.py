@@ -55,7 +55,7 @@ def _request(**kw) -> kc.ChoiceRequest:
                     reason="needs both our AVX512-BF16 GEMM and oneDNN bf16")
 @pytest.mark.parametrize("slow,expected", [("tiled", "onednn"), ("onednn", "tiled")])
 def test_choose_kernels_takes_the_other_layout_when_one_is_made_slow(monkeypatch, tmp_path, slow, expected):
-    monkeypatch.setattr(kc, "layout_candidates", lambda in_features, kernels: ["tiled", "onednn"])
+    monkeypatch.setattr(kc, "layout_candidates", lambda in_features, kernels, dtype=None: ["tiled", "onednn"])
     monkeypatch.setattr(kc, "linear_candidates", _slowed(slow, 0.005))
     choice = kc.choose_kernels(_request(), load_cpu_kernels(), remeasure=True, folder=tmp_path)
     assert choice.plan("proj", 64, 128).layout == expected

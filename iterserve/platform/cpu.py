@@ -22,7 +22,7 @@ from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
-from iterserve.platform.cpu_linear import (bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
+from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_vectorised)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, choose_kernels,
                                               kernel_choice_dir, shapes_of)
@@ -59,6 +59,11 @@ class CpuPlatform(Platform):
             attention = select_attention_backend(config.decode_attention, device, self.kernels)
         super().__init__(config, device, dtype, attention)
         self.layout = bf16_gemm_layout(config.bf16_gemm, self.kernels)  # validates the choice too
+        if dtype == torch.float32:  # what a float32 run's projections get unless measured
+            if config.bf16_gemm not in ("auto", *FLOAT32_LAYOUTS):
+                raise ValueError(f"bf16_gemm={config.bf16_gemm} is a bf16 layout; a float32 run takes auto, "
+                                 f"{' or '.join(FLOAT32_LAYOUTS)}")
+            self.layout = "float32" if config.bf16_gemm == "auto" else config.bf16_gemm
         self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit twin
         self.q8_head_max_tokens = 0
         self.kernel_choice: KernelChoice | None = None  # the measured table, when measured
@@ -74,6 +79,11 @@ class CpuPlatform(Platform):
         q = cfg.quantization
         if self.dtype == torch.bfloat16 and self.kernels is not None:
             use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
+        if self.dtype == torch.float32 and not cfg.batch_invariant:
+            if q == "int4":
+                raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
+            self._prepare_float32(model)
+            return
         if self.dtype != torch.bfloat16 or not bf16_linears_available(self.kernels):
             if q == "int4":
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
@@ -101,13 +111,31 @@ class CpuPlatform(Platform):
                      f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
                      f", Q8_0 LM head for <= {self.q8_head_max_tokens} sampled rows" if self.q8_head_max_tokens else "")
 
+    def _prepare_float32(self, model: nn.Module) -> None:
+        """float32 (a CPU without fast bf16): each projection and the LM head keep plain F.linear
+        (MKL) or take bf16 weights on our AVX2 GEMM, half the bytes a decode step reads, as timed
+        per shape (or forced by bf16_gemm). With measure_kernels off and bf16_gemm auto, nothing
+        changes: the flags alone do not say which is faster (MKL's own speed varies by CPU)."""
+        cfg = self.config
+        forced = cfg.bf16_gemm if cfg.bf16_gemm != "auto" else None
+        if forced == "bf16w" and self.kernels is None:
+            raise ValueError("bf16_gemm=bf16w needs iterserve's C++ CPU kernels, which are off or did not build")
+        plans = None
+        if cfg.measure_kernels and self.kernels is not None:
+            plans = self._measure(model, False, False)
+        elif forced is None:
+            return
+        n = optimize_cpu_linears(model, forced or "float32", 0, 0, self.kernels, plans, dtype=torch.float32)
+        if plans is None:
+            log.info("CPU float32: %d projections laid out for %s (bf16_gemm forced, not measured)", n, forced)
+
     def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool) -> dict[tuple[str, int, int], tuple[str, int]]:
         """Times the candidates (or reads the cached table), logs the table, and returns the per-shape plan."""
         cfg = self.config
         mcfg = model.cfg
         max_seqs = cfg.max_seqs_per_step
         measure_attention = cfg.decode_attention == "auto" and self.kernels is not None
-        req = ChoiceRequest(shapes=shapes_of(model), buckets=batch_buckets(max_seqs), dtype=self.dtype,
+        req = ChoiceRequest(shapes=shapes_of(model, self.dtype), buckets=batch_buckets(max_seqs), dtype=self.dtype,
                             layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,
                             q8_head=use_q8_head,
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
@@ -116,6 +144,7 @@ class CpuPlatform(Platform):
         how = (f"measured in {choice.seconds:.1f} s, cached in {kernel_choice_dir()}" if choice.source == "measured"
                else f"read from the cache in {kernel_choice_dir()} (--remeasure-kernels to time again)")
         log.info("CPU kernel choice (%s); ms per call at each step size:\n%s", how, choice.table())
+        log.info("CPU %s kernels chosen: %s", str(self.dtype).removeprefix("torch."), choice.brief())
         if choice.decode_attention and choice.decode_attention != self.attention.name:
             self.attention = select_attention_backend(choice.decode_attention, self.device, self.kernels)
         self.int4_max_tokens = max((c.twin_max_tokens for c in choice.linears.values() if c.role == "proj"), default=0)

@@ -94,6 +94,18 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(tiles, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
+def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight -> [ceil(N/16), K, 16] bf16 (zero-padded outputs), laid out for cpu_kernels.cpp's
+    f32_bf16w_gemm: a tile of 16 outputs, one input at a time, outputs in the order 0, 8, 1, 9, ...
+    (so the kernel widens a tile's row into outputs 0-7 and 8-15 without shuffling lanes)."""
+    n, k = weight.shape
+    tiles = -(-n // 16)
+    w = torch.zeros(tiles * 16, k, dtype=torch.bfloat16)
+    w[:n] = weight
+    order = torch.arange(16).reshape(2, 8).t().reshape(16)  # 0, 8, 1, 9, ..., 7, 15
+    return w.reshape(tiles, 16, k)[:, order].transpose(1, 2).contiguous()
+
+
 def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float weight -> (int8 [N, K], float32 scales [N, K/group]), w ~= q * scale (GGUF Q8_0)."""
     n, k = weight.shape
@@ -104,14 +116,22 @@ def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
 
 
 # our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight (on AMX tiles where the
-# CPU has them); a float32 copy of the weight (bf16 activations widened per call), for CPUs where bf16 is slow
-LAYOUTS = ("tiled", "onednn", "float32")
+# CPU has them); a float32 copy of the weight (bf16 activations widened per call), for CPUs where bf16 is
+# slow; bf16 weight tiles (pack_bf16_f32) for our AVX2 float32 GEMM, for float32 engines (on CPUs
+# without fast bf16 the engine runs float32: reading half the bytes of a float32 weight is what counts)
+LAYOUTS = ("tiled", "onednn", "float32", "bf16w")
 BF16_GEMM_CHOICES = ("auto", *LAYOUTS)
+FLOAT32_LAYOUTS = ("float32", "bf16w")  # what a float32 engine's projections can take
 
 
 def tiled_gemm_vectorised(kernels: ModuleType | None) -> bool:
     """Whether our bf16 GEMM built with AVX512-BF16 (elsewhere oneDNN's is faster)."""
     return kernels is not None and kernels.bf16_gemm_is_vectorised()
+
+
+def bf16w_gemm_vectorised(kernels: ModuleType | None) -> bool:
+    """Whether our float32 x bf16-weight GEMM built with AVX2 and FMA (the scalar fallback never wins)."""
+    return kernels is not None and kernels.f32_bf16w_gemm_is_vectorised()
 
 
 def bf16_gemm_layout(choice: str, kernels: ModuleType | None) -> str:
@@ -121,7 +141,7 @@ def bf16_gemm_layout(choice: str, kernels: ModuleType | None) -> str:
     platform times them instead: platform/kernel_choice.py.)"""
     if choice not in BF16_GEMM_CHOICES:
         raise ValueError(f"bf16_gemm={choice!r}: use one of {', '.join(BF16_GEMM_CHOICES)}")
-    if choice in ("onednn", "float32"):
+    if choice in ("onednn", "float32", "bf16w"):
         return choice
     if choice == "auto" and "amx_bf16" in cpu_flags():
         return "onednn"
@@ -140,7 +160,8 @@ def four_bit_max_tokens(layout: str) -> int:
 
 class CpuLinear(nn.Module):
     """A bf16 Linear with its weight laid out once for a fast kernel (`layout`: our tiled GEMM, which
-    needs an even in_features and the CPU kernels, or oneDNN's prepacked weight), and optionally a
+    needs an even in_features and the CPU kernels, or oneDNN's prepacked weight), or a float32 one with
+    its weight stored as bf16 for our AVX2 GEMM (`bf16w`: the output is float32), and optionally a
     quantised twin (`twin`: one of TWINS) used when the step has at most `twin_max_tokens` rows.
     Keeps no plain copy of a weight it owns alone."""
 
@@ -164,6 +185,7 @@ class CpuLinear(nn.Module):
                 self.register_buffer("twin_mins", packed[2], persistent=False)
         self.layout = layout
         self.packed_weight = (pack_bf16(w) if layout == "tiled" else w.float().contiguous() if layout == "float32"
+                              else pack_bf16_f32(w) if layout == "bf16w"
                               else torch.ops.mkldnn._reorder_linear_weight(w, 16))
         self.weight = linear.weight if keep_weight else None
 
@@ -195,6 +217,8 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
         y = load_cpu_kernels().bf16_gemm(x, packed_weight, out_features)
     elif layout == "float32":
         y = torch.nn.functional.linear(x.float(), packed_weight).to(x.dtype)
+    elif layout == "bf16w":
+        y = load_cpu_kernels().f32_bf16w_gemm(x.float(), packed_weight, out_features).to(x.dtype)
     else:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return y if bias is None else y + bias
@@ -218,14 +242,21 @@ def four_bit_twin(in_features: int, kernels: ModuleType | None) -> str | None:
 
 def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_tokens: int = 0,
                          q8_head_max_tokens: int = 0, kernels: ModuleType | None = None,
-                         plans: Mapping[tuple[str, int, int], tuple[str, int]] | None = None) -> int:
+                         plans: Mapping[tuple[str, int, int], tuple[str, int]] | None = None,
+                         dtype: torch.dtype = torch.bfloat16) -> int:
     """Swaps the decoder projections (4-bit twin if int4_max_tokens > 0) and the LM head (Q8_0 twin
     if q8_head_max_tokens > 0: 4 bits would round the logits; it keeps its weight, which it shares
     with the embedding) for CpuLinear in `layout` (a linear with an odd in_features takes oneDNN's).
     `kernels`: the loaded CPU kernels, or None. `plans`: (role "proj"/"head", out, in) -> (layout,
     twin's max tokens), a measured choice per shape (platform/kernel_choice.py) that replaces `layout`
-    and the twin thresholds for the shapes it names (a twin stays off where its figure is 0). The
-    model must be bf16 on CPU. Returns the number changed."""
+    and the twin thresholds for the shapes it names (a twin stays off where its figure is 0). Only
+    CPU linears of `dtype` are swapped: bf16, or float32 with a FLOAT32_LAYOUTS layout and no twins.
+    Returns the number changed."""
+    if dtype == torch.float32 and (layout not in FLOAT32_LAYOUTS or int4_max_tokens or q8_head_max_tokens
+                                   or any(p[0] not in FLOAT32_LAYOUTS for p in (plans or {}).values())):
+        raise ValueError(f"a float32 model takes the layouts {', '.join(FLOAT32_LAYOUTS)} and no twins")
+    if (layout == "bf16w" or any(p[0] == "bf16w" for p in (plans or {}).values())) and kernels is None:
+        raise RuntimeError("layout bf16w needs iterserve's CPU kernels, which did not build (see the log)")
     if layout == "tiled" and not tiled_gemm_vectorised(kernels):
         raise RuntimeError("layout tiled needs iterserve's CPU kernels built with AVX512-BF16")
     if layout == "onednn" and not prepack_available():
@@ -236,8 +267,7 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
         raise RuntimeError("a Q8_0 LM head needs iterserve's CPU kernels, which did not build (see the log)")
     changed = 0
     for name, mod in list(model.named_modules()):
-        if not (isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16
-                and mod.weight.device.type == "cpu"):
+        if not (isinstance(mod, nn.Linear) and mod.weight.dtype == dtype and mod.weight.device.type == "cpu"):
             continue
         role = "proj" if name.startswith("layers.") else "head" if name == "lm_head" else None
         if role is None:

@@ -46,8 +46,8 @@ from iterserve.attention.cpu_backend import CpuKernelAttentionBackend
 from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
-from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, four_bit_twin, prepack_available,
-                                           tiled_gemm_vectorised)
+from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16w_gemm_vectorised, four_bit_twin,
+                                           prepack_available, tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -165,6 +165,12 @@ class KernelChoice:
                             for k, c in self.linears.items()},
                 "decode_attention": self.decode_attention}
 
+    def brief(self) -> str:
+        """One line: each shape's layout (and twin cut-over), then the decode attention."""
+        parts = [f"{key} {c.layout}" + (f"+{c.twin}<={c.twin_max_tokens}" if c.twin_max_tokens else "")
+                 for key, c in self.linears.items()]
+        return ", ".join(parts + ([f"decode attention {self.decode_attention}"] if self.decode_attention else []))
+
     def table(self) -> str:
         """The chosen table, one line per shape with each candidate's ms at every bucket."""
         head = "rows " + " ".join(f"{b:>6d}" for b in self.buckets)
@@ -241,9 +247,9 @@ def save_cached(key: Mapping[str, Any], choice: KernelChoice, folder: Path | Non
 
 
 # ---- candidates ------------------------------------------------------------------------------------
-def _linear(out_features: int, in_features: int) -> nn.Linear:
+def _linear(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
     lin = nn.Linear(in_features, out_features, bias=False, device="meta")
-    lin.weight = nn.Parameter(torch.randn(out_features, in_features).mul_(0.02).bfloat16(), requires_grad=False)
+    lin.weight = nn.Parameter(torch.randn(out_features, in_features).mul_(0.02).to(dtype), requires_grad=False)
     return lin
 
 
@@ -254,15 +260,21 @@ def num_copies(out_features: int, in_features: int) -> int:
     return max(1, min(MAX_COPIES, -(-COPIES_BYTES // (2 * out_features * in_features))))
 
 
-def layout_candidates(in_features: int, kernels: ModuleType | None) -> list[str]:
-    """The bf16 layouts that can run a projection with this many inputs on this machine."""
+def layout_candidates(in_features: int, kernels: ModuleType | None,
+                      dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """The layouts that can run a projection of `dtype` with this many inputs on this machine: for
+    bf16, ours (AVX512-BF16), oneDNN's and float32; for float32, plain float32 and bf16 weights on
+    our AVX2 GEMM (whose scalar fallback is not worth timing)."""
+    if dtype == torch.float32:
+        return ["float32"] + (["bf16w"] if bf16w_gemm_vectorised(kernels) else [])
     ok = {"tiled": tiled_gemm_vectorised(kernels) and in_features % 2 == 0, "onednn": prepack_available(),
           "float32": True}
-    return [name for name in LAYOUTS if ok[name]]
+    return [name for name in LAYOUTS if ok.get(name)]
 
 
 def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None
                       ) -> dict[str, Callable[[int], Callable[[], object]]]:
+    # activations in the weights' dtype, as the model runs them
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
     own overhead and the weights' memory traffic are in the figure."""
@@ -272,7 +284,7 @@ def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: s
 
     def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
         def make(rows: int) -> Callable[[], object]:
-            x = torch.randn(rows, lins[0].in_features).bfloat16()
+            x = torch.randn(rows, lins[0].in_features).to(lins[0].weight.dtype)
             return lambda: [mod(x) for mod in copies]
         return make
     return {name: factory(copies) for name, copies in mods.items()}
@@ -308,11 +320,11 @@ class ChoiceRequest:
     attention: tuple[int, int, int, int] | None = None  # (heads, kv heads, head_dim, block_size): measured
 
 
-def shapes_of(model: nn.Module) -> list[tuple[str, int, int]]:
-    """The distinct (role, out, in) of the bf16 CPU linears optimize_cpu_linears will replace."""
+def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, int, int]]:
+    """The distinct (role, out, in) of the CPU linears of `dtype` optimize_cpu_linears will replace."""
     seen: dict[tuple[str, int, int], None] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and mod.weight.dtype == torch.bfloat16 and mod.weight.device.type == "cpu":
+        if isinstance(mod, nn.Linear) and mod.weight.dtype == dtype and mod.weight.device.type == "cpu":
             role = "head" if name == "lm_head" else "proj" if name.startswith("layers.") else None
             if role:
                 seen[role, mod.out_features, mod.in_features] = None
@@ -337,14 +349,14 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     linears: dict[str, LinearChoice] = {}
     with torch.inference_mode():
         for role, n, k in req.shapes:
-            layouts = [req.layout] if req.layout else layout_candidates(k, kernels)
+            layouts = [req.layout] if req.layout else layout_candidates(k, kernels, req.dtype)
             if req.layout == "tiled" and k % 2:
                 layouts = ["onednn"]  # as optimize_cpu_linears does for an odd in_features
             twin = (four_bit_twin(k, kernels) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
             buckets = proj_buckets if role == "proj" else req.buckets
             copies = num_copies(n, k)
-            sec = measure(linear_candidates([_linear(n, k) for _ in range(copies)], layouts, twin), buckets,
+            sec = measure(linear_candidates([_linear(n, k, req.dtype) for _ in range(copies)], layouts, twin), buckets,
                           give_up={twin: TWIN_GIVE_UP} if twin else None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name != twin}
