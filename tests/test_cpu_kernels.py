@@ -28,7 +28,7 @@ def decode_attention_cpu(q, k_cache, v_cache, meta, scale):
 
 
 @pytest.mark.parametrize("head_dim, block_size, group", [(64, 16, 1), (64, 16, 3), (64, 32, 3), (80, 8, 4),
-                                                         (128, 64, 8), (32, 1, 2)])
+                                                         (128, 64, 8), (32, 1, 2), (72, 16, 3), (36, 8, 1)])
 def test_float32_matches_torch(head_dim, block_size, group):
     q, k_cache, v_cache, meta = random_case(CONTEXT_LENS + [33, 2, 300], block_size, group, head_dim=head_dim)
     scale = head_dim ** -0.5

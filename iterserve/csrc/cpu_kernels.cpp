@@ -19,7 +19,8 @@
 // All seven split their work through work_pool.h (why not torch's OpenMP pool: see there).
 //
 // Plain C++ loops written for the compiler's vectoriser (`omp simd`), so the file builds on any
-// CPU gcc targets, with AVX-512 intrinsics where the vectoriser fell short; float32 accumulation.
+// CPU gcc targets, with AVX-512 (and, for CPUs without it, AVX2) intrinsics where the vectoriser
+// fell short; float32 accumulation.
 #include <torch/extension.h>
 
 #include "work_pool.h"
@@ -46,6 +47,23 @@ inline float load(uint16_t bits) {  // bfloat16 -> float32 is a 16-bit shift
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+// AVX2 + FMA (every x86-64 CPU of the last decade, AVX-512 ones too): the float32 x bf16-weight
+// GEMM and the decode attention's float32 paths where AVX-512 is missing
+#if defined(__AVX2__) && defined(__FMA__)
+#define ISV_AVX2_FMA 1
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define ISV_AVX2_FMA 0
+#endif
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
@@ -85,7 +103,8 @@ inline float exp_nonpositive(float x) {
 }
 
 // q . k and acc += p * v over one head's D values (float q/acc; k, v float or bf16 bits). Written
-// out for AVX-512 when D is a multiple of 16: the vectoriser left the bf16 loops scalar.
+// out for AVX-512 when D is a multiple of 16 (else AVX2 when a multiple of 8): the vectoriser left
+// the bf16 loops scalar, and the float32 dot too (it may not reorder a float sum).
 template <typename C>
 inline float dot(const float* q, const C* k, int64_t D) {
 #if defined(__AVX512F__)
@@ -93,6 +112,17 @@ inline float dot(const float* q, const C* k, int64_t D) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif ISV_AVX2_FMA
+  if (D % 8 == 0) {  // two accumulators: one FMA chain would wait on its own latency
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
+    }
+    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
+    return reduce_add8(_mm256_add_ps(a0, a1));
   }
 #endif
   float s = 0.f;
@@ -107,6 +137,13 @@ inline void axpy(float p, const C* v, float* acc, int64_t D) {
     const __m512 pv = _mm512_set1_ps(p);
     for (int64_t d = 0; d < D; d += 16)
       _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#elif ISV_AVX2_FMA
+  if (D % 8 == 0) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(acc + d)));
     return;
   }
 #endif
@@ -590,18 +627,12 @@ bool bf16_gemm_is_vectorised() { return ISV_BF16_DOT; }
 // halves away (odd ones), with no lane shuffles. MB rows x 16 outputs of accumulators (2 x MB of
 // AVX2's 16 registers), each x value broadcast from its row; the tile's weights stay in cache
 // across the row blocks of a larger M.
-#if defined(__AVX2__) && defined(__FMA__)
-#define ISV_F32_BF16W 1
-#else
-#define ISV_F32_BF16W 0
-#endif
-
 constexpr int64_t kF32Rows = 6;  // 12 accumulators + 2 weights + 1 broadcast of AVX2's 16 registers
 
 template <int MB>
 void f32_bf16w_tile(const float* x, int64_t K, const uint16_t* wt, float* out, int64_t N, int64_t n0) {
   const int64_t width = std::min<int64_t>(16, N - n0);
-#if ISV_F32_BF16W
+#if ISV_AVX2_FMA
   // Every loop over the accumulators is unrolled (the pragmas): otherwise gcc keeps the arrays in
   // memory and stores them at every k, which halved the speed. For 1-3 rows, two sets of
   // accumulators take even and odd k, so that 4+ FMA chains hide the FMA's latency.
@@ -680,7 +711,7 @@ at::Tensor f32_bf16w_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N
   return out;
 }
 
-bool f32_bf16w_gemm_is_vectorised() { return ISV_F32_BF16W; }
+bool f32_bf16w_gemm_is_vectorised() { return ISV_AVX2_FMA; }
 
 
 // ---- RMSNorm in bf16, in Hugging Face's order of rounding -------------------------------------
