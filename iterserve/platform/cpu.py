@@ -74,12 +74,12 @@ class CpuPlatform(Platform):
         few tokens, where decoding is bound by reading weights (platform/cpu_linear.py). Which
         layout and up to how many rows each twin runs are timed on this machine for this model's
         shapes (platform/kernel_choice.py) unless measure_kernels is off or a flag forces them.
-        The head's twin needs the C++ CPU kernels."""
+        The head's twin needs the C++ CPU kernels. In float32: `_prepare_float32`."""
         cfg = self.config
         q = cfg.quantization
         if self.dtype == torch.bfloat16 and self.kernels is not None:
             use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
-        if self.dtype == torch.float32 and not cfg.batch_invariant:
+        if self.dtype == torch.float32:  # (batch_invariant needs bf16: refused in __init__)
             if q == "int4":
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
             self._prepare_float32(model)
