@@ -103,7 +103,8 @@ class EngineConfig:
     # weight-only int4 twin of each projection for steps of <= 4 tokens (8 without our bf16 GEMM:
     # cpu_linear.four_bit_max_tokens), and a Q8_0 twin of the LM head
     # for <= 4 sampled rows (CPU, bf16): auto = when the checkpoint is 4-bit already (GGUF Q4_0/Q4_1,
-    # whose embedding is Q8_0 or coarser), so it adds no new rounding of the weights
+    # whose embedding is Q8_0 or coarser), so it adds no new rounding of the weights. A CPU float32
+    # run takes the projections' twin (our Q4_1 kernel) with int4 only, never under auto
     quantization: Literal["auto", "none", "int4"] = "auto"
     # torch.compile the decoder stack (inductor): faster steps after a one-off compilation at startup
     compile: bool = False

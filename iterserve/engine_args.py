@@ -51,7 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "GEMM is not vectorised) and a Q8_0 copy of the LM head for <= 4 sampled rows (CPU bf16): "
                         "decoding few sequences is bound by reading weights, and these read a quarter / half of the "
                         "bytes. auto (default): only when the checkpoint is a 4-bit GGUF already, so no new "
-                        "rounding; none: bf16/float32 weights only")
+                        "rounding; none: bf16/float32 weights only. A float32 run (a CPU without fast bf16) "
+                        "gets the projections' 4-bit copy with int4 only, never by auto: its int16 activations "
+                        "move near-tie greedy tokens")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers: inductor fuses norms, RoPE, activations and adds, so "
                         "steps are faster, after a compilation at startup that takes about a minute on a small "

@@ -168,10 +168,14 @@ def test_engine_on_optimized_tiny_model_gives_the_plain_bf16_tokens(tiny_model_d
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
-def test_int4_needs_bf16_cpu(tiny_model_dir):
+def test_int4_in_float32_needs_our_q4_kernel(tiny_model_dir):
+    """torch's int4 kernel takes bf16 only: a float32 run's 4-bit twin is our Q4_1 kernel or none."""
+    cfg = dict(model=str(tiny_model_dir), dtype="float32", quantization="int4", kv_cache_memory="16MiB")
     with pytest.raises(ValueError, match="int4"):
-        LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization="int4",
-                               kv_cache_memory="16MiB"))
+        LLMEngine(EngineConfig(**cfg, cpu_kernels=False))
+    kernels = load_cpu_kernels()
+    if kernels is not None and kernels.q4_gemm_is_vectorised():
+        assert LLMEngine(EngineConfig(**cfg)).platform.int4_max_tokens > 0
 
 
 @pytest.fixture(scope="module")

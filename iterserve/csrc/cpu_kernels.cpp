@@ -250,7 +250,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kRanges = 16;  // a GEMM's output rows, split for the work pool
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || ISV_AVX2_FMA
 // Asks for `bytes` from p into cache, a 64-byte line at a time.
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
@@ -353,7 +353,8 @@ at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // then drifted ~4x further from float32 than with bf16 activations.)
 // Layout, made by pack_q4_1 (cpu_linear.py): qs [N, K/2] uint8, chunk c's byte i = q[64c+i] | q[64c+32+i] << 4;
 // d and m [N, K/32] float16 (GGUF's own types).
-// the instructions q4_rows's fast path needs; q4_gemm_is_vectorised() reports it to Python
+// the instructions q4_rows's fast path needs (else AVX2 + FMA); q4_gemm_is_vectorised() reports
+// either to Python
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ISV_Q4_VNNI 1
 #else
@@ -404,6 +405,51 @@ void q4_rows(const Q4Rows& a, const uint8_t* qs, const at::Half* d, const at::Ha
     }
     for (int m = 0; m < MB; ++m)
       store(out + m * N + n, _mm512_reduce_add_ps(acc[m]) * a.dx[m] + mins[m]);
+  }
+#elif ISV_AVX2_FMA
+  // AVX2 (float32 engines on CPUs without AVX-512): the same sums, each 32-weight block widened to
+  // int16 and multiplied by vpmaddwd (pairs of s16 x s16 into s32, 4 products a lane at most:
+  // 4 x 15 x 32767, far from overflow). Every loop over the accumulators is unrolled, as in
+  // f32_bf16w_tile (else gcc keeps them in memory).
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = qs + n * (K / 2);
+    const at::Half* dr = d + n * blocks;
+    const at::Half* mr = mn + n * blocks;
+    const int64_t ahead = std::min(n + kPrefetchRows, N - 1);
+    prefetch(qs + ahead * (K / 2), K / 2);
+    prefetch(d + ahead * blocks, blocks * sizeof(at::Half));
+    prefetch(mn + ahead * blocks, blocks * sizeof(at::Half));
+    float mins[MB] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float mb = static_cast<float>(mr[b]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) mins[m] += mb * a.sx[m * blocks + b];
+    }
+    __m256 acc[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + c * 32));
+      const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      const __m256i w0a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+      const __m256i w0b = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+      const __m256i w1a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+      const __m256i w1b = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+      const __m256 d0 = _mm256_set1_ps(static_cast<float>(dr[2 * c])), d1 = _mm256_set1_ps(static_cast<float>(dr[2 * c + 1]));
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq + m * K + c * 64);
+        const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(w0a, _mm256_loadu_si256(xr)),
+                                            _mm256_madd_epi16(w0b, _mm256_loadu_si256(xr + 1)));
+        const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(w1a, _mm256_loadu_si256(xr + 2)),
+                                            _mm256_madd_epi16(w1b, _mm256_loadu_si256(xr + 3)));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), d0, acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), d1, acc[m]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) store(out + m * N + n, reduce_add8(acc[m]) * a.dx[m] + mins[m]);
   }
 #else
   for (int64_t n = n0; n < n1; ++n) {
@@ -480,7 +526,7 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   return out;
 }
 
-bool q4_gemm_is_vectorised() { return ISV_Q4_VNNI; }
+bool q4_gemm_is_vectorised() { return ISV_Q4_VNNI || ISV_AVX2_FMA; }
 
 
 // ---- bf16 GEMM: out[m, n] = sum_k x[m, k] * w[n, k], float32 accumulation --------------------------
@@ -951,7 +997,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a chunk's queries, causal, against its sequence's paged K/V (bf16, AVX512-BF16; see cpu_kernels.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows in Hugging Face's order of rounding (see cpu_kernels.cpp)");
   m.def("q4_gemm", &q4_gemm, "x @ w.T for 4-bit w (GGUF Q4_1 levels; layout in cpu_kernels.cpp)");
-  m.def("q4_gemm_is_vectorised", &q4_gemm_is_vectorised, "whether q4_gemm was built with AVX512-VNNI");
+  m.def("q4_gemm_is_vectorised", &q4_gemm_is_vectorised, "whether q4_gemm was built with AVX512-VNNI or AVX2 + FMA");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T for bf16 w packed by pack_bf16 (layout in cpu_kernels.cpp)");
   m.def("bf16_gemm_is_vectorised", &bf16_gemm_is_vectorised, "whether bf16_gemm was built with AVX512-BF16");
   m.def("f32_bf16w_gemm", &f32_bf16w_gemm,

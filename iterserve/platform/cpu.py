@@ -80,8 +80,6 @@ class CpuPlatform(Platform):
         if self.dtype == torch.bfloat16 and self.kernels is not None:
             use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
         if self.dtype == torch.float32:  # (batch_invariant needs bf16: refused in __init__)
-            if q == "int4":
-                raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
             self._prepare_float32(model)
             return
         if self.dtype != torch.bfloat16 or not bf16_linears_available(self.kernels):
@@ -115,19 +113,30 @@ class CpuPlatform(Platform):
         """float32 (a CPU without fast bf16): each projection and the LM head keep plain F.linear
         (MKL) or take bf16 weights on our AVX2 GEMM, half the bytes a decode step reads, as timed
         per shape (or forced by bf16_gemm). With measure_kernels off and bf16_gemm auto, nothing
-        changes: the flags alone do not say which is faster (MKL's own speed varies by CPU)."""
+        changes: the flags alone do not say which is faster (MKL's own speed varies by CPU).
+        quantization=int4 adds a Q4_1 twin of the projections for steps of few rows (its cut-over
+        timed too); not under auto, unlike bf16: its int16 activations move near-tie greedy tokens,
+        and a float32 run is asked for its numbers (docs/profile.md, Zen 3)."""
         cfg = self.config
+        q = cfg.quantization
+        use_q4 = q == "int4" and self.kernels is not None and self.kernels.q4_gemm_is_vectorised()
+        if q == "int4" and not use_q4:
+            raise ValueError("quantization=int4 in float32 needs iterserve's Q4 kernel vectorised (AVX2 or "
+                             "AVX512-VNNI); torch's CPU int4 kernel takes bfloat16 only")
         forced = cfg.bf16_gemm if cfg.bf16_gemm != "auto" else None
         if forced == "bf16w" and self.kernels is None:
             raise ValueError("bf16_gemm=bf16w needs iterserve's C++ CPU kernels, which are off or did not build")
         plans = None
         if cfg.measure_kernels and self.kernels is not None:
-            plans = self._measure(model, False, False)
-        elif forced is None:
+            plans = self._measure(model, use_q4, False)
+        elif forced is None and q != "int4":
             return
-        n = optimize_cpu_linears(model, forced or "float32", 0, 0, self.kernels, plans, dtype=torch.float32)
+        else:
+            self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_q4 else 0
+        n = optimize_cpu_linears(model, self.layout, self.int4_max_tokens, 0, self.kernels, plans, dtype=torch.float32)
         if plans is None:
-            log.info("CPU float32: %d projections laid out for %s (bf16_gemm forced, not measured)", n, forced)
+            log.info("CPU float32: %d projections laid out for %s%s (not measured)", n, self.layout,
+                     f", Q4_1 twin for steps of <= {self.int4_max_tokens} tokens" if self.int4_max_tokens else "")
 
     def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool) -> dict[tuple[str, int, int], tuple[str, int]]:
         """Times the candidates (or reads the cached table), logs the table, and returns the per-shape plan."""

@@ -14,7 +14,8 @@ each threshold are in docs/profile.md, with the commands that measured them
 - 4-bit twin. A decode step of one or two sequences is bound by reading the weights. torch's CPU
   int4 kernel (`_weight_int4pack_mm_for_cpu`, the one gpt-fast uses) reads a quarter of the bf16
   bytes, but loses to bf16 past a few rows; so such a layer keeps both and picks per step
-  (`four_bit_max_tokens`). Where AVX512-VNNI exists, our own Q4_1 kernel takes the int4 twin's place.
+  (`four_bit_max_tokens`). Where AVX512-VNNI (or AVX2 + FMA) exists, our own Q4_1 kernel takes the
+  int4 twin's place; it is also the only 4-bit twin of a float32 run (quantization=int4 there).
 - Q8_0 head. The LM head is the largest single matrix of a small model's step. Its twin is GGUF's
   Q8_0 (int8 with a float scale per 32 inputs), used for steps that sample few rows.
 
@@ -233,11 +234,12 @@ def _cpu_linear_fake(x, packed_weight, layout, out_features, twin_weight, twin_s
     return x.new_empty(x.shape[0], out_features)
 
 
-def four_bit_twin(in_features: int, kernels: ModuleType | None) -> str | None:
-    """Our Q4 kernel where it is vectorised (AVX512-VNNI) and the shape fits, else torch's int4."""
+def four_bit_twin(in_features: int, kernels: ModuleType | None, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Our Q4 kernel where it is vectorised (AVX512-VNNI, or AVX2 + FMA) and the shape fits, else
+    torch's int4 (bf16 only: it takes bf16 activations)."""
     if kernels is not None and kernels.q4_gemm_is_vectorised() and in_features % 64 == 0:
         return "q4_1"
-    return "int4" if in_features % GROUP_SIZE == 0 else None
+    return "int4" if in_features % GROUP_SIZE == 0 and dtype == torch.bfloat16 else None
 
 
 def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_tokens: int = 0,
@@ -250,18 +252,18 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
     `kernels`: the loaded CPU kernels, or None. `plans`: (role "proj"/"head", out, in) -> (layout,
     twin's max tokens), a measured choice per shape (platform/kernel_choice.py) that replaces `layout`
     and the twin thresholds for the shapes it names (a twin stays off where its figure is 0). Only
-    CPU linears of `dtype` are swapped: bf16, or float32 with a FLOAT32_LAYOUTS layout and no twins.
-    Returns the number changed."""
-    if dtype == torch.float32 and (layout not in FLOAT32_LAYOUTS or int4_max_tokens or q8_head_max_tokens
+    CPU linears of `dtype` are swapped: bf16, or float32 with a FLOAT32_LAYOUTS layout and no twin
+    but our Q4_1 one. Returns the number changed."""
+    if dtype == torch.float32 and (layout not in FLOAT32_LAYOUTS or q8_head_max_tokens
                                    or any(p[0] not in FLOAT32_LAYOUTS for p in (plans or {}).values())):
-        raise ValueError(f"a float32 model takes the layouts {', '.join(FLOAT32_LAYOUTS)} and no twins")
+        raise ValueError(f"a float32 model takes the layouts {', '.join(FLOAT32_LAYOUTS)} and no head twin")
     if (layout == "bf16w" or any(p[0] == "bf16w" for p in (plans or {}).values())) and kernels is None:
         raise RuntimeError("layout bf16w needs iterserve's CPU kernels, which did not build (see the log)")
     if layout == "tiled" and not tiled_gemm_vectorised(kernels):
         raise RuntimeError("layout tiled needs iterserve's CPU kernels built with AVX512-BF16")
     if layout == "onednn" and not prepack_available():
         raise RuntimeError("this torch/CPU has no oneDNN bf16 support")
-    if int4_max_tokens and not int4_kernel_available():
+    if int4_max_tokens and dtype == torch.bfloat16 and not int4_kernel_available():
         raise RuntimeError("this torch has no CPU int4 kernel (_weight_int4pack_mm_for_cpu)")
     if q8_head_max_tokens and kernels is None:
         raise RuntimeError("a Q8_0 LM head needs iterserve's CPU kernels, which did not build (see the log)")
@@ -279,7 +281,7 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
         if lay == "tiled" and mod.in_features % 2:
             lay = "onednn"
         if role == "proj":
-            twin = four_bit_twin(mod.in_features, kernels) if proj_max else None
+            twin = four_bit_twin(mod.in_features, kernels, dtype) if proj_max else None
             new = CpuLinear(mod, twin, proj_max, layout=lay)
         else:
             fits = head_max and mod.in_features % GROUP_SIZE == 0

@@ -352,7 +352,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             layouts = [req.layout] if req.layout else layout_candidates(k, kernels, req.dtype)
             if req.layout == "tiled" and k % 2:
                 layouts = ["onednn"]  # as optimize_cpu_linears does for an odd in_features
-            twin = (four_bit_twin(k, kernels) if role == "proj" and req.four_bit else
+            twin = (four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
             buckets = proj_buckets if role == "proj" else req.buckets
             copies = num_copies(n, k)
