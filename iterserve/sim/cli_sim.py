@@ -111,7 +111,9 @@ def add_profile_parser(sub: Any) -> None:
                    help="model to time (a .gguf, a Hugging Face folder, or smollm2-135m, the default); "
                         "with --analytic, a known shape name")
     p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per step shape; the median is kept")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="passes over the grid, each timing every shape once in its own order; the median per shape "
+                        "is kept (default 5: passes spread a shared machine's slow stretches over all shapes)")
     p.add_argument("--quick", action="store_true", help="a small grid (a smoke test, not a calibration)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--server-overhead", action="store_true",

@@ -3,8 +3,9 @@
 Each grid point is one step laid out by hand: some decode rows at a KV context length, and/or one
 prefill chunk (from position 0, or after a context for a later chunk). The engine's own
 `ModelRunner.execute` runs it (attention over the paged cache, the LM head and sampling: what the
-engine times as a step), once to warm up and then `repeats` times; the median is kept. The KV cache
-holds whatever the slots held before: step time does not depend on the values.
+engine times as a step), once to warm up and then once in each of `repeats` passes over the grid; the
+median is kept. The KV cache holds whatever the slots held before: step time does not depend on the
+values.
 """
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ class ProfileGrid:
         return out
 
 
-def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], repeats: int, rng: np.random.Generator
-               ) -> tuple[StepFeatures, float] | None:
+def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], repeats: int, rng: np.random.Generator,
+               warmup: bool = True) -> tuple[StepFeatures, list[float]] | None:
+    """The step's features and `repeats` timed runs of it (after one untimed run if `warmup`)."""
     pool, vocab = engine.pool, engine.model_config.vocab_size
     reqs = []
     for i, (done, n) in enumerate(rows):
@@ -82,7 +84,8 @@ def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], repeats: int, rng
             return None  # does not fit this cache: skipped
         sched = SchedulerOutput([ScheduledRequest(r, n, done, pool.tables[r.request_id], r.token_slice(done, n),
                                                   sample=True) for r, (done, n) in zip(reqs, rows)])
-        engine.runner.execute(sched)  # warm-up
+        if warmup:
+            engine.runner.execute(sched)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -90,14 +93,18 @@ def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], repeats: int, rng
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        return step_features(sched), statistics.median(times)
+        return step_features(sched), times
     finally:
         for r in reqs:
             pool.free(r.request_id)
 
 
-def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repeats: int = 3,
+def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repeats: int = 5,
                     progress: bool = True, seed: int = 0) -> Profile:
+    """Times every shape of the grid `repeats` times, in `repeats` passes over the whole grid (each in
+    its own shuffled order, one warm-up run per shape in the first) rather than all repeats of a shape
+    back to back: a shared machine's speed drifts over minutes, and passes spread a slow stretch over
+    all shapes instead of biasing the few timed during it. The median per shape is kept."""
     grid = grid or ProfileGrid()
     engine = LLMEngine(config)
     rng = np.random.default_rng(seed)
@@ -105,19 +112,29 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
     twin_max = int(getattr(engine.platform, "int4_max_tokens", 0) or 0)
     head_max = int(getattr(engine.platform, "q8_head_max_tokens", 0) or 0)
     shapes = grid.shapes(config.max_num_batched_tokens, engine.max_model_len, (twin_max, head_max))
-    feats: list[StepFeatures] = []
-    secs: list[float] = []
+    features: dict[int, StepFeatures] = {}
+    runs: dict[int, list[float]] = {}
     t_start = time.perf_counter()
-    for k, rows in enumerate(shapes):
-        got = _time_step(engine, rows, repeats, rng)
-        if got is None:
-            continue
-        feats.append(got[0])
-        secs.append(got[1])
-        if progress:
-            f = got[0]
-            print(f"profile: [{k + 1}/{len(shapes)}] seqs {f.seqs:3d} tokens {f.tokens:5d} (prefill "
-                  f"{f.prefill_tokens:5d}) decode kv {f.decode_kv:6d}: {got[1] * 1e3:8.1f} ms", file=sys.stderr)
+    for rep in range(max(repeats, 1)):
+        order = list(range(len(shapes)))
+        if rep:
+            rng.shuffle(order)
+        for k in order:
+            if rep and k not in features:
+                continue  # did not fit the cache
+            got = _time_step(engine, shapes[k], 1, rng, warmup=rep == 0)
+            if got is None:
+                continue
+            features[k] = got[0]
+            runs.setdefault(k, []).extend(got[1])
+            if progress:
+                f = got[0]
+                print(f"profile: pass {rep + 1}/{repeats} [{k + 1}/{len(shapes)}] seqs {f.seqs:3d} tokens {f.tokens:5d} "
+                      f"(prefill {f.prefill_tokens:5d}) decode kv {f.decode_kv:6d}: {got[1][0] * 1e3:8.1f} ms",
+                      file=sys.stderr)
+    keys = sorted(features)
+    feats = [features[k] for k in keys]
+    secs = [statistics.median(runs[k]) for k in keys]
     model = LinearStepModel.fit(feats, secs, twin_max, head_max)
     pred = np.array([model.predict(f) for f in feats])
     rel = np.abs(pred - np.array(secs)) / np.array(secs)
