@@ -274,7 +274,6 @@ def layout_candidates(in_features: int, kernels: ModuleType | None,
 
 def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None
                       ) -> dict[str, Callable[[int], Callable[[], object]]]:
-    # activations in the weights' dtype, as the model runs them
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
     own overhead and the weights' memory traffic are in the figure."""
@@ -284,7 +283,7 @@ def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: s
 
     def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
         def make(rows: int) -> Callable[[], object]:
-            x = torch.randn(rows, lins[0].in_features).to(lins[0].weight.dtype)
+            x = torch.randn(rows, lins[0].in_features).to(lins[0].weight.dtype)  # activations as the model has them
             return lambda: [mod(x) for mod in copies]
         return make
     return {name: factory(copies) for name, copies in mods.items()}
