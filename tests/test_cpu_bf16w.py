@@ -5,8 +5,6 @@ every row count and ragged shape; a float32 engine measures it against plain F.l
 greedy tokens stay those of plain float32. Runs with the scalar fallback too (a CPU without AVX2)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -18,6 +16,7 @@ from iterserve.platform import kernel_choice as kc
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import CpuLinear, optimize_cpu_linears, pack_bf16_f32
 from iterserve.sampling import SamplingParams
+from test_kernel_choice import _slowed  # a layout made slow on purpose, shared with the bf16 chooser tests
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="iterserve's CPU kernels did not build")
@@ -67,16 +66,6 @@ def test_cpu_linear_bf16w_layout_and_float32_swap():
     assert model.lm_head.weight is not None  # the head keeps its weight (tied to the embedding)
     with pytest.raises(ValueError, match="float32"):
         optimize_cpu_linears(nn.Module(), "tiled", kernels=kernels, dtype=torch.float32)
-
-
-def _slowed(layout: str, seconds: float, real=kc.linear_candidates):
-    """kc.linear_candidates with `layout` made artificially slow (a sleep before each call)."""
-    def candidates(lins, layouts, twin):
-        out = real(lins, layouts, twin)
-        make = out[layout]
-        out[layout] = lambda rows: (lambda f: (lambda: (time.sleep(seconds), f())))(make(rows))
-        return out
-    return candidates
 
 
 @pytest.mark.parametrize("slow,expected", [("float32", "bf16w"), ("bf16w", "float32")])
