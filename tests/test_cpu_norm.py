@@ -1,6 +1,7 @@
 """RMSNorm through the C++ kernel (iterserve/csrc/cpu_kernels.cpp `rms_norm`, platform/cpu_norm.py)
-against the model's torch RMSNorm in bf16: the same bits (the sum of squares' order may move an
-output by one bf16 ulp, allowed in a tiny fraction), each row alike whatever the row count, and the
+against the model's torch RMSNorm in bf16: the same bits (the sum of squares' order may move the
+normalised x by one bf16 ulp, so the output, rounded again after the weight, by up to two; allowed
+in a tiny fraction: seen with the scalar sum of a CPU without AVX-512), each row alike whatever the row count, and the
 platform swaps every norm of a bf16 model (not of a float32 one)."""
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def test_same_bits_as_torch_rms_norm(dim):
         assert got.dtype == torch.bfloat16 and got.shape == x.shape
         differ = want != got
         assert differ.float().mean().item() <= 1e-3, f"{rows} rows: {differ.sum().item()} outputs differ"
-        if differ.any():  # one ulp at most
-            assert ((want.float() - got.float()).abs() <= want.float().abs() / 128).all()
+        if differ.any():  # one ulp of the normalised x, which the weight (up to ~2) can make two of the output's
+            assert ((want.float() - got.float()).abs() <= want.float().abs() / 64).all()
 
 
 def test_each_row_alike_at_any_row_count():

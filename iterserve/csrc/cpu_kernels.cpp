@@ -765,7 +765,8 @@ bool f32_bf16w_gemm_is_vectorised() { return ISV_AVX2_FMA; }
 // eager torch's eight ops (cast, pow, mean, add, rsqrt, mul, cast, mul), each a call with its own
 // dispatch and its own pass over memory (61 norms a step). Each row is computed alone, in one fixed
 // order, whatever the row count (batch-invariant); only the sum of squares' order differs from
-// torch's, which can move an output by one bf16 ulp.
+// torch's, which can move the normalised x by one bf16 ulp (the output, rounded again after the
+// weight, by up to two).
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
               w.dim() == 1 && w.size(0) == x_in.size(1) && w.is_contiguous(),
