@@ -69,9 +69,9 @@ class ProfileGrid:
         return out
 
 
-def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], repeats: int, rng: np.random.Generator,
-               warmup: bool = True) -> tuple[StepFeatures, list[float]] | None:
-    """The step's features and `repeats` timed runs of it (after one untimed run if `warmup`)."""
+def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], rng: np.random.Generator,
+               warmup: bool = True) -> tuple[StepFeatures, float] | None:
+    """The step's features and one timed run of it (after an untimed one if `warmup`)."""
     pool, vocab = engine.pool, engine.model_config.vocab_size
     reqs = []
     for i, (done, n) in enumerate(rows):
@@ -86,14 +86,11 @@ def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], repeats: int, rng
                                                   sample=True) for r, (done, n) in zip(reqs, rows)])
         if warmup:
             engine.runner.execute(sched)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            engine.runner.execute(sched)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return step_features(sched), times
+        t0 = time.perf_counter()
+        engine.runner.execute(sched)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        return step_features(sched), time.perf_counter() - t0
     finally:
         for r in reqs:
             pool.free(r.request_id)
@@ -122,15 +119,15 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
         for k in order:
             if rep and k not in features:
                 continue  # did not fit the cache
-            got = _time_step(engine, shapes[k], 1, rng, warmup=rep == 0)
+            got = _time_step(engine, shapes[k], rng, warmup=rep == 0)
             if got is None:
                 continue
             features[k] = got[0]
-            runs.setdefault(k, []).extend(got[1])
+            runs.setdefault(k, []).append(got[1])
             if progress:
                 f = got[0]
                 print(f"profile: pass {rep + 1}/{repeats} [{k + 1}/{len(shapes)}] seqs {f.seqs:3d} tokens {f.tokens:5d} "
-                      f"(prefill {f.prefill_tokens:5d}) decode kv {f.decode_kv:6d}: {got[1][0] * 1e3:8.1f} ms",
+                      f"(prefill {f.prefill_tokens:5d}) decode kv {f.decode_kv:6d}: {got[1] * 1e3:8.1f} ms",
                       file=sys.stderr)
     keys = sorted(features)
     feats = [features[k] for k in keys]
