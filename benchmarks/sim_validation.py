@@ -54,7 +54,7 @@ from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile
 from iterserve.sim.simulator import conversation_plans, simulate
-from iterserve.sim.step_model import StepFeatures, record_features, step_features, step_kind
+from iterserve.sim.step_model import StepFeatures, errors_by_kind, errors_line, record_features, step_features
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
 MODE_FLAGS = {"static": ["--batching", "static", "--max-batch-size", "8", "--batch-timeout", "100"],
@@ -140,12 +140,7 @@ def step_check(model: str, flags: list[str], specs: list[RequestSpec], profile: 
     prompts = [[1 + (s.index * 7 + j) % 1000 for j in range(s.input_len)] for s in specs]
     llm.generate(prompts, [SamplingParams(max_tokens=s.output_len, ignore_eos=True, temperature=0.0) for s in specs],
                  use_tqdm=False)
-    kinds: dict[str, list[float]] = {"decode": [], "prefill": [], "mixed": []}
-    for f, t in measured:
-        kinds[step_kind(f)].append((profile.step_model.predict(f) - t) / t)
-    parts = [f"{k}: {len(v)} steps, mean error {100 * sum(v) / len(v):+.0f}%, mean |error| "
-             f"{100 * sum(abs(x) for x in v) / len(v):.0f}%" for k, v in kinds.items() if v]
-    return "step model on the engine's own steps (" + "; ".join(parts) + ")"
+    return "step model on the engine's own steps (" + errors_line(errors_by_kind(profile.step_model, measured)) + ")"
 
 
 def errors(real: dict, sim: dict) -> dict[str, tuple[float | None, float | None]]:
@@ -172,17 +167,9 @@ def work(steps: list[dict]) -> dict:
 
 
 def server_step_errors(steps: list[dict], profile: Profile) -> dict[str, dict]:
-    """The step model on a real server's own steps during the replay: per kind of step, how many,
-    and the mean and mean absolute relative error of the prediction against the measured runner time."""
-    by_kind: dict[str, list[float]] = {}
-    for s in steps:
-        f = record_features(s)
-        t = float(s["duration"])
-        if f is None or t <= 0:
-            continue
-        by_kind.setdefault(step_kind(f), []).append((profile.step_model.predict(f) - t) / t)
-    return {k: {"steps": len(v), "mean": sum(v) / len(v), "mean_abs": sum(map(abs, v)) / len(v)}
-            for k, v in by_kind.items()}
+    """The step model on a real server's own steps during the replay (`step_model.errors_by_kind`)."""
+    pairs = ((record_features(s), float(s["duration"])) for s in steps)
+    return errors_by_kind(profile.step_model, ((f, t) for f, t in pairs if f is not None))
 
 
 def work_line(r: dict) -> str:
@@ -190,8 +177,7 @@ def work_line(r: dict) -> str:
     w = r.get("work") or {}
     real, sim = w.get("real") or {}, w.get("sim") or {}
     parts = [f"{k} {real.get(k, 0):.4g} / {sim.get(k, 0):.4g}" for k in ("steps", "prefill_tokens", "decode_tokens", "busy_s")]
-    steps = "; ".join(f"{k} {v['steps']} steps {100 * v['mean']:+.0f}% (|{100 * v['mean_abs']:.0f}%|)"
-                      for k, v in (r.get("server_steps") or {}).items())
+    steps = errors_line(r.get("server_steps") or {})
     return f"- {r['workload']} {r['load']} {r['mode']}: real / sim " + ", ".join(parts) + f"; step model on the server's steps: {steps or '-'}"
 
 
@@ -284,9 +270,7 @@ class Validation:
                  "", text, "", f"targets met: {met} of {checked} ("
                  + ", ".join(f"{label}: {alt_met[key]}" for key, label in ALTERNATIVES) + ")",
                  "", self.step_check, "", "in-service steps in the profile (the step model on the server's own steps "
-                 "while its overhead was measured): " + ("; ".join(
-                     f"{k} {e['steps']} steps {e['mean']:+.0%} (|{e['mean_abs']:.0%}|)"
-                     for k, e in self.profile.in_service_errors().items()) or "none"), "",
+                 "while its overhead was measured): " + (errors_line(self.profile.in_service_errors()) or "none"), "",
                  "Work per run (engine steps, prompt tokens computed, decode tokens, busy seconds; real / "
                  "simulated) and the step model on the real server's own steps (mean error, mean |error|):",
                  *[work_line(r) for r in self.rows if r.get("work")]]

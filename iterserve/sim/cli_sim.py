@@ -34,6 +34,7 @@ from iterserve.engine_args import add_engine_args, engine_config_from_args, engi
 from iterserve.sim.analytic import GPUS, MODEL_SHAPES, analytic_profile
 from iterserve.sim.profile import Profile
 from iterserve.sim.router import ROUTERS
+from iterserve.sim.step_model import errors_line
 
 if TYPE_CHECKING:
     from iterserve.sim.simulator import SimRun
@@ -96,8 +97,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def in_service_line(prof: Profile) -> str:
-    return "; ".join(f"{kind} {e['steps']} steps, mean error {e['mean']:+.0%} (|{e['mean_abs']:.0%}|)"
-                     for kind, e in prof.in_service_errors().items()) or "no steps recorded"
+    return errors_line(prof.in_service_errors()) or "no steps recorded"
 
 
 def add_profile_parser(sub: Any) -> None:

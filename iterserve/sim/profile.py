@@ -20,7 +20,7 @@ from iterserve.bench.common import load_average
 from iterserve.config import EngineConfig, parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
-from iterserve.sim.step_model import LinearStepModel, StepTimeModel, features_of, model_from_dict, step_kind
+from iterserve.sim.step_model import LinearStepModel, StepTimeModel, errors_by_kind, features_of, model_from_dict
 
 FORMAT = "iterserve-step-profile/1"
 # the flags that decide which CPU kernels a step runs (so two machines' profiles can be told apart)
@@ -93,13 +93,8 @@ class Profile:
 
     def in_service_errors(self) -> dict[str, dict[str, float]]:
         """The step model on the server's own steps (`in_service_samples`), per kind of step
-        (decode, prefill alone, mixed): count, mean and mean |relative error|."""
-        by_kind: dict[str, list[float]] = {}
-        for s in self.in_service_samples:
-            f = features_of(s)
-            by_kind.setdefault(step_kind(f), []).append((self.step_model.predict(f) - s["seconds"]) / s["seconds"])
-        return {k: {"steps": len(v), "mean": sum(v) / len(v), "mean_abs": sum(map(abs, v)) / len(v)}
-                for k, v in by_kind.items()}
+        (`step_model.errors_by_kind`)."""
+        return errors_by_kind(self.step_model, ((features_of(s), s["seconds"]) for s in self.in_service_samples))
 
     def calibrated(self) -> "Profile":
         """This profile with its linear step model refitted on the grid's samples and the server's

@@ -23,6 +23,7 @@ step alters the predicted time:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -80,6 +81,23 @@ def features_of(sample: dict[str, Any]) -> StepFeatures:
 def step_kind(f: StepFeatures) -> str:
     """decode (single-token rows only), prefill (one prompt chunk alone) or mixed."""
     return "decode" if not f.prefill_tokens else ("prefill" if f.seqs == 1 else "mixed")
+
+
+def errors_by_kind(model: "StepTimeModel", steps: Iterable[tuple[StepFeatures, float]]) -> dict[str, dict[str, float]]:
+    """`model` against measured steps ((features, seconds) pairs), per `step_kind`: how many, and the
+    mean and mean absolute relative error of the prediction."""
+    by_kind: dict[str, list[float]] = {}
+    for f, t in steps:
+        if t > 0:
+            by_kind.setdefault(step_kind(f), []).append((model.predict(f) - t) / t)
+    return {k: {"steps": len(v), "mean": sum(v) / len(v), "mean_abs": sum(map(abs, v)) / len(v)}
+            for k, v in by_kind.items()}
+
+
+def errors_line(errors: dict[str, dict[str, float]]) -> str:
+    """errors_by_kind's result as one line ("" when there were no steps)."""
+    return "; ".join(f"{k} {e['steps']} steps, mean error {e['mean']:+.0%} (|{e['mean_abs']:.0%}|)"
+                     for k, e in errors.items())
 
 
 class StepTimeModel(Protocol):
