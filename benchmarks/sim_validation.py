@@ -126,14 +126,14 @@ def step_check(model: str, flags: list[str], specs: list[RequestSpec], profile: 
     measured runner time against the profile's prediction for the same SchedulerOutput. Tells a
     step-model miss apart from what the simulator leaves out (HTTP, streaming, the engine loop)."""
     llm = LLM(config=engine_config(flags, model))
-    runner = llm.engine.runner
+    runner, block_size = llm.engine.runner, llm.engine.config.block_size
     measured: list[tuple[StepFeatures, float]] = []
     execute = runner.execute
 
     def timed(sched):
         t0 = time.perf_counter()
         out = execute(sched)
-        measured.append((step_features(sched), time.perf_counter() - t0))
+        measured.append((step_features(sched, block_size), time.perf_counter() - t0))
         return out
 
     runner.execute = timed

@@ -58,6 +58,8 @@ class StepRecord:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     decode_kv_tokens: int = 0  # context lengths of the single-token rows, summed (SchedulerOutput.attended_kv)
     prefill_kv_tokens: int = 0  # sum over prompt chunks of chunk length x context length
+    decode_kv_shared_tokens: int = 0  # of decode_kv_tokens, those in blocks another row read too
+    prefill_cached_kv_tokens: int = 0  # of prefill_kv_tokens, chunk length x tokens cached before it
 
     def log_line(self) -> str:
         line = (f"step {self.step} | running {self.num_running} waiting {self.num_waiting} "
@@ -375,6 +377,8 @@ class LLMEngine:
             preempted=[r.request_id for r in sched.preempted], finished=finished,
             admitted=list(sched.admitted), prefix_cache_queries=queries - prev_queries,
             prefix_cache_hits=hits - prev_hits, decode_kv_tokens=decode_kv, prefill_kv_tokens=prefill_kv,
+            decode_kv_shared_tokens=sched.shared_decode_kv(self.config.block_size),
+            prefill_cached_kv_tokens=sched.cached_prefill_kv(),
         )
         self.records.append(rec)
         if self.config.log_scheduler:

@@ -139,9 +139,11 @@ def test_analytic_profile_is_a_labelled_roofline():
 
 def test_tiny_model_profile_round_trips_through_json(tiny_model_dir, tmp_path):
     grid = ProfileGrid(decode_batches=[1, 4], context_lens=[32, 96], prefill_chunks=[16, 64], chunk_context=32,
-                       mixed_decode=[2], mixed_chunks=[16])
-    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="16MiB")
+                       mixed_decode=[2], mixed_chunks=[16], shared_prefix=32, shared_batches=[3])
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="16MiB", block_size=16)
     prof = measure_profile(cfg, grid, repeats=1, progress=False)
+    # the shared-prefix step: 3 rows at 96, the two after the first reading its 32 leading tokens' blocks
+    assert [(s["seqs"], s["decode_kv"], s["decode_kv_shared"]) for s in prof.samples if s["decode_kv_shared"]] == [(3, 3 * 97, 64)]
     assert prof.kind == "measured" and not prof.estimate
     assert prof.fit["points"] == len(prof.samples) >= 8
     assert prof.machine["cpu_model"] is not None and prof.engine_flags["model"] == str(tiny_model_dir)
@@ -352,7 +354,64 @@ def test_cut_over_terms_fit_a_jump_at_the_engines_cut():
     fit = LinearStepModel.fit(rows, [true.predict(r) for r in rows], 4, 4)
     assert fit.predict(StepFeatures(6, 6, 0, 600, 0.0)) == pytest.approx(true.predict(StepFeatures(6, 6, 0, 600, 0.0)))
     assert fit.predict(StepFeatures(5, 5, 0, 500, 0.0)) - fit.predict(StepFeatures(4, 4, 0, 400, 0.0)) > 0.004
-    assert LinearStepModel.fit(rows, [true.predict(r) for r in rows]).coef[6:] == [0.0, 0.0]  # no cut: off
+    assert LinearStepModel.fit(rows, [true.predict(r) for r in rows]).coef[6:8] == [0.0, 0.0]  # no cut: off
+
+
+def test_shared_kv_is_priced_apart_and_older_models_keep_their_price():
+    """Decode KV read from blocks another row of the step reads too (prefix caching's shared
+    blocks) has a price of its own, fitted where the grid has such steps; a model fitted without
+    any, or saved before the term, prices them as any KV token; a later chunk's reads of its cached
+    context likewise have their own term, 0 in older models."""
+    from iterserve.sim.step_model import CACHED_PKV, DECODE_KV, SHARED_KV, model_from_dict
+    true = LinearStepModel([0.003, 0.0001, 0.00002, 0.0, 4e-7, 1e-4, 0.0, 0.0, 1e-7, 3e-4])
+    rows = [StepFeatures(b, b, 0, b * c, 0.0) for b in (1, 2, 4, 8, 16) for c in (100, 1000)]
+    rows += [StepFeatures(b, b, 0, b * c, 0.0, (b - 1) * 384) for b in (4, 16) for c in (512, 1024)]
+    rows += [StepFeatures(1, p, p, 0, p * (p + ctx) / 1e3, 0, p * ctx / 1e3) for p in (64, 256, 1024) for ctx in (0, 512)]
+    fit = LinearStepModel.fit(rows, [true.predict(r) for r in rows])
+    assert fit.coef[SHARED_KV] == pytest.approx(1e-7, rel=1e-3) and fit.coef[DECODE_KV] == pytest.approx(4e-7, rel=1e-3)
+    assert fit.coef[CACHED_PKV] == pytest.approx(3e-4, rel=1e-3)
+    shared, distinct = StepFeatures(16, 16, 0, 16 * 800, 0.0, 15 * 384), StepFeatures(16, 16, 0, 16 * 800, 0.0)
+    assert fit.predict(shared) < fit.predict(distinct)
+    plain = [r for r in rows if not r.decode_kv_shared]
+    refit = LinearStepModel.fit(plain, [true.predict(r) for r in plain])
+    assert refit.coef[SHARED_KV] == refit.coef[DECODE_KV] > 0 and refit.predict(shared) == refit.predict(distinct)
+    old = LinearStepModel([0.003, 0.0001, 0.00002, 0.0, 4e-7, 1e-4, 0.0, 0.0])  # an 8-term profile
+    assert old.predict(shared) == old.predict(distinct) and old.coef[CACHED_PKV] == 0.0
+    saved = {"form": "linear", "features": list(FEATURES[:8]), "coef": old.coef[:8]}  # as written before the terms
+    assert model_from_dict(saved).predict(shared) == old.predict(shared)
+
+
+def test_step_records_count_shared_blocks_and_cached_prefill_reads(make_engine):
+    """Three requests with one 48-token prefix under prefix caching: once the first has computed it,
+    the others hit its three blocks; their step records say how much decode KV was read from blocks
+    another row read too (2 rows x 48) and what a later chunk read from its cached context (chunk x
+    48), and the step model's features from the records are the SchedulerOutput's."""
+    from iterserve.sampling import SamplingParams
+    from iterserve.server.api import step_dict
+    from iterserve.sim.step_model import record_features, step_features
+
+    engine = make_engine(max_num_seqs=4, block_size=16, enable_prefix_caching=True)
+    seen = []
+    execute = engine.runner.execute
+
+    def spy(sched):
+        seen.append(step_features(sched, 16))
+        return execute(sched)
+
+    engine.runner.execute = spy
+    prefix = list(range(5, 53))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request(params=params, request_id="a", prompt_token_ids=prefix + [60, 61])
+    engine.step()  # a's prompt computed: its three full blocks are cached
+    for rid, tail in (("b", [70, 71, 72, 73, 74]), ("c", [80, 81, 82])):
+        engine.add_request(params=params, request_id=rid, prompt_token_ids=prefix + tail)
+    while engine.has_unfinished_requests():
+        engine.step()
+    records = [step_dict(rec, 0.0) for rec in engine.records]
+    assert [record_features(r) for r in records] == seen
+    assert any(r["prefill_cached_kv_tokens"] == (5 + 3) * 48 for r in records)  # b's and c's chunks after the hit
+    assert max(r["decode_kv_shared_tokens"] for r in records) == 2 * 48
+    assert all(r["decode_kv_shared_tokens"] == 0 for r in records if r["batch_size"] == 1)
 
 
 def test_gap_fit_recovers_the_gap_between_busy_steps():
@@ -544,7 +603,7 @@ def test_server_step_records_carry_the_step_models_features(make_engine):
     execute = engine.runner.execute
 
     def spy(sched):
-        seen.append(step_features(sched))
+        seen.append(step_features(sched, 16))
         return execute(sched)
 
     engine.runner.execute = spy

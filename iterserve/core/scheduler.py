@@ -83,6 +83,39 @@ class SchedulerOutput:
                 prefill += s.num_tokens * ctx
         return decode, prefill
 
+    def cached_prefill_kv(self) -> int:
+        """Of attended_kv's second number, the part a prompt chunk reads from tokens cached before it
+        (chunk length x start, summed): the chunk's causal half over its own tokens skips half its
+        matrix, a later chunk's reads of its whole cached context skip nothing."""
+        return sum(s.num_tokens * s.start for s in self.scheduled if s.num_tokens > 1)
+
+    def shared_decode_kv(self, block_size: int) -> int:
+        """Of the single-token rows' attended tokens (attended_kv's first number), those in KV blocks
+        that an earlier row of this step also reads: prefix caching's shared blocks. A block read
+        again in the same step is still in the CPU's caches, so a decode step over rows that share a
+        long system prompt runs faster than one over distinct blocks (measured: 10-35% at 8-32 rows
+        sharing 400 tokens); step records carry the count so a step model can price both. Shared
+        blocks are always full and lead the table (hash-chained prefixes), so rows whose first block
+        nobody else has are skipped without walking their tables."""
+        rows = [s for s in self.scheduled if s.num_tokens == 1 and s.block_table]
+        if len(rows) < 2:
+            return 0
+        firsts: dict[int, int] = {}
+        for s in rows:
+            firsts[s.block_table[0]] = firsts.get(s.block_table[0], 0) + 1
+        seen: set[int] = set()
+        shared = 0
+        for s in rows:
+            if firsts[s.block_table[0]] < 2:
+                continue
+            n = -(-(s.start + 1) // block_size)  # blocks this row attends to
+            j = 0
+            while j < n and s.block_table[j] in seen:
+                shared += min(block_size, s.start + 1 - j * block_size)
+                j += 1
+            seen.update(s.block_table[j:n])
+        return shared
+
     @property
     def is_empty(self) -> bool:
         return not self.scheduled

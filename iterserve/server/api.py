@@ -70,6 +70,8 @@ def step_dict(rec: StepRecord, start_time: float) -> dict:
             "kv_used_blocks": rec.kv_used_blocks, "kv_total_blocks": rec.kv_total_blocks, "kv_tokens": rec.kv_tokens,
             "num_preempted": len(rec.preempted), "num_finished": len(rec.finished),
             "decode_kv_tokens": rec.decode_kv_tokens, "prefill_kv_tokens": rec.prefill_kv_tokens,
+            "decode_kv_shared_tokens": rec.decode_kv_shared_tokens,
+            "prefill_cached_kv_tokens": rec.prefill_cached_kv_tokens,
             "admitted": [{"request_id": rid, "cached_tokens": n} for rid, n in rec.admitted]}
 
 

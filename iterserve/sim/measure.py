@@ -1,8 +1,9 @@
 """`iterserve profile MODEL`: time real engine steps over a grid of shapes and fit a step model.
 
 Each grid point is one step laid out by hand: some decode rows at a KV context length, and/or one
-prefill chunk (from position 0, or after a context for a later chunk). The engine's own
-`ModelRunner.execute` runs it (attention over the paged cache, the LM head and sampling: what the
+prefill chunk (from position 0, or after a context for a later chunk). A few decode steps give their rows the same first KV blocks, as prefix
+caching does for requests with one system prompt (a block read twice in a step is cheaper). The
+engine's own `ModelRunner.execute` runs it (attention over the paged cache, the LM head and sampling: what the
 engine times as a step), once to warm up and then once in each of `repeats` passes over the grid; the
 median is kept. The KV cache holds whatever the slots held before: step time does not depend on the
 values.
@@ -28,6 +29,15 @@ from iterserve.sim.step_model import LinearStepModel, StepFeatures, step_feature
 
 
 @dataclass
+class StepShape:
+    """One step to time: its rows as (tokens already computed, tokens computed now), and how many
+    leading KV tokens every row shares (the same blocks in each row's table; 0: none)."""
+
+    rows: list[tuple[int, int]]
+    shared: int = 0
+
+
+@dataclass
 class ProfileGrid:
     """The step shapes to time. Mixed steps put `mixed_decode` decode rows next to a prefill chunk."""
 
@@ -40,11 +50,14 @@ class ProfileGrid:
     # short chunks after chunk_context cached tokens, alone and next to mixed_decode rows: what a
     # prefix-cache hit leaves to compute (a chat turn after its cached history)
     later_chunks: list[int] = field(default_factory=lambda: [64, 256])
+    # decode batches whose rows share their first `shared_prefix` tokens' blocks (a common system
+    # prompt under prefix caching), at each context length above it
+    shared_prefix: int = 384
+    shared_batches: list[int] = field(default_factory=lambda: [4, 16, 32])
 
-    def shapes(self, max_tokens: int, max_len: int, cuts: tuple[int, ...] = ()) -> list[list[tuple[int, int]]]:
-        """Each step as its rows: (tokens already computed, tokens computed now). `cuts`: the
-        engine's cut-overs between weight copies; the decode batches on both sides of each are
-        added, so the fit sees both regimes."""
+    def shapes(self, max_tokens: int, max_len: int, cuts: tuple[int, ...] = ()) -> list[StepShape]:
+        """Each step to time. `cuts`: the engine's cut-overs between weight copies; the decode
+        batches on both sides of each are added, so the fit sees both regimes."""
         out: list[list[tuple[int, int]]] = []
         batches = sorted(set(self.decode_batches) | {b for c in cuts if c for b in (c, c + 1)})
         for ctx in self.context_lens:
@@ -66,13 +79,18 @@ class ProfileGrid:
             if ctx + chunk <= max_len and chunk <= max_tokens:
                 out.append([(ctx, chunk)])
                 out += [[(ctx, 1)] * b + [(ctx, chunk)] for b in self.mixed_decode if b + chunk <= max_tokens]
-        return out
+        shapes = [StepShape(rows) for rows in out]
+        if self.shared_prefix:
+            shapes += [StepShape([(ctx, 1)] * b, self.shared_prefix) for ctx in self.context_lens
+                       for b in self.shared_batches if self.shared_prefix < ctx < max_len and 1 < b <= max_tokens]
+        return shapes
 
 
-def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], rng: np.random.Generator,
+def _time_step(engine: LLMEngine, shape: StepShape, rng: np.random.Generator,
                warmup: bool = True) -> tuple[StepFeatures, float] | None:
     """The step's features and one timed run of it (after an untimed one if `warmup`)."""
-    pool, vocab = engine.pool, engine.model_config.vocab_size
+    pool, vocab, rows = engine.pool, engine.model_config.vocab_size, shape.rows
+    block_size = engine.config.block_size
     reqs = []
     for i, (done, n) in enumerate(rows):
         ids = rng.integers(0, vocab, done + n).tolist()
@@ -82,15 +100,18 @@ def _time_step(engine: LLMEngine, rows: list[tuple[int, int]], rng: np.random.Ge
     try:
         if not all(pool.allocate(r.request_id, r.num_tokens) for r in reqs):
             return None  # does not fit this cache: skipped
-        sched = SchedulerOutput([ScheduledRequest(r, n, done, pool.tables[r.request_id], r.token_slice(done, n),
-                                                  sample=True) for r, (done, n) in zip(reqs, rows)])
+        # shared: the leading blocks of the first row's table in every row's (copies: the pool frees its own)
+        lead = pool.tables[reqs[0].request_id][:shape.shared // block_size]
+        tables = [lead + pool.tables[r.request_id][len(lead):] for r in reqs]
+        sched = SchedulerOutput([ScheduledRequest(r, n, done, t, r.token_slice(done, n), sample=True)
+                                 for r, (done, n), t in zip(reqs, rows, tables)])
         if warmup:
             engine.runner.execute(sched)
         t0 = time.perf_counter()
         engine.runner.execute(sched)
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
-        return step_features(sched), time.perf_counter() - t0
+        return step_features(sched, block_size), time.perf_counter() - t0
     finally:
         for r in reqs:
             pool.free(r.request_id)
@@ -127,7 +148,8 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
             if progress:
                 f = got[0]
                 print(f"profile: pass {rep + 1}/{repeats} [{k + 1}/{len(shapes)}] seqs {f.seqs:3d} tokens {f.tokens:5d} "
-                      f"(prefill {f.prefill_tokens:5d}) decode kv {f.decode_kv:6d}: {got[1] * 1e3:8.1f} ms",
+                      f"(prefill {f.prefill_tokens:5d}) decode kv {f.decode_kv:6d} (shared {f.decode_kv_shared:5d}): "
+                      f"{got[1] * 1e3:8.1f} ms",
                       file=sys.stderr)
     keys = sorted(features)
     feats = [features[k] for k in keys]

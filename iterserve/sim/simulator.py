@@ -119,7 +119,7 @@ class SimEngine:
             return None
         oh = self.overhead
         self.step_start = now + oh.admit_s * len(sched.admitted)
-        self.run_end = self.step_start + self.step_model.predict(step_features(sched))
+        self.run_end = self.step_start + self.step_model.predict(step_features(sched, self.config.block_size))
         self.in_flight = sched
         self.num_preempted += len(sched.preempted)
         return self.run_end + oh.gap(len(sched.scheduled))

@@ -6,8 +6,13 @@ step alters the predicted time:
 
 - `LinearStepModel` (measured, `iterserve profile MODEL`): least squares, weighted by 1/time so
   that short decode steps are fitted as closely (in relative terms) as long prefills, over
-  t = c0 + c_seq*seqs + c_tok*tokens + c_pre*prefill_tokens + c_dkv*decode_kv + c_pkv*prefill_kv/1e3
-      + c_full*[tokens > twin_max_tokens] + c_head*[seqs > head_max_seqs].
+  t = c0 + c_seq*seqs + c_tok*tokens + c_pre*prefill_tokens + c_dkv*(decode_kv - shared)
+      + c_pkv*prefill_kv/1e3 + c_full*[tokens > twin_max_tokens] + c_head*[seqs > head_max_seqs]
+      + c_shared*shared + c_pcached*prefill_cached_kv/1e3,
+  where shared is the decode KV read from blocks another row of the step reads too (prefix
+  caching's shared blocks, still in the CPU's caches the second time: cheaper per token), and
+  prefill_cached_kv the part of prefill_kv a chunk reads from tokens cached before it (a chat turn
+  after its history: no causal half to skip there).
   The last two are steps: on CPU the engine runs small steps on quantised copies of the weights (a
   4-bit twin of each projection for steps of at most `twin_max_tokens` rows, a Q8 LM head for at
   most `head_max_seqs` sampled rows: platform/kernel_choice.py) and switches to the bf16 weights
@@ -33,33 +38,45 @@ from iterserve.sim.overhead import nonnegative_lstsq
 if TYPE_CHECKING:  # only a type here: this module (and a profile) loads without torch
     from iterserve.core.scheduler import SchedulerOutput
 
-FEATURES = ("const", "seqs", "tokens", "prefill_tokens", "decode_kv", "prefill_kv_k", "full_weights", "full_head")
+FEATURES = ("const", "seqs", "tokens", "prefill_tokens", "decode_kv", "prefill_kv_k", "full_weights", "full_head",
+            "decode_kv_shared", "prefill_cached_kv_k")
 BASE_FEATURES = 6  # profiles written before the cut-over terms have only the first six
+CUTOVER_FEATURES = 8  # and those written before the shared-KV and cached-prefill terms the first eight
+DECODE_KV, SHARED_KV, CACHED_PKV = (FEATURES.index(n) for n in ("decode_kv", "decode_kv_shared", "prefill_cached_kv_k"))
 
 
 @dataclass
 class StepFeatures:
     """What one step computes. decode_kv: KV tokens the single-token rows attend to (their context
     lengths summed); prefill_kv_k: sum over prefill chunks of chunk length x context length, in
-    thousands (their attention is quadratic in the chunk)."""
+    thousands (their attention is quadratic in the chunk); decode_kv_shared: of decode_kv, the tokens
+    in blocks another row of the step reads too (`SchedulerOutput.shared_decode_kv`);
+    prefill_cached_kv_k: of prefill_kv_k, chunk length x the tokens cached before the chunk."""
 
     seqs: int
     tokens: int
     prefill_tokens: int
     decode_kv: int
     prefill_kv_k: float
+    decode_kv_shared: int = 0
+    prefill_cached_kv_k: float = 0.0
 
     def row(self, twin_max_tokens: int = 0, head_max_seqs: int = 0) -> list[float]:
-        return [1.0, self.seqs, self.tokens, self.prefill_tokens, self.decode_kv, self.prefill_kv_k,
-                float(bool(twin_max_tokens) and self.tokens > twin_max_tokens),
-                float(bool(head_max_seqs) and self.seqs > head_max_seqs)]
+        """The fit's columns, in FEATURES order; the decode KV column holds the distinct tokens
+        only, the shared ones have a column (and a price) of their own."""
+        return [1.0, self.seqs, self.tokens, self.prefill_tokens, self.decode_kv - self.decode_kv_shared,
+                self.prefill_kv_k, float(bool(twin_max_tokens) and self.tokens > twin_max_tokens),
+                float(bool(head_max_seqs) and self.seqs > head_max_seqs), self.decode_kv_shared,
+                self.prefill_cached_kv_k]
 
 
-def step_features(sched: SchedulerOutput) -> StepFeatures:
+def step_features(sched: SchedulerOutput, block_size: int) -> StepFeatures:
     """Each row attends to its `start` cached tokens plus its `n` new ones (a static padding row's
-    start is kept inside its reservation, as the runner computes it)."""
+    start is kept inside its reservation, as the runner computes it). `block_size`: the KV cache's,
+    to count the tokens of shared blocks."""
     decode_kv, prefill_kv = sched.attended_kv()
-    return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens, decode_kv, prefill_kv / 1e3)
+    return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens, decode_kv, prefill_kv / 1e3,
+                        sched.shared_decode_kv(block_size), sched.cached_prefill_kv() / 1e3)
 
 
 def record_features(step: dict[str, Any]) -> StepFeatures | None:
@@ -69,13 +86,15 @@ def record_features(step: dict[str, Any]) -> StepFeatures | None:
         return None
     prefill = int(step["prefill_tokens"])
     return StepFeatures(int(step["batch_size"]), prefill + int(step["decode_tokens"]), prefill,
-                        int(step["decode_kv_tokens"]), int(step["prefill_kv_tokens"]) / 1e3)
+                        int(step["decode_kv_tokens"]), int(step["prefill_kv_tokens"]) / 1e3,
+                        int(step.get("decode_kv_shared_tokens", 0)), int(step.get("prefill_cached_kv_tokens", 0)) / 1e3)
 
 
 def features_of(sample: dict[str, Any]) -> StepFeatures:
     """A saved sample's features (a profile's `samples` / `in_service_samples` entry)."""
     return StepFeatures(int(sample["seqs"]), int(sample["tokens"]), int(sample["prefill_tokens"]),
-                        int(sample["decode_kv"]), float(sample["prefill_kv_k"]))
+                        int(sample["decode_kv"]), float(sample["prefill_kv_k"]), int(sample.get("decode_kv_shared", 0)),
+                        float(sample.get("prefill_cached_kv_k", 0.0)))
 
 
 def step_kind(f: StepFeatures) -> str:
@@ -108,19 +127,24 @@ class StepTimeModel(Protocol):
 
 @dataclass
 class LinearStepModel:
-    coef: list[float]  # one per FEATURES (or the first BASE_FEATURES), seconds per unit
+    coef: list[float]  # one per FEATURES (or the first BASE_FEATURES / CUTOVER_FEATURES), seconds per unit
     twin_max_tokens: int = 0  # the engine's cut-over from its 4-bit projections to bf16 (0: none)
     head_max_seqs: int = 0  # and from its Q8 LM head (0: none)
 
     def __post_init__(self) -> None:
-        if len(self.coef) not in (BASE_FEATURES, len(FEATURES)):
-            raise ValueError(f"linear step model: {len(self.coef)} coefficients, want {len(FEATURES)}")
-        self.coef = list(self.coef) + [0.0] * (len(FEATURES) - len(self.coef))
+        n = len(self.coef)
+        if n not in (BASE_FEATURES, CUTOVER_FEATURES, len(FEATURES)):
+            raise ValueError(f"linear step model: {n} coefficients, want {len(FEATURES)}")
+        self.coef = list(self.coef) + [0.0] * (len(FEATURES) - n)
+        if n < len(FEATURES):  # an older profile priced shared KV tokens as any other (and cached
+            # prefill reads as fresh ones: 0 extra): keep its predictions
+            self.coef[SHARED_KV] = self.coef[DECODE_KV]
 
     def predict(self, f: StepFeatures) -> float:
         c = self.coef
-        t = (c[0] + c[1] * f.seqs + c[2] * f.tokens + c[3] * f.prefill_tokens + c[4] * f.decode_kv
-             + c[5] * f.prefill_kv_k)
+        t = (c[0] + c[1] * f.seqs + c[2] * f.tokens + c[3] * f.prefill_tokens
+             + c[DECODE_KV] * (f.decode_kv - f.decode_kv_shared) + c[5] * f.prefill_kv_k
+             + c[SHARED_KV] * f.decode_kv_shared + c[CACHED_PKV] * f.prefill_cached_kv_k)
         if self.twin_max_tokens and f.tokens > self.twin_max_tokens:
             t += c[6]
         if self.head_max_seqs and f.seqs > self.head_max_seqs:
@@ -130,7 +154,8 @@ class LinearStepModel:
     def to_dict(self) -> dict[str, Any]:
         return {"form": "linear", "features": list(FEATURES), "coef": list(self.coef),
                 "twin_max_tokens": self.twin_max_tokens, "head_max_seqs": self.head_max_seqs,
-                "formula": "t = " + " + ".join(f"c_{n}*{n}" for n in FEATURES)
+                "formula": "t = " + " + ".join(f"c_{n}*{n}" for n in FEATURES).replace(
+                    "c_decode_kv*decode_kv", "c_decode_kv*(decode_kv - decode_kv_shared)")
                 + " (full_weights = [tokens > twin_max_tokens], full_head = [seqs > head_max_seqs])"}
 
     @classmethod
@@ -142,8 +167,10 @@ class LinearStepModel:
         x = np.array([r.row(twin_max_tokens, head_max_seqs) for r in rows], dtype=float)
         y = np.asarray(seconds, dtype=float)
         w = (1.0 if weights is None else np.sqrt(np.asarray(weights, dtype=float))) / y
-        coef = nonnegative_lstsq(x * w[:, None], y * w)
-        return cls([float(c) for c in coef], twin_max_tokens, head_max_seqs)
+        coef = [float(c) for c in nonnegative_lstsq(x * w[:, None], y * w)]
+        if not x[:, SHARED_KV].any():  # no step read shared blocks: nothing tells the two prices apart
+            coef[SHARED_KV] = coef[DECODE_KV]
+        return cls(coef, twin_max_tokens, head_max_seqs)
 
 
 @dataclass
@@ -183,7 +210,7 @@ def model_from_dict(d: dict[str, Any]) -> StepTimeModel:
     form = d.get("form")
     if form == "linear":
         names = list(d.get("features", []))
-        if names not in (list(FEATURES), list(FEATURES[:BASE_FEATURES])):
+        if names not in (list(FEATURES), list(FEATURES[:CUTOVER_FEATURES]), list(FEATURES[:BASE_FEATURES])):
             raise ValueError(f"linear step model: features {d.get('features')} differ from {list(FEATURES)}")
         return LinearStepModel([float(c) for c in d["coef"]], int(d.get("twin_max_tokens", 0)),
                                int(d.get("head_max_seqs", 0)))
