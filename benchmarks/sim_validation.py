@@ -32,11 +32,14 @@ import dataclasses
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+
+import numpy as np
 
 from iterserve.bench.common import load_average
 from iterserve.bench.compare import current_step, replay
@@ -52,9 +55,11 @@ from iterserve.engine_args import add_engine_args, engine_config_from_args
 from iterserve.llm import LLM
 from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.sampling import SamplingParams
+from iterserve.sim.measure import StepShape, time_step
 from iterserve.sim.profile import Profile
 from iterserve.sim.simulator import conversation_plans, simulate
-from iterserve.sim.step_model import StepFeatures, errors_by_kind, errors_line, record_features, step_features
+from iterserve.sim.step_model import (LinearStepModel, StepFeatures, errors_by_kind, errors_line, record_features,
+                                      step_features)
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "azure_llm_2023_conv.csv"
 MODE_FLAGS = {"static": ["--batching", "static", "--max-batch-size", "8", "--batch-timeout", "100"],
@@ -172,16 +177,64 @@ def server_step_errors(steps: list[dict], profile: Profile) -> dict[str, dict]:
     return errors_by_kind(profile.step_model, ((f, t) for f, t in pairs if f is not None))
 
 
+def host_speed(steps: list[dict], profile: Profile) -> float | None:
+    """The replay's own steps' runner time over what the step model predicts for them (all steps,
+    time-weighted): how much slower (> 1) or faster this host ran during the replay than the
+    profile says. Post hoc: a simulation scaled by it is what the simulator would have predicted
+    had it known the host's speed during the run, which separates a drifting host from a miss in
+    the simulator's structure."""
+    pairs = [(f, float(s["duration"])) for s in steps if (f := record_features(s)) is not None]
+    predicted = sum(profile.step_model.predict(f) for f, _ in pairs)
+    return sum(t for _, t in pairs) / predicted if predicted > 0 else None
+
+
+def scaled(profile: Profile, factor: float) -> Profile:
+    """The profile with its (linear) step model's every coefficient times `factor`."""
+    m = profile.step_model
+    return dataclasses.replace(profile, step_model=LinearStepModel([c * factor for c in m.coef], m.twin_max_tokens,
+                                                                   m.head_max_seqs))
+
+
 def work_line(r: dict) -> str:
     """One point's work, real vs simulated, and the step model on the server's steps."""
     w = r.get("work") or {}
     real, sim = w.get("real") or {}, w.get("sim") or {}
     parts = [f"{k} {real.get(k, 0):.4g} / {sim.get(k, 0):.4g}" for k in ("steps", "prefill_tokens", "decode_tokens", "busy_s")]
     steps = errors_line(r.get("server_steps") or {})
-    return f"- {r['workload']} {r['load']} {r['mode']}: real / sim " + ", ".join(parts) + f"; step model on the server's steps: {steps or '-'}"
+    speed = (f"; host speed before the replay (anchors) {r['anchor_speed']:.2f}x the profile's" if r.get("anchor_speed") else "")
+    speed += f"; during it (its own steps) {r['host_speed']:.2f}x" if r.get("host_speed") else ""
+    return (f"- {r['workload']} {r['load']} {r['mode']}: real / sim " + ", ".join(parts)
+            + f"; step model on the server's steps: {steps or '-'}{speed}")
 
 
-ALTERNATIVES = (("errors_no_overhead", "without overhead terms"), ("errors_calibrated", "step model calibrated in service"))
+# a decode step of one row, one of eight and a prompt chunk: the regimes a replay's busy time is made of
+ANCHORS = (StepShape([(128, 1)]), StepShape([(512, 1)] * 8), StepShape([(0, 256)]))
+
+
+class AnchorClock:
+    """The host's speed just before a replay, against the profile: the ANCHORS timed in this process
+    on an engine of its own (idle while the replay's server runs), each shape's median of five runs
+    over the step model's prediction for it, the median of those. A shared VM's speed drifts over
+    tens of minutes; scaling the step model by this is what re-profiling before each replay would
+    do, in two seconds, and uses nothing from the replay itself."""
+
+    def __init__(self, model: str, flags: list[str], profile: Profile) -> None:
+        self.engine = LLM(config=engine_config(flags, model)).engine
+        self.profile = profile
+        self.rng = np.random.default_rng(0)
+
+    def speed(self) -> float:
+        ratios = []
+        for shape in ANCHORS:
+            runs = [got for k in range(5) if (got := time_step(self.engine, shape, self.rng, warmup=k == 0))]
+            if runs:
+                ratios.append(statistics.median(t for _, t in runs) / self.profile.step_model.predict(runs[0][0]))
+        return statistics.median(ratios) if ratios else 1.0
+
+
+ALTERNATIVES = (("errors_no_overhead", "without overhead terms"), ("errors_calibrated", "step model calibrated in service"),
+                ("errors_anchored", "step model scaled by anchor steps timed before the replay"),
+                ("errors_host_speed", "step model scaled to the replay's own step speed (post hoc)"))
 
 
 def table(rows: list[dict]) -> tuple[str, int, int, dict[str, int]]:
@@ -225,11 +278,13 @@ class Validation:
         self.calibrated = profile.calibrated() if profile.in_service_samples else None
         self.rows: list[dict] = []
         self.step_check = ""
+        self.anchors: AnchorClock | None = None  # set by main where the step model is linear
 
     def point(self, kind: str, load: str, mode: str, flags: list[str], run_real, sim_input: dict) -> None:
         t0 = time.perf_counter()
         row: dict = {"workload": kind, "load": load, "mode": mode, "load_avg_before": load_average()}
         try:
+            anchored = self.anchors.speed() if self.anchors else None
             real, real_steps = run_real()
             config = engine_config(flags, self.args.model)
             run = simulate(config=config, profile=self.profile, **sim_input)
@@ -240,6 +295,13 @@ class Validation:
             if self.calibrated is not None:
                 cal = simulate(config=config, profile=self.calibrated, **sim_input).result.summary()
                 row.update(sim_calibrated=cal, errors_calibrated=errors(real, cal))
+            if anchored:
+                pre = simulate(config=config, profile=scaled(self.profile, anchored), **sim_input).result.summary()
+                row.update(anchor_speed=anchored, sim_anchored=pre, errors_anchored=errors(real, pre))
+            speed = host_speed(real_steps, self.profile) if isinstance(self.profile.step_model, LinearStepModel) else None
+            if speed:
+                fast = simulate(config=config, profile=scaled(self.profile, speed), **sim_input).result.summary()
+                row.update(host_speed=speed, sim_host_speed=fast, errors_host_speed=errors(real, fast))
             row.update(real=real, sim=sim, errors=errors(real, sim), errors_no_overhead=errors(real, bare),
                        completed=(real["completed"], sim["completed"]), failed=(real["failed"], sim["failed"]))
             print(f"{kind} {load} {mode}: " + ", ".join(
@@ -351,6 +413,8 @@ def main() -> int:
         v.step_check = step_check(args.model, MODE_FLAGS["continuous"] + extra,
                                   workload(kinds[0], args.num_requests, 1.0, args), profile)
         print(v.step_check, file=sys.stderr)
+    if isinstance(profile.step_model, LinearStepModel):
+        v.anchors = AnchorClock(args.model, MODE_FLAGS["continuous"] + extra, profile)
     if "multi-turn" in args.workloads.split(","):  # conversations, not a request list: sized by their number
         for load in args.loads.split(","):
             opts = conversation_options(load, args)

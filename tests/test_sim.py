@@ -674,3 +674,28 @@ def test_calibration_refits_on_the_servers_own_steps(tmp_path):
     with pytest.raises(ValueError, match="in-service steps"):
         linear_profile().calibrated()
     assert main(["profile", "--calibrate", "--out", str(tmp_path / "q.json")]) == 2  # needs --server-overhead
+
+
+def test_validation_spread_counts_real_runs_that_differ_beyond_a_target():
+    """benchmarks/sim_validation_spread.py: two runs of the same replays; a target whose two real
+    measurements differ by more than the target is counted (here throughput 1.0 vs 1.2, +20% > 5%)
+    and one within it is not (e2e mean +5% < 10%); a point failed in one run is left out."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_validation_spread.py"
+    spec = importlib.util.spec_from_file_location("sim_validation_spread", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(tp, e2e, failed=False):
+        point = {"workload": "bursty", "load": "near", "mode": "continuous",
+                 "errors": {"throughput": [tp, 1.1], "e2e_mean": [e2e, 1000.0], "e2e_p95": [None, None],
+                            "ttft_p50": [100.0, 100.0]}}
+        other = {"workload": "bursty", "load": "over", "mode": "static", **({"error": "boom"} if failed else
+                                                                             {"errors": point["errors"]})}
+        return {"runs": [point, other]}
+
+    text, over, compared, worst = mod.spread_table(run(1.0, 1000.0), run(1.2, 1050.0, failed=True))
+    assert (over, compared) == (1, 3) and worst == pytest.approx(0.2)
+    assert "**+20%**" in text and "+5%" in text and "over" not in text

@@ -86,7 +86,7 @@ class ProfileGrid:
         return shapes
 
 
-def _time_step(engine: LLMEngine, shape: StepShape, rng: np.random.Generator,
+def time_step(engine: LLMEngine, shape: StepShape, rng: np.random.Generator,
                warmup: bool = True) -> tuple[StepFeatures, float] | None:
     """The step's features and one timed run of it (after an untimed one if `warmup`)."""
     pool, vocab, rows = engine.pool, engine.model_config.vocab_size, shape.rows
@@ -140,7 +140,7 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
         for k in order:
             if rep and k not in features:
                 continue  # did not fit the cache
-            got = _time_step(engine, shapes[k], rng, warmup=rep == 0)
+            got = time_step(engine, shapes[k], rng, warmup=rep == 0)
             if got is None:
                 continue
             features[k] = got[0]
