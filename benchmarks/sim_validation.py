@@ -11,7 +11,9 @@ latency (10%), TTFT p50 (15%).
 
 The profile is fitted first, in its own process, with the server-overhead terms
 (`iterserve profile --server-overhead`); each run is also simulated without those terms, so the table
-says what they bought. Each replay gets a fresh server (no prefix cache carried between runs). A run
+says what they bought, with the step model calibrated in service, scaled by anchor steps timed just
+before the replay (the host's speed then: a prediction), and scaled by the replay's own steps (post
+hoc: what is left of a miss once the host's speed is known is the simulator's own). Each replay gets a fresh server (no prefix cache carried between runs). A run
 that fails is recorded as failed and the rest go on; the summary is rewritten after every run.
 
 Needs a quiet machine: step times measured under other load make both the profile and the replays
@@ -279,6 +281,7 @@ class Validation:
         self.rows: list[dict] = []
         self.step_check = ""
         self.anchors: AnchorClock | None = None  # set by main where the step model is linear
+        self.capacity: dict[str, float] = {}  # req/s per request-list workload: the loads are fractions of it
 
     def point(self, kind: str, load: str, mode: str, flags: list[str], run_real, sim_input: dict) -> None:
         t0 = time.perf_counter()
@@ -342,7 +345,7 @@ class Validation:
         (out / "validation.json").write_text(json.dumps(
             {"command": self.command, "commit": git_commit(), "host": self.host, "profile": self.profile.to_dict(),
              "runs": self.rows, "table": text, "targets_met": [met, checked], "alternatives_met": alt_met,
-             "step_check": self.step_check},
+             "step_check": self.step_check, "capacity": self.capacity},
             indent=1, default=str))
         return summary
 
@@ -362,6 +365,9 @@ def main() -> int:
     p.add_argument("--max-input-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rates-of", type=Path, metavar="VALIDATION_JSON",
+                   help="offer the loads of an earlier run (its capacities, in its validation.json) instead of this "
+                        "profile's: the very same requests at the same times, for sim_validation_spread.py")
     p.add_argument("--out", type=Path, default=Path("runs/sim-validation"))
     p.add_argument("--tiny", action="store_true",
                    help="smoke run: every workload and mode at one load with 6 requests (2 conversations of 2 "
@@ -392,10 +398,12 @@ def main() -> int:
     kinds = [k for k in args.workloads.split(",") if k != "multi-turn"]
     # the continuous engine's capacity, as the simulator predicts it on the lengths of each workload
     cont = engine_config(MODE_FLAGS["continuous"] + extra, args.model)
-    caps = {}
+    caps = json.loads(args.rates_of.read_text()).get("capacity", {}) if args.rates_of else {}
     for kind in kinds:
-        sat = [dataclasses.replace(s, arrival_s=0.0) for s in workload(kind, args.num_requests, 1.0, args)]
-        caps[kind] = simulate(sat, cont, profile).result.summary()["request_throughput"]
+        if kind not in caps:
+            sat = [dataclasses.replace(s, arrival_s=0.0) for s in workload(kind, args.num_requests, 1.0, args)]
+            caps[kind] = simulate(sat, cont, profile).result.summary()["request_throughput"]
+    v.capacity = caps
     # how long the replays will take, as the simulator sees them (server starts come on top)
     planned = 0.0
     for mode in args.modes.split(","):

@@ -9,7 +9,9 @@ spread is already above the target.
 
     .venv/bin/python benchmarks/sim_validation_spread.py runs/sim-validation runs/sim-validation2
 
-Each argument is a run's --out folder (or its validation.json). Prints markdown.
+Each argument is a run's --out folder (or its validation.json). Prints markdown. For the very same
+requests, run B with `sim_validation.py --rates-of A/validation.json` (the loads are otherwise
+fractions of each run's own simulated capacity); the multi-turn points are the same either way.
 """
 from __future__ import annotations
 
@@ -67,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     a, b = load(args.run_a), load(args.run_b)
     text, over, compared, worst = spread_table(a, b)
+    caps_a, caps_b = a.get("capacity") or {}, b.get("capacity") or {}
+    if caps_a != caps_b:  # the loads are fractions of each run's own simulated capacity unless --rates-of
+        print("note: the runs offered different loads (capacity req/s "
+              + ", ".join(f"{k} {caps_a.get(k, '?')} vs {caps_b.get(k, '?')}" for k in sorted(set(caps_a) | set(caps_b)))
+              + "; `sim_validation.py --rates-of A/validation.json` replays A's); multi-turn is sized by conversations\n")
     print(f"Real vs real: run A (commit {a.get('commit')}, {a.get('host', {}).get('cpu', '?')}) and run B "
           f"(commit {b.get('commit')})\n")
     print(text)
