@@ -103,10 +103,13 @@ def in_service_line(prof: Profile) -> str:
 def add_profile_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="measure (or estimate) step times and fit a step-time model for simulate",
                        description="Times real engine steps over a grid of decode batch sizes, KV context "
-                                   "lengths, prefill chunk sizes and mixed steps, and fits t = c0 + c_seq*seqs + "
-                                   "c_tok*tokens + c_pre*prefill_tokens + c_dkv*decode_kv + c_pkv*prefill_kv "
-                                   "(non-negative least squares on relative error). --analytic instead builds "
-                                   "a roofline estimate from a GPU's published peaks and the model's shape.")
+                                   "lengths, prefill chunk sizes, mixed steps and decode rows sharing prefix-cached "
+                                   "blocks, and fits t = c0 + c_seq*seqs + c_tok*tokens + c_pre*prefill_tokens + "
+                                   "c_dkv*distinct decode KV + c_shared*shared decode KV + c_pkv*prefill_kv + "
+                                   "c_pcached*cached-context prefill KV + the engine's weight cut-over steps "
+                                   "(non-negative least squares on relative error; docs/benchmarks.md has the "
+                                   "terms). --analytic instead builds a roofline estimate from a GPU's published "
+                                   "peaks and the model's shape.")
     p.add_argument("model", nargs="?", default=None,
                    help="model to time (a .gguf, a Hugging Face folder, or smollm2-135m, the default); "
                         "with --analytic, a known shape name")
