@@ -252,6 +252,9 @@ def test_tune_simulate_verifies_the_best_by_real_replay(tiny_model_dir, tmp_path
     assert len(report["verified"]) == 1 and report["verified"][0]["status"] == "ok"
     assert report["verified"][0]["summary"]["completed"] == 8
     assert "predicted (sim) vs measured (real)" in text and "TTFT p50 ms sim" in text
+    verified = report["verified"][0]["config"]
+    assert report["chosen"] == f"seqs={verified['max_num_seqs']} block={verified['block_size']}"
+    assert "chosen: " in text and "(measured best of the 1 verified" in text
 
 
 def test_shared_prefix_workload_hits_the_prefix_cache():

@@ -58,12 +58,34 @@ def test_best_config_without_a_winner_takes_the_closest_to_the_percentile_slo():
     best, met = best_config(results)
     assert not met and best.point == GridPoint(8, 16)
     assert tune.slo_shortfall(best) == pytest.approx(2.6)
-    assert [r.point.max_num_seqs for r in tune._ranked(results)] == [8, 16, 4]
+    assert [r.point.max_num_seqs for r in tune.ranked(results)] == [8, 16, 4]
     results.append(missed(32, None, 0.9))  # no value at all: farthest away
-    assert tune._ranked(results)[-1].point.max_num_seqs == 32
+    assert tune.ranked(results)[-1].point.max_num_seqs == 32
     met_one = _result(2, 16, 0.1, 10.0, True)
     assert best_config(results + [met_one]) == (met_one, True)  # meeting the SLO still beats everything
     assert "came closest, at 2.60x" in tune.explain(results, best, False, [parse_slo("e2e_p95=2s")])[0]
+
+
+def test_tune_simulate_chooses_the_best_verified_replay_not_the_simulated_tie():
+    """The simulator prices two block sizes alike (a tie, the first wins); the replays of the
+    finalists decide. With no replay, or none completed, the simulated best stands."""
+    def missed(seqs, block, p95_ms):
+        r = _result(seqs, block, 0.0, 100.0, False)
+        r.summary["slos"] = [{"slo": "e2e_p95=2s", "percentile": 95.0, "threshold_ms": 2000.0, "run_value_ms": p95_ms}]
+        return r
+
+    simulated = [missed(8, 16, 8400.0), missed(8, 32, 8400.0), missed(16, 16, 9700.0), missed(4, 16, 12800.0)]
+    finalists = tune.ranked(simulated)[:3]
+    assert [(r.point.max_num_seqs, r.point.block_size) for r in finalists] == [(8, 16), (8, 32), (16, 16)]
+    replays = {GridPoint(8, 16): missed(8, 16, 9100.0), GridPoint(8, 32): missed(8, 32, 7700.0),
+               GridPoint(16, 16): missed(16, 16, 9400.0)}
+    chosen, source = tune.simulated_choice(simulated, [replays[r.point] for r in finalists])
+    assert chosen is replays[GridPoint(8, 32)] and source == "measured best of the 3 verified"
+    chosen, source = tune.simulated_choice(simulated, [])
+    assert chosen is simulated[0] and "nothing verified" in source
+    failed = _result(8, 16, 0, 0, False, status="failed")
+    chosen, source = tune.simulated_choice(simulated, [failed])
+    assert chosen is simulated[0] and "no replay completed" in source
 
 
 def test_budget_skips_remaining_configs(monkeypatch):

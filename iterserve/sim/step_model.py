@@ -1,8 +1,8 @@
 """Step-time models: how long one engine step takes, from what the scheduler put in it.
 
-The simulator replaces the forward pass (and sampling) by one of these. Both read the same five
-numbers off a `SchedulerOutput` (`step_features`), so a scheduler change that alters what goes in a
-step alters the predicted time:
+The simulator replaces the forward pass (and sampling) by one of these. Both read the same
+`StepFeatures` off a `SchedulerOutput` (`step_features`), so a scheduler change that alters what goes
+in a step alters the predicted time:
 
 - `LinearStepModel` (measured, `iterserve profile MODEL`): least squares, weighted by 1/time so
   that short decode steps are fitted as closely (in relative terms) as long prefills, over
@@ -13,7 +13,7 @@ step alters the predicted time:
   caching's shared blocks, still in the CPU's caches the second time: cheaper per token), and
   prefill_cached_kv the part of prefill_kv a chunk reads from tokens cached before it (a chat turn
   after its history: no causal half to skip there).
-  The last two are steps: on CPU the engine runs small steps on quantised copies of the weights (a
+  The two bracketed terms are steps: on CPU the engine runs small steps on quantised copies of the weights (a
   4-bit twin of each projection for steps of at most `twin_max_tokens` rows, a Q8 LM head for at
   most `head_max_seqs` sampled rows: platform/kernel_choice.py) and switches to the bf16 weights
   above, so step time jumps at those sizes; a line through both regimes is off by tens of percent
