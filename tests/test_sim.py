@@ -384,6 +384,22 @@ def test_shared_kv_is_priced_apart_and_older_models_keep_their_price():
     assert model_from_dict(saved).predict(shared) == old.predict(shared)
 
 
+def features_of_each_step(engine, block_size: int) -> list:
+    """Wraps the engine's runner so that each step's `step_features` (of the SchedulerOutput it was
+    handed) is appended to the returned list as the engine runs."""
+    from iterserve.sim.step_model import step_features
+
+    seen = []
+    execute = engine.runner.execute
+
+    def spy(sched):
+        seen.append(step_features(sched, block_size))
+        return execute(sched)
+
+    engine.runner.execute = spy
+    return seen
+
+
 def test_step_records_count_shared_blocks_and_cached_prefill_reads(make_engine):
     """Three requests with one 48-token prefix under prefix caching: once the first has computed it,
     the others hit its three blocks; their step records say how much decode KV was read from blocks
@@ -391,17 +407,10 @@ def test_step_records_count_shared_blocks_and_cached_prefill_reads(make_engine):
     48), and the step model's features from the records are the SchedulerOutput's."""
     from iterserve.sampling import SamplingParams
     from iterserve.server.api import step_dict
-    from iterserve.sim.step_model import record_features, step_features
+    from iterserve.sim.step_model import record_features
 
     engine = make_engine(max_num_seqs=4, block_size=16, enable_prefix_caching=True)
-    seen = []
-    execute = engine.runner.execute
-
-    def spy(sched):
-        seen.append(step_features(sched, 16))
-        return execute(sched)
-
-    engine.runner.execute = spy
+    seen = features_of_each_step(engine, 16)
     prefix = list(range(5, 53))
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     engine.add_request(params=params, request_id="a", prompt_token_ids=prefix + [60, 61])
@@ -599,17 +608,10 @@ def test_server_step_records_carry_the_step_models_features(make_engine):
     SchedulerOutput the step ran, so the model can be checked on a server's own steps."""
     from iterserve.sampling import SamplingParams
     from iterserve.server.api import step_dict
-    from iterserve.sim.step_model import record_features, step_features
+    from iterserve.sim.step_model import record_features
 
     engine = make_engine(max_num_seqs=4, max_num_batched_tokens=32, block_size=16)
-    seen = []
-    execute = engine.runner.execute
-
-    def spy(sched):
-        seen.append(step_features(sched, 16))
-        return execute(sched)
-
-    engine.runner.execute = spy
+    seen = features_of_each_step(engine, 16)
     for i, n in enumerate((40, 7, 70)):  # chunked prompts next to decodes: every kind of step
         engine.add_request(params=SamplingParams(max_tokens=5, ignore_eos=True), request_id=f"r{i}",
                            prompt_token_ids=list(range(3 + i, 3 + i + n)))
