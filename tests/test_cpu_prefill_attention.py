@@ -99,15 +99,15 @@ def test_bad_inputs_get_clear_errors():
 @pytest.mark.real_model
 def test_engine_bf16_greedy_same_as_torch_prefill(monkeypatch):
     """SmolLM2-135M in bf16, prompts of 40-300 tokens prefilled in chunks of up to 64 tokens next to
-    running decodes: the same greedy tokens as with torch's SDPA for the prefill, logprobs within
-    bf16 tolerance, and the kernel was called."""
+    running decodes: the same greedy tokens as with torch's SDPA for the prefill up to any near-tie,
+    logprobs within bf16 tolerance, and the kernel was called."""
     from iterserve.llm import LLM
     from iterserve.sampling import SamplingParams
 
     llm = LLM("smollm2-135m", dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory="64MiB",
               enable_prefix_caching=False)  # the second run must prefill again
     prompts = [[100 + (37 * i + 11 * j) % 3000 for j in range(40 + 65 * i)] for i in range(5)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     calls = []
     real = kernels.paged_prefill_attention
 
@@ -124,9 +124,19 @@ def test_engine_bf16_greedy_same_as_torch_prefill(monkeypatch):
     assert not calls
     # bf16 rounds differently along the two paths (P is rounded to bf16 in both, at other places);
     # on these synthetic prompts the logprobs are of unsure tokens (~-1.5 to -4), where bf16's noise
-    # is largest: measured mean 0.043, max 0.13, against float32's distance from either of ~0.3
+    # is largest: measured mean 0.043, max 0.13, against float32's distance from either of ~0.3. So
+    # two greedy runs may part where the reference's best two tokens are that close: on the AMX Xeon
+    # (projections on oneDNN) two of the five did, each at an exact tie of two bf16 logits. Up to
+    # there the tokens are the same and the logprobs close; at that step each run's choice is among
+    # the other's best two, and the reference's lead is within the tolerance.
     diffs = []
     for w, g in zip(want, got):
-        assert g.token_ids == w.token_ids
-        diffs += [abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs)]
+        n = next((i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b), len(w.token_ids))
+        diffs += [abs(a[0] - b[0]) for a, b in zip(g.logprobs[:n], w.logprobs[:n])]
+        if n < len(w.token_ids):
+            ref, new = dict(w.logprobs[n][1]), dict(g.logprobs[n][1])
+            assert g.token_ids[n] in ref and w.token_ids[n] in new, f"parted at step {n} outside the best two"
+            margin = ref[w.token_ids[n]] - ref[g.token_ids[n]]
+            assert margin < 0.3, f"parted at step {n} where the reference led by {margin:.3f}"
+            diffs.append(abs(ref[w.token_ids[n]] - new[w.token_ids[n]]))
     assert sum(diffs) / len(diffs) < 0.08 and max(diffs) < 0.3, f"logprobs differ by up to {max(diffs):.3f}"
