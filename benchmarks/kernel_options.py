@@ -11,7 +11,8 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
 - linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
   the weight prepacked (what steps use where our bf16 kernel is not vectorised), torch's int4
   kernel, our Q4_1 kernel (iterserve/csrc: what steps of <= 4 rows use where it is vectorised),
-  our tiled bf16 kernel (what larger steps use where AVX512-BF16 exists), and, with --inductor-woq,
+  our tiled bf16 kernel (what larger steps use where AVX512-BF16 exists), the same on AMX tiles
+  (where the CPU has AMX: what the chooser gives steps from its cut-over), and, with --inductor-woq,
   inductor's C++/AMX template for the int4 op (max-autotune, frozen weights; one shape, gate-up,
   hot in cache: it needs a compiled graph per weight).
 - lm-head: the 49152 x 576 head in bf16 (oneDNN and ours) against an int8 per-channel twin
@@ -81,9 +82,15 @@ def linears(args) -> None:
             for k, *_, wb, n in layers:
                 kernels.bf16_gemm(xs[k], wb, n)
 
+        def bf16_ours_amx() -> None:  # the same weight tiles on AMX (every row count)
+            for k, *_, wb, n in layers:
+                kernels.bf16_gemm(xs[k], wb, n, 1)
+
         line = f"rows {m:3d}: bf16 prepacked {best_ms(bf16):6.2f} ms   torch int4 {best_ms(int4):6.2f} ms"
         if kernels:
             line += f"   ours Q4_1 {best_ms(q4_1):6.2f} ms   ours bf16 {best_ms(bf16_ours):6.2f} ms"
+        if kernels and kernels.bf16_gemm_amx_available():
+            line += f"   ours bf16 on AMX {best_ms(bf16_ours_amx):6.2f} ms"
         print(line + f"   (all {len(layers)} projections)", flush=True)
     if args.inductor_woq:
         inductor_woq(args.rows)

@@ -20,6 +20,7 @@ ENV_DEFAULTS = {  # EngineConfig field -> the environment variable its default c
     "bf16_gemm": "ITERSERVE_BF16_GEMM",
     "decode_attention": "ITERSERVE_DECODE_ATTENTION",
     "measure_kernels": "ITERSERVE_MEASURE_KERNELS",
+    "cpu_amx": "ITERSERVE_CPU_AMX",
 }
 
 
@@ -122,6 +123,9 @@ class EngineConfig:
     # off: chosen by the CPU's flags and fixed thresholds. remeasure_kernels: ignore the cached table
     measure_kernels: bool = field(default_factory=lambda: _env("measure_kernels", "1") != "0")
     remeasure_kernels: bool = False
+    # CPU with AMX: our tiled bf16 GEMM may run steps of many rows on AMX tiles, from the same weights,
+    # from a cut-over timed per shape (fixed when not measured); off: its AVX-512 path at every size
+    cpu_amx: bool = field(default_factory=lambda: _env("cpu_amx", "1") != "0")
     # deterministic inference: a request's greedy text never depends on what shares its step. One
     # kernel and one reduction order per op at every batch size: our row-independent bf16 GEMM for
     # every projection, no quantised twins, every query (prefill ones too) through the per-sequence

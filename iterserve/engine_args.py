@@ -77,6 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "per CPU, torch, sources and model); --no-measure-kernels decides by CPU flags and fixed "
                         "thresholds (default: on unless ITERSERVE_MEASURE_KERNELS=0). --bf16-gemm and "
                         "--decode-attention other than auto still force their choice")
+    g.add_argument("--cpu-amx", action=argparse.BooleanOptionalAction, default=d.cpu_amx,
+                   help="CPU with AMX: let our tiled bf16 GEMM run steps of many rows (prefill chunks, large "
+                        "decode batches) on AMX tiles from the same weight copy, from a row count timed per shape "
+                        "with --measure-kernels (else from 16 rows); --no-cpu-amx keeps its AVX-512 path at every "
+                        "size (default: on unless ITERSERVE_CPU_AMX=0; off under --batch-invariant)")
     g.add_argument("--remeasure-kernels", action="store_true",
                    help="time the kernel candidates again instead of reading the cached table (after a BIOS, "
                         "memory or load change)")

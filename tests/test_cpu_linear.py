@@ -15,7 +15,8 @@ from iterserve.engine import LLMEngine
 from iterserve.llm import LLM
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import (CpuLinear, bf16_gemm_layout, int4_kernel_available, optimize_cpu_linears,
-                                           pack_bf16, pack_q8_0, prepack_available, tiled_gemm_vectorised)
+                                           pack_bf16, pack_q8_0, prepack_available, tiled_gemm_amx,
+                                           tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (prepack_available() and int4_kernel_available()),
@@ -192,16 +193,25 @@ def smol_float32_reference(smol_loaded):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("compiled,copies", [(False, 1), pytest.param(True, 1, marks=pytest.mark.slow), (False, 8)],
-                         ids=["eager", "compiled", "batch8"])
-def test_smollm2_bf16_path_within_tolerance_of_float32(smol_float32_reference, compiled, copies):
+@pytest.mark.parametrize("compiled,copies,amx", [
+    (False, 1, False), pytest.param(True, 1, False, marks=pytest.mark.slow), (False, 8, False),
+    pytest.param(False, 16, True, marks=pytest.mark.skipif(not tiled_gemm_amx(load_cpu_kernels()),
+                                                           reason="no AMX here"))],
+    ids=["eager", "compiled", "batch8", "amx16"])
+def test_smollm2_bf16_path_within_tolerance_of_float32(smol_float32_reference, compiled, copies, amx):
     """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps,
     Q8_0 LM head for steps of <= 4 rows, the C++ decode attention) against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
     GEMMs) and then 48 single-token steps (int4 GEMMs, Q8_0 head). Compiled (--compile), inductor fuses the
     elementwise ops and rounds to bf16 in other places than eager does: the same bounds hold. batch8:
     8 copies of the sequence share every step, so decoding runs the bf16 GEMMs (ours where
-    vectorised) and the bf16 head instead of the twins."""
-    eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB"))
+    vectorised) and the bf16 head instead of the twins. amx16: our tiled GEMM forced, unmeasured, so
+    every projection of the 16-row decode steps and of the prefill runs on its AMX path."""
+    forced = dict(bf16_gemm="tiled", measure_kernels=False) if amx else {}
+    eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB", **forced))
+    if amx:
+        from iterserve.platform.cpu import AMX_MIN_ROWS
+        assert {m.amx_min_rows for m in eng.model.modules() if isinstance(m, CpuLinear)} == {AMX_MIN_ROWS}
+        assert copies >= AMX_MIN_ROWS
     assert eng.platform.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
     if load_cpu_kernels() is not None:  # and its head is Q8_0: the head's twin too
         assert eng.model.lm_head.twin == "q8_0"

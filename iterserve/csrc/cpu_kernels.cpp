@@ -10,7 +10,8 @@
 // q8_0_gemm: the LM head in GGUF's Q8_0 layout (int8 weights, one float scale per 32), for steps of
 //   a few rows.
 // bf16_gemm: every other bf16 projection (decode batches and prefill), from weights laid out in
-//   tiles of 16 outputs; 2.2x oneDNN's prepacked GEMM at 16 rows, even at 512.
+//   tiles of 16 outputs; 2.2x oneDNN's prepacked GEMM at 16 rows, even at 512 (Zen 4). The same
+//   layout feeds AMX tiles for steps of many rows where the CPU has AMX.
 // paged_prefill_attention: a prompt chunk's causal attention against its sequence's paged K/V,
 //   flash-attention style on AVX512-BF16 (torch's CPU flash kernel was a third of a prefill step).
 // rms_norm: RMSNorm of bf16 rows in one pass (eager torch runs it as eight ops).
@@ -27,6 +28,10 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #include <c10/util/Half.h>
 
@@ -608,8 +613,116 @@ void bf16_tile_rows(int64_t rows, const uint32_t* xp, int64_t m0, const uint16_t
   }
 }
 
+// ---- the same GEMM on AMX tiles, from the same weight layout ---------------------------------------
+// pack_bf16's tile of 16 outputs holds, per pair of inputs, 16 x 2 bf16 = 64 bytes: 16 pairs of it
+// (32 inputs) are exactly an AMX B tile in its VNNI form (16 rows of 64 bytes), and 16 rows of x's
+// 32 inputs an A tile read in place (stride K). So the tiled layout runs on AMX for steps of many
+// rows, where AMX's 16x16x32 tile products beat a vdpbf16ps per row and pair (oneDNN's AMX GEMM was
+// 3x our AVX-512 one at 64 rows on the AMX Xeon), and on AVX-512 for few rows, where the weights'
+// memory traffic bounds both (ours was 1.3-2x oneDNN's there): one copy of the weights, the faster
+// kernel at each step size. Which rows go where is measured (platform/kernel_choice.py). Float32
+// accumulation and one rounding to bf16, as the AVX-512 path, in another order: a step of >=
+// amx_min_rows rows is not bit-identical to the same rows run alone, so batch_invariant keeps AMX off.
+// Linux lends AMX's tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM); the
+// tile configuration is per thread, so each range of work loads it and releases it.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define ISV_AMX 1
+#else
+#define ISV_AMX 0
+#endif
+
+bool bf16_gemm_amx_available() {
+#if ISV_AMX
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, the AMX tile data
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#if ISV_AMX
+struct alignas(64) TileConfig {  // ldtilecfg's 64 bytes, palette 1: every tile 16 rows x 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// MA x 16 rows of x against NB tiles of 16 outputs: accumulators in tiles 0-3 (row tile i, output
+// tile j in 2i + j), x in 4-5, weights in 6-7; c: [MA * 16][NB * 16] float32
+template <int MA, int NB>
+void amx_block(const uint16_t* x, int64_t K, const uint16_t* wt, int64_t K2, float* c) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, x + k, K * 2);
+    if constexpr (MA == 2) _tile_loadd(5, x + 16 * K + k, K * 2);
+    _tile_loadd(6, wt + k * 16, 64);
+    if constexpr (NB == 2) _tile_loadd(7, wt + K2 * 32 + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MA == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t stride = NB * 16 * 4;
+  _tile_stored(0, c, stride);
+  if constexpr (NB == 2) _tile_stored(1, c + 16, stride);
+  if constexpr (MA == 2) _tile_stored(2, c + 16 * NB * 16, stride);
+  if constexpr (MA == 2 && NB == 2) _tile_stored(3, c + 16 * NB * 16 + 16, stride);
+}
+
+// rows [m0, m0 + 16 * MA) of x (padded to whole row tiles) x output tiles [t, t + NB)
+template <int MA, int NB>
+void amx_store_block(const uint16_t* x, int64_t M, int64_t m0, int64_t K, const uint16_t* wp, int64_t t, int64_t N,
+                     uint16_t* out) {
+  const int64_t K2 = K / 2;
+  alignas(64) float c[MA * 16 * NB * 16];
+  amx_block<MA, NB>(x + m0 * K, K, wp + t * K2 * 32, K2, c);
+  for (int j = 0; j < NB; ++j) {
+    const int64_t width = std::min<int64_t>(16, N - 16 * (t + j));
+    const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+    for (int64_t i = 0; i < std::min<int64_t>(16 * MA, M - m0); ++i) {
+      _mm256_mask_storeu_epi16(out + (m0 + i) * N + 16 * (t + j), mask,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + i * NB * 16 + 16 * j)));
+    }
+  }
+}
+
+void bf16_gemm_amx(const uint16_t* xs, int64_t M, int64_t K, const uint16_t* wp, int64_t N, uint16_t* op) {
+  const int64_t tiles = (N + 15) / 16, mt = (M + 15) / 16;
+  std::unique_ptr<uint16_t[]> padded;  // x with its last row tile filled with zeros, when M % 16
+  if (M % 16) {
+    padded.reset(new uint16_t[mt * 16 * K]);
+    std::memcpy(padded.get(), xs, M * K * sizeof(uint16_t));
+    std::memset(padded.get() + M * K, 0, (mt * 16 - M) * K * sizeof(uint16_t));
+    xs = padded.get();
+  }
+  // pairs of output tiles split over the pool; each pair's weights (2 x K x 32 bytes) stay in the
+  // core's cache while every row tile of x goes by
+  iterserve::parallel_ranges((tiles + 1) / 2, kRanges, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t t = 2 * p;
+      const bool two = t + 1 < tiles;
+      for (int64_t r = 0; r < mt; r += 2) {
+        const bool tall = r + 1 < mt;
+        if (tall && two) amx_store_block<2, 2>(xs, M, 16 * r, K, wp, t, N, op);
+        else if (tall) amx_store_block<2, 1>(xs, M, 16 * r, K, wp, t, N, op);
+        else if (two) amx_store_block<1, 2>(xs, M, 16 * r, K, wp, t, N, op);
+        else amx_store_block<1, 1>(xs, M, 16 * r, K, wp, t, N, op);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // x [M, K] bfloat16; w packed as above for N outputs -> [M, N] bfloat16 (float32 accumulation).
-at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N) {
+// amx_min_rows > 0: steps of at least that many rows run on AMX tiles where the CPU and the OS allow
+// it and K is a multiple of 32 (bf16_gemm_amx_available); 0: never.
+at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N, int64_t amx_min_rows) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
@@ -618,6 +731,13 @@ at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N) {
               "w must be contiguous [ceil(N/16), K/2, 16, 2] bfloat16 (pack_bf16) with K even");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+#if ISV_AMX
+  if (amx_min_rows > 0 && M >= amx_min_rows && K % 32 == 0 && bf16_gemm_amx_available()) {
+    bf16_gemm_amx(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K,
+                  reinterpret_cast<const uint16_t*>(w.const_data_ptr()), N, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
+#endif
   // x in row tiles of equal height (12 rows: one pass of 12, not 8 + 4 reading the weights twice),
   // each as [K/2, mb] pairs: a tile's broadcasts for one pair of inputs sit side by side
   const bool wide = M > kTallRows && tiles > 1;
@@ -999,7 +1119,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows in Hugging Face's order of rounding (see cpu_kernels.cpp)");
   m.def("q4_gemm", &q4_gemm, "x @ w.T for 4-bit w (GGUF Q4_1 levels; layout in cpu_kernels.cpp)");
   m.def("q4_gemm_is_vectorised", &q4_gemm_is_vectorised, "whether q4_gemm was built with AVX512-VNNI or AVX2 + FMA");
-  m.def("bf16_gemm", &bf16_gemm, "x @ w.T for bf16 w packed by pack_bf16 (layout in cpu_kernels.cpp)");
+  m.def("bf16_gemm", &bf16_gemm, "x @ w.T for bf16 w packed by pack_bf16 (layout in cpu_kernels.cpp); steps of "
+        ">= amx_min_rows (> 0) rows on AMX tiles where available", py::arg("x"), py::arg("w"), py::arg("N"),
+        py::arg("amx_min_rows") = 0);
+  m.def("bf16_gemm_amx_available", &bf16_gemm_amx_available,
+        "whether bf16_gemm can run on AMX tiles here (built with AMX-BF16, and Linux lent the tile state)");
   m.def("bf16_gemm_is_vectorised", &bf16_gemm_is_vectorised, "whether bf16_gemm was built with AVX512-BF16");
   m.def("f32_bf16w_gemm", &f32_bf16w_gemm,
         "float32 x @ w.T for bf16 w packed by pack_bf16_f32 (AVX2 + FMA; layout in cpu_kernels.cpp)");

@@ -23,13 +23,15 @@ from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
-                                           int4_kernel_available, optimize_cpu_linears, tiled_gemm_vectorised)
+                                           int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
+                                           tiled_gemm_vectorised)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, choose_kernels,
                                               kernel_choice_dir, shapes_of)
 
 log = logging.getLogger("iterserve.platform")
 
 Q8_HEAD_MAX_TOKENS = 4  # sampled rows, when not measured; the Q8_0 LM head lost to bf16 from 8 (docs/profile.md)
+AMX_MIN_ROWS = 16  # forced tiled layout, not measured: steps from this many rows on AMX tiles (docs/profile.md)
 
 
 @functools.cache
@@ -67,6 +69,8 @@ class CpuPlatform(Platform):
         self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit twin
         self.q8_head_max_tokens = 0
         self.kernel_choice: KernelChoice | None = None  # the measured table, when measured
+        # our tiled GEMM's AMX path (never under batch_invariant: its rows would round by step size)
+        self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
 
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """In bf16: weights laid out once for a bf16 GEMM (ours, oneDNN's, or a float32 copy) and
@@ -101,11 +105,13 @@ class CpuPlatform(Platform):
         else:
             self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_int4 else 0
             self.q8_head_max_tokens = Q8_HEAD_MAX_TOKENS if use_q8_head else 0
+        amx = AMX_MIN_ROWS if plans is None and self.layout == "tiled" and self.amx else 0
         n = optimize_cpu_linears(model, self.layout, self.int4_max_tokens, self.q8_head_max_tokens, self.kernels,
-                                 plans)
+                                 plans, amx_min_rows=amx)
         if plans is None:
-            log.info("CPU bf16: %d projections laid out for %s%s%s", n,
+            log.info("CPU bf16: %d projections laid out for %s%s%s%s", n,
                      "our tiled bf16 GEMM" if self.layout == "tiled" else self.layout,
+                     f" (on AMX tiles from {amx} rows)" if amx else "",
                      f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
                      f", Q8_0 LM head for <= {self.q8_head_max_tokens} sampled rows" if self.q8_head_max_tokens else "")
 
@@ -138,7 +144,8 @@ class CpuPlatform(Platform):
             log.info("CPU float32: %d projections laid out for %s%s (not measured)", n, self.layout,
                      f", Q4_1 twin for steps of <= {self.int4_max_tokens} tokens" if self.int4_max_tokens else "")
 
-    def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool) -> dict[tuple[str, int, int], tuple[str, int]]:
+    def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool
+                 ) -> dict[tuple[str, int, int], tuple[str, int, int]]:
         """Times the candidates (or reads the cached table), logs the table, and returns the per-shape plan."""
         cfg = self.config
         mcfg = model.cfg
@@ -146,7 +153,7 @@ class CpuPlatform(Platform):
         measure_attention = cfg.decode_attention == "auto" and self.kernels is not None
         req = ChoiceRequest(shapes=shapes_of(model, self.dtype), buckets=batch_buckets(max_seqs), dtype=self.dtype,
                             layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,
-                            q8_head=use_q8_head,
+                            q8_head=use_q8_head, amx=self.amx,
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
                             if measure_attention else None)
         choice = self.kernel_choice = choose_kernels(req, self.kernels, remeasure=cfg.remeasure_kernels)
@@ -159,7 +166,7 @@ class CpuPlatform(Platform):
         self.int4_max_tokens = max((c.twin_max_tokens for c in choice.linears.values() if c.role == "proj"), default=0)
         self.q8_head_max_tokens = max((c.twin_max_tokens for c in choice.linears.values() if c.role == "head"),
                                       default=0)
-        return {(c.role, *map(int, key.split(":")[1].split("x"))): (c.layout, c.twin_max_tokens)
+        return {(c.role, *map(int, key.split(":")[1].split("x"))): (c.layout, c.twin_max_tokens, c.amx_min_rows)
                 for key, c in choice.linears.items()}
 
     def num_kv_blocks(self, model_config: ModelConfig, profile_run: Callable[[], None]) -> int:
@@ -174,6 +181,6 @@ class CpuPlatform(Platform):
                 "bf16_gemm": "/".join(layouts) if layouts else "tiled" if self.config.batch_invariant else self.layout,
                 "quantization": "int4" if self.int4_max_tokens else "none",
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
-                "batch_invariant": self.config.batch_invariant,
+                "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else
                 ("fixed (batch_invariant)" if self.config.batch_invariant else "by CPU flags (measure_kernels off)")}

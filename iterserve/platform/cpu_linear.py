@@ -10,7 +10,9 @@ each threshold are in docs/profile.md, with the commands that measured them
   exists, our own bf16 GEMM (iterserve/csrc/cpu_kernels.cpp, the "tiled" layout) is faster still at
   decode sizes; it runs on the kernels' work pool, whose worker stays awake between the calls of a
   step. Numbers: float32 accumulation and one rounding to bf16, as oneDNN, but in another order, so
-  not bit-identical to it.
+  not bit-identical to it. On a CPU with AMX the same weight tiles also feed AMX's tile products for
+  steps of many rows (`amx_min_rows`, measured), where oneDNN's AMX GEMM used to beat ours 3x: one
+  copy of the weights, the faster kernel at each step size.
 - 4-bit twin. A decode step of one or two sequences is bound by reading the weights. torch's CPU
   int4 kernel (`_weight_int4pack_mm_for_cpu`, the one gpt-fast uses) reads a quarter of the bf16
   bytes, but loses to bf16 past a few rows; so such a layer keeps both and picks per step
@@ -130,6 +132,11 @@ def tiled_gemm_vectorised(kernels: ModuleType | None) -> bool:
     return kernels is not None and kernels.bf16_gemm_is_vectorised()
 
 
+def tiled_gemm_amx(kernels: ModuleType | None) -> bool:
+    """Whether our bf16 GEMM can run steps of many rows on AMX tiles here (from the tiled layout)."""
+    return tiled_gemm_vectorised(kernels) and kernels.bf16_gemm_amx_available()
+
+
 def bf16w_gemm_vectorised(kernels: ModuleType | None) -> bool:
     """Whether our float32 x bf16-weight GEMM built with AVX2 and FMA (the scalar fallback never wins)."""
     return kernels is not None and kernels.f32_bf16w_gemm_is_vectorised()
@@ -164,10 +171,12 @@ class CpuLinear(nn.Module):
     needs an even in_features and the CPU kernels, or oneDNN's prepacked weight), or a float32 one with
     its weight stored as bf16 for our AVX2 GEMM (`bf16w`: the output is float32), and optionally a
     quantised twin (`twin`: one of TWINS) used when the step has at most `twin_max_tokens` rows.
-    Keeps no plain copy of a weight it owns alone."""
+    `amx_min_rows` (tiled only): steps of at least that many rows run our GEMM on AMX tiles, from
+    the same weight tiles, where bf16_gemm_amx_available; 0: never. Keeps no plain copy of a weight
+    it owns alone."""
 
     def __init__(self, linear: nn.Linear, twin: str | None = None, twin_max_tokens: int = 0,
-                 keep_weight: bool = False, layout: str = "onednn") -> None:
+                 keep_weight: bool = False, layout: str = "onednn", amx_min_rows: int = 0) -> None:
         super().__init__()
         if twin not in (None, *TWINS):
             raise ValueError(f"twin must be one of {TWINS} or None, got {twin!r}")
@@ -185,6 +194,7 @@ class CpuLinear(nn.Module):
             if twin == "q4_1":
                 self.register_buffer("twin_mins", packed[2], persistent=False)
         self.layout = layout
+        self.amx_min_rows = amx_min_rows if layout == "tiled" else 0
         self.packed_weight = (pack_bf16(w) if layout == "tiled" else w.float().contiguous() if layout == "float32"
                               else pack_bf16_f32(w) if layout == "bf16w"
                               else torch.ops.mkldnn._reorder_linear_weight(w, 16))
@@ -194,19 +204,20 @@ class CpuLinear(nn.Module):
         return torch.ops.iterserve.cpu_linear(x, self.packed_weight, self.layout, self.out_features,
                                               getattr(self, "twin_weight", None), getattr(self, "twin_scales", None),
                                               getattr(self, "twin_mins", None), self.bias, self.twin_max_tokens,
-                                              self.twin)
+                                              self.twin, self.amx_min_rows)
 
 
 # One op, opaque to torch.compile: inductor cannot lower either packed weight, and the per-step
 # choice between the kernels must not become a guard (one compiled graph per choice).
 _lib = torch.library.Library("iterserve", "FRAGMENT")
 _lib.define("cpu_linear(Tensor x, Tensor packed_weight, str layout, int out_features, Tensor? twin_weight, "
-            "Tensor? twin_scales, Tensor? twin_mins, Tensor? bias, int twin_max_tokens, str twin) -> Tensor")
+            "Tensor? twin_scales, Tensor? twin_mins, Tensor? bias, int twin_max_tokens, str twin, "
+            "int amx_min_rows=0) -> Tensor")
 
 
 def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_features: int,
                 twin_weight: torch.Tensor | None, twin_scales: torch.Tensor | None, twin_mins: torch.Tensor | None,
-                bias: torch.Tensor | None, twin_max_tokens: int, twin: str) -> torch.Tensor:
+                bias: torch.Tensor | None, twin_max_tokens: int, twin: str, amx_min_rows: int = 0) -> torch.Tensor:
     if x.shape[0] <= twin_max_tokens:
         if twin == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), twin_weight, GROUP_SIZE, twin_scales)
@@ -215,7 +226,7 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
         else:
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
     elif layout == "tiled":
-        y = load_cpu_kernels().bf16_gemm(x, packed_weight, out_features)
+        y = load_cpu_kernels().bf16_gemm(x, packed_weight, out_features, amx_min_rows)
     elif layout == "float32":
         y = torch.nn.functional.linear(x.float(), packed_weight).to(x.dtype)
     elif layout == "bf16w":
@@ -230,7 +241,7 @@ _lib.impl("cpu_linear", _cpu_linear, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("iterserve::cpu_linear")
 def _cpu_linear_fake(x, packed_weight, layout, out_features, twin_weight, twin_scales, twin_mins, bias,
-                     twin_max_tokens, twin):
+                     twin_max_tokens, twin, amx_min_rows=0):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -244,14 +255,15 @@ def four_bit_twin(in_features: int, kernels: ModuleType | None, dtype: torch.dty
 
 def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_tokens: int = 0,
                          q8_head_max_tokens: int = 0, kernels: ModuleType | None = None,
-                         plans: Mapping[tuple[str, int, int], tuple[str, int]] | None = None,
-                         dtype: torch.dtype = torch.bfloat16) -> int:
+                         plans: Mapping[tuple[str, int, int], tuple[str, int, int]] | None = None,
+                         dtype: torch.dtype = torch.bfloat16, amx_min_rows: int = 0) -> int:
     """Swaps the decoder projections (4-bit twin if int4_max_tokens > 0) and the LM head (Q8_0 twin
     if q8_head_max_tokens > 0: 4 bits would round the logits; it keeps its weight, which it shares
     with the embedding) for CpuLinear in `layout` (a linear with an odd in_features takes oneDNN's).
-    `kernels`: the loaded CPU kernels, or None. `plans`: (role "proj"/"head", out, in) -> (layout,
-    twin's max tokens), a measured choice per shape (platform/kernel_choice.py) that replaces `layout`
-    and the twin thresholds for the shapes it names (a twin stays off where its figure is 0). Only
+    `kernels`: the loaded CPU kernels, or None. `amx_min_rows`: the tiled layout's AMX cut-over
+    (CpuLinear). `plans`: (role "proj"/"head", out, in) -> (layout, twin's max tokens, AMX min rows),
+    a measured choice per shape (platform/kernel_choice.py) that replaces `layout`, the twin
+    thresholds and the AMX cut-over for the shapes it names (a twin stays off where its figure is 0). Only
     CPU linears of `dtype` are swapped: bf16, or float32 with a FLOAT32_LAYOUTS layout and no twin
     but our Q4_1 one. Returns the number changed."""
     if dtype == torch.float32 and (layout not in FLOAT32_LAYOUTS or q8_head_max_tokens
@@ -274,18 +286,19 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
         role = "proj" if name.startswith("layers.") else "head" if name == "lm_head" else None
         if role is None:
             continue
-        lay, proj_max, head_max = layout, int4_max_tokens, q8_head_max_tokens
+        lay, proj_max, head_max, amx = layout, int4_max_tokens, q8_head_max_tokens, amx_min_rows
         plan = (plans or {}).get((role, mod.out_features, mod.in_features))
         if plan is not None:
-            lay, proj_max, head_max = plan[0], plan[1] if int4_max_tokens else 0, plan[1] if q8_head_max_tokens else 0
+            lay, amx = plan[0], plan[2]
+            proj_max, head_max = plan[1] if int4_max_tokens else 0, plan[1] if q8_head_max_tokens else 0
         if lay == "tiled" and mod.in_features % 2:
             lay = "onednn"
         if role == "proj":
             twin = four_bit_twin(mod.in_features, kernels, dtype) if proj_max else None
-            new = CpuLinear(mod, twin, proj_max, layout=lay)
+            new = CpuLinear(mod, twin, proj_max, layout=lay, amx_min_rows=amx)
         else:
             fits = head_max and mod.in_features % GROUP_SIZE == 0
-            new = CpuLinear(mod, "q8_0" if fits else None, head_max, keep_weight=True, layout=lay)
+            new = CpuLinear(mod, "q8_0" if fits else None, head_max, keep_weight=True, layout=lay, amx_min_rows=amx)
         replace_module(model, name, new)
         changed += 1
     return changed

@@ -9,7 +9,10 @@ at the step sizes the engine will run (`batch_buckets`):
 
 - the bf16 layouts: our tiled AVX512-BF16 GEMM, oneDNN's prepacked weight (which runs on AMX tiles
   where the CPU has them, so on an AMX host AMX is one of the measured candidates), and float32
-  (where bf16 is emulated or slow);
+  (where bf16 is emulated or slow); where AMX is lent to us, the tiled layout is also timed with
+  every step on our AMX path (`AMX`), and the tiled layout's AMX cut-over (`amx_min_rows`) is the
+  smallest bucket from which that path beat the AVX-512 one at every larger bucket: the tiled
+  layout's time is then the better of the two at each bucket;
 - the quantised twins, when the model has them (4-bit for the projections, Q8_0 for the LM head):
   each twin's cut-over (`twin_max_tokens`) is the largest bucket up to which it beat the chosen
   layout at every bucket;
@@ -47,11 +50,12 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16w_gemm_vectorised, four_bit_twin,
-                                           prepack_available, tiled_gemm_vectorised)
+                                           prepack_available, tiled_gemm_amx, tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
 
-CHOICE_VERSION = 1  # bump when the meaning of a cached table changes
+CHOICE_VERSION = 2  # bump when the meaning of a cached table changes (2: the tiled layout's AMX cut-over)
+AMX = "tiled+amx"  # the tiled layout with every step on our AMX path: timed to find its cut-over
 PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
 GIVE_UP = 2.5  # a layout this many times slower than the best at a step size is not timed further
 TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed its cut-over
@@ -127,6 +131,17 @@ def pick_fastest(times: Mapping[str, Mapping[int, float]]) -> str:
     return min(times, key=lambda name: sum(times[name][b] / best[b] for b in buckets))
 
 
+def amx_cutover(amx: Mapping[int, float], avx: Mapping[int, float]) -> int:
+    """The smallest bucket from which the AMX path was faster than the AVX-512 one at it and every
+    larger bucket (0: never)."""
+    cut = 0
+    for b in sorted(amx, reverse=True):
+        if amx[b] >= avx[b]:
+            break
+        cut = b
+    return cut
+
+
 def twin_cutover(twin: Mapping[int, float], base: Mapping[int, float]) -> int:
     """The largest bucket up to which the twin was faster than the base at every bucket (0: never)."""
     cut = 0
@@ -144,6 +159,12 @@ class LinearChoice:
     twin: str | None  # the quantised twin measured for it, if any
     twin_max_tokens: int  # rows up to which the twin runs (0: never)
     ms: dict[str, dict[int, float]]  # candidate -> bucket -> ms per call
+    amx_min_rows: int = 0  # tiled: rows from which the step runs on AMX tiles (0: never)
+
+    def describe(self) -> str:
+        """'tiled+amx>=16 + q4_1<=4': the layout, its AMX cut-over, the twin's."""
+        return (self.layout + (f"+amx>={self.amx_min_rows}" if self.amx_min_rows else "")
+                + (f" + {self.twin}<={self.twin_max_tokens}" if self.twin_max_tokens else ""))
 
 
 @dataclass
@@ -161,14 +182,13 @@ class KernelChoice:
     def summary(self) -> dict[str, Any]:
         """The table for /v1/scheduler and benchmark JSON: per shape its layout and twin cut-over."""
         return {"source": self.source, "seconds": round(self.seconds, 2), "buckets": self.buckets,
-                "linears": {k: {"layout": c.layout, "twin": c.twin, "twin_max_tokens": c.twin_max_tokens}
-                            for k, c in self.linears.items()},
+                "linears": {k: {"layout": c.layout, "twin": c.twin, "twin_max_tokens": c.twin_max_tokens,
+                                "amx_min_rows": c.amx_min_rows} for k, c in self.linears.items()},
                 "decode_attention": self.decode_attention}
 
     def brief(self) -> str:
         """One line: each shape's layout (and twin cut-over), then the decode attention."""
-        parts = [f"{key} {c.layout}" + (f"+{c.twin}<={c.twin_max_tokens}" if c.twin_max_tokens else "")
-                 for key, c in self.linears.items()]
+        parts = [f"{key} {c.describe()}" for key, c in self.linears.items()]
         return ", ".join(parts + ([f"decode attention {self.decode_attention}"] if self.decode_attention else []))
 
     def table(self) -> str:
@@ -176,8 +196,7 @@ class KernelChoice:
         head = "rows " + " ".join(f"{b:>6d}" for b in self.buckets)
         lines = [f"{'':32s}{head}"]
         for key, c in self.linears.items():
-            chosen = c.layout + (f" + {c.twin}<={c.twin_max_tokens}" if c.twin_max_tokens else "")
-            lines.append(f"{key} -> {chosen}")
+            lines.append(f"{key} -> {c.describe()}")
             for name, ms in c.ms.items():
                 lines.append(f"  {name:30s}" + "".join(_cell(ms.get(b)) for b in self.buckets))
         if self.attention_ms:
@@ -272,12 +291,18 @@ def layout_candidates(in_features: int, kernels: ModuleType | None,
     return [name for name in LAYOUTS if ok.get(name)]
 
 
+def amx_candidate(in_features: int, kernels: ModuleType | None) -> list[str]:
+    """[AMX] where our tiled GEMM can run this shape on AMX tiles (K a multiple of 32), else []."""
+    return [AMX] if tiled_gemm_amx(kernels) and in_features % 32 == 0 else []
+
+
 def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None
                       ) -> dict[str, Callable[[int], Callable[[], object]]]:
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
     own overhead and the weights' memory traffic are in the figure."""
-    mods = {name: [CpuLinear(lin, layout=name) for lin in lins] for name in layouts}
+    mods = {name: [CpuLinear(lin, layout="tiled", amx_min_rows=1) if name == AMX else CpuLinear(lin, layout=name)
+                   for lin in lins] for name in layouts}
     if twin:
         mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
 
@@ -317,6 +342,7 @@ class ChoiceRequest:
     four_bit: bool = False  # the projections get a 4-bit twin to time
     q8_head: bool = False  # the LM head gets a Q8_0 twin to time
     attention: tuple[int, int, int, int] | None = None  # (heads, kv heads, head_dim, block_size): measured
+    amx: bool = False  # the tiled layout's AMX path may be timed (EngineConfig.cpu_amx)
 
 
 def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, int, int]]:
@@ -336,7 +362,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     attn_names = ((["cpu"] if kernels is not None else []) + ["torch"]) if req.attention else []
     described = {"layout": req.layout, "four_bit": req.four_bit, "q8_head": req.q8_head,
                  "attention": list(req.attention or ()), "attention_candidates": attn_names,
-                 "kernels": kernels is not None}
+                 "kernels": kernels is not None, "amx": req.amx}
     key = choice_key(req.shapes, req.buckets, req.dtype, described)
     if not remeasure:
         cached = load_cached(key, folder)
@@ -351,17 +377,25 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             layouts = [req.layout] if req.layout else layout_candidates(k, kernels, req.dtype)
             if req.layout == "tiled" and k % 2:
                 layouts = ["onednn"]  # as optimize_cpu_linears does for an odd in_features
+            if req.amx and "tiled" in layouts:  # (forced tiled too: its AMX cut-over is timed)
+                layouts = [*layouts, *amx_candidate(k, kernels)]
             twin = (four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
             buckets = proj_buckets if role == "proj" else req.buckets
             copies = num_copies(n, k)
+            # AMX never gives up: it is slow at few rows and wins at many, past where it would be dropped
+            give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
             sec = measure(linear_candidates([_linear(n, k, req.dtype) for _ in range(copies)], layouts, twin), buckets,
-                          give_up={twin: TWIN_GIVE_UP} if twin else None)
+                          give_up=give_up or None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
-            base = {name: t for name, t in sec.items() if name != twin}
+            base = {name: t for name, t in sec.items() if name not in (twin, AMX)}
+            amx_from = amx_cutover(sec[AMX], base["tiled"]) if AMX in sec else 0
+            if amx_from:  # the tiled layout runs each step on the faster of its two paths
+                base["tiled"] = {b: sec[AMX][b] if b >= amx_from else t for b, t in base["tiled"].items()}
             layout = pick_fastest(base)
-            cut = twin_cutover(sec[twin], sec[layout]) if twin else 0
-            linears[f"{role}:{n}x{k}"] = LinearChoice(role, layout, twin, cut, _ms(sec))
+            cut = twin_cutover(sec[twin], base[layout]) if twin else 0
+            linears[f"{role}:{n}x{k}"] = LinearChoice(role, layout, twin, cut, _ms(sec),
+                                                      amx_from if layout == "tiled" else 0)
         attention, attn_ms = None, {}
         if len(attn_names) > 1:
             heads, kv_heads, head_dim, block_size = req.attention
