@@ -180,14 +180,14 @@ class KernelChoice:
         return self.linears.get(f"{role}:{out_features}x{in_features}")
 
     def summary(self) -> dict[str, Any]:
-        """The table for /v1/scheduler and benchmark JSON: per shape its layout and twin cut-over."""
+        """The table for /v1/scheduler and benchmark JSON: per shape its layout, twin and AMX cut-overs."""
         return {"source": self.source, "seconds": round(self.seconds, 2), "buckets": self.buckets,
                 "linears": {k: {"layout": c.layout, "twin": c.twin, "twin_max_tokens": c.twin_max_tokens,
                                 "amx_min_rows": c.amx_min_rows} for k, c in self.linears.items()},
                 "decode_attention": self.decode_attention}
 
     def brief(self) -> str:
-        """One line: each shape's layout (and twin cut-over), then the decode attention."""
+        """One line: each shape's layout (and its AMX and twin cut-overs), then the decode attention."""
         parts = [f"{key} {c.describe()}" for key, c in self.linears.items()]
         return ", ".join(parts + ([f"decode attention {self.decode_attention}"] if self.decode_attention else []))
 
