@@ -17,7 +17,7 @@ from decode_speed import drain, start_decode_batch  # noqa: E402  (sibling scrip
 from profile_step import time_prompt_step  # noqa: E402
 
 from iterserve.llm import LLM  # noqa: E402
-from iterserve.model.llama import RMSNorm  # noqa: E402
+from iterserve.model.layers import RMSNorm  # noqa: E402
 from iterserve.platform.cpu_norm import CpuRMSNorm  # noqa: E402
 
 KERNEL_FORWARD = CpuRMSNorm.forward

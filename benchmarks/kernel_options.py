@@ -7,6 +7,7 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
     python benchmarks/kernel_options.py lm-head --rows 1 2 4 8 16 --numerics
     python benchmarks/kernel_options.py attention --batch 1 4 8 16 --context 100 500
     python benchmarks/kernel_options.py prefill-attention --chunk 256:256 512:512 1024:1024 256:1024
+    python benchmarks/kernel_options.py prefill-attention --chunk 1024:1024 --window 256 --softcap 50
 
 - linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
   the weight prepacked (what steps use where our bf16 kernel is not vectorised), torch's int4
@@ -25,6 +26,8 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
   (n == ctx: a fresh prompt; n < ctx: a chunk after a cached prefix): the torch path (SDPA per
   chunk, after a block gather when there is a prefix) against our kernel (blocks read in place);
   the two take turns, best of the rounds.
+Both attention commands take --window W (a sliding window, as Mistral's and Gemma's) and --softcap
+C (Gemma 2's logit cap); 0, the default, turns either off.
 Columns of our kernels appear when they build (platform/cpu_kernels.py). Results are printed; the
 figures quoted in docs/profile.md and docs/benchmarks.md came from these commands.
 """
@@ -221,9 +224,13 @@ def attention(args) -> None:
             tables = torch.randperm(num_blocks)[:b * nblk].view(b, nblk)
             meta = DecodeMetadata(block_tables=tables, context_lens=torch.full((b,), ctx), max_context_len=ctx)
             q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-            line = f"context {ctx:4d} batch {b:3d}: torch (gather + SDPA) {best_ms(lambda: decode_attention(q, k_cache, v_cache, meta, 0.125), rounds=7, inner=200) * 1e3:6.0f} us"
+            extra = (args.window, args.softcap)
+            torch_us = best_ms(lambda: decode_attention(q, k_cache, v_cache, meta, 0.125, *extra), rounds=7, inner=200) * 1e3
+            line = f"context {ctx:4d} batch {b:3d}: torch (gather + SDPA) {torch_us:6.0f} us"
             if kernels:
-                line += f"   ours {best_ms(lambda: CpuKernelAttentionBackend(load_cpu_kernels()).decode(q, k_cache, v_cache, meta, 0.125), rounds=7, inner=200) * 1e3:6.0f} us"
+                ours = CpuKernelAttentionBackend(kernels)
+                us = best_ms(lambda: ours.decode(q, k_cache, v_cache, meta, 0.125, *extra), rounds=7, inner=200) * 1e3
+                line += f"   ours {us:6.0f} us"
             print(line + "   per layer", flush=True)
 
 
@@ -242,8 +249,9 @@ def prefill_attention_options(args) -> None:
                                context_lens=[ctx])
         q = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
         k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
-        calls = {"torch": lambda: prefill_attention(q, k, v, k_cache, v_cache, meta, 0.125),
-                 "ours": lambda: ours.prefill(q, k, v, k_cache, v_cache, meta, 0.125)}
+        extra = (args.window, args.softcap)
+        calls = {"torch": lambda: prefill_attention(q, k, v, k_cache, v_cache, meta, 0.125, *extra),
+                 "ours": lambda: ours.prefill(q, k, v, k_cache, v_cache, meta, 0.125, *extra)}
         best = dict.fromkeys(calls, float("inf"))
         for _ in range(args.rounds):  # in turns, so a noisy moment hits both
             for name, fn in calls.items():
@@ -267,11 +275,15 @@ def main() -> None:
     p = sub.add_parser("attention", help="one layer's decode attention: torch path vs our kernel")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--context", type=int, nargs="+", default=[100, 500])
+    p.add_argument("--window", type=int, default=0, help="sliding window in tokens (0: none)")
+    p.add_argument("--softcap", type=float, default=0.0, help="attention-logit soft-cap (0: none)")
     p.set_defaults(fn=attention)
     p = sub.add_parser("prefill-attention", help="one layer's prompt-chunk attention: torch SDPA vs our kernel")
     p.add_argument("--chunk", nargs="+", default=["256:256", "512:512", "1024:1024", "256:1024"], metavar="N:CTX",
                    help="chunk tokens : context tokens (the chunk's included)")
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--window", type=int, default=0, help="sliding window in tokens (0: none)")
+    p.add_argument("--softcap", type=float, default=0.0, help="attention-logit soft-cap (0: none)")
     p.set_defaults(fn=prefill_attention_options)
     args = ap.parse_args()
     args.fn(args)

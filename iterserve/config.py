@@ -30,7 +30,8 @@ def _env(name: str, default: str) -> str:
 
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama-family decoder, filled from config.json or GGUF metadata."""
+    """Architecture of a decoder of the model registry (model/registry.py), filled from config.json or
+    GGUF metadata by the model's family."""
 
     vocab_size: int
     hidden_size: int
@@ -48,6 +49,41 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     attention_bias: bool = False  # biases on q, k, v
     o_proj_bias: bool = False  # Llama's attention_bias also puts one on o_proj; Qwen2 does not
+    # ---- what the families of the model registry (model/families/) vary; defaults are Llama's ----
+    architecture: str = "llama"  # the registry's family name
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh (Gemma)
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), rounding once in float32
+    # where the decoder layer's norms sit: "pre" (Llama: before attention and MLP), "sandwich" (Gemma 2/3:
+    # before and after each), "post" (OLMo 2: after each block's output only, before the residual add)
+    norm_placement: str = "pre"
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (per head: Qwen3, Gemma 3), "all" (OLMo 2)
+    attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden) (rounded to the model's dtype); Granite's own
+    residual_multiplier: float = 1.0  # Granite: each block's output is scaled before the residual add
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    sliding_window: int | None = None  # keys a windowed layer sees, its own position included
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full
+    local_rope_theta: float | None = None  # Gemma 3: sliding layers' RoPE base (default RoPE, no scaling)
+    no_rope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k get no RoPE
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first fraction of each head only
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: full causal attention)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
 import torch
 
-from iterserve.config import EngineConfig
+from iterserve.config import EngineConfig, ModelConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
-from iterserve.model.loader import load_model, resolve_model
+from iterserve.model.loader import load_model, model_config, resolve_model
 from iterserve.platform.base import kv_bytes_per_block, user_cache_dir
 from iterserve.platform.selector import get_platform
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
@@ -84,9 +85,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
         if loaded is None:
-            resolve_model(config.model)  # a wrong model fails now, before the platform builds kernels
+            # a wrong model or length fails now, before the platform builds kernels or weights load
+            max_len = self._max_model_len(model_config(resolve_model(config.model)))
             self.platform = get_platform(config)
-            model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device))
+            model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device),
+                                                     max_positions=max_len)
             self.platform.prepare_model(model, src)
         else:
             if config.batch_invariant:
@@ -98,10 +101,10 @@ class LLMEngine:
         self.device, self.dtype = self.platform.device, self.platform.dtype
         self.model, self.model_config, self.tokenizer = model, mcfg, tokenizer
         self.load_seconds = time.perf_counter() - t0
-        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, 4096)
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"{mcfg.max_position_embeddings} positions")
+        self.max_model_len = self._max_model_len(mcfg)
+        if self.max_model_len > getattr(model, "max_positions", self.max_model_len):
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the {model.max_positions} positions "
+                             "the model's RoPE tables were built for (load_model's max_positions)")
         self.max_input_len = config.max_input_len or self.max_model_len
         self.max_output_len = config.max_output_len or self.max_model_len
         num_blocks = self.platform.num_kv_blocks(mcfg, self._profile_run)
@@ -128,6 +131,12 @@ class LLMEngine:
         self._prefix_cache_seen = (0, 0)  # the scheduler's counters at the last StepRecord
         self.start_time = time.monotonic()
 
+    def _max_model_len(self, mcfg: ModelConfig) -> int:
+        max_len = self.config.max_model_len or min(mcfg.max_position_embeddings, 4096)
+        if max_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's {mcfg.max_position_embeddings} positions")
+        return max_len
+
     def _compile_model(self) -> None:
         if not hasattr(self.model, "compile_decoder"):
             raise ValueError(f"compile: {type(self.model).__name__} has no compile_decoder()")
@@ -152,7 +161,9 @@ class LLMEngine:
     def resolved_config(self) -> dict[str, Any]:
         """The switches as this engine resolved them (device, dtype, kernels, limits, KV blocks):
         what /v1/scheduler reports next to the EngineConfig."""
-        return {**self.platform.resolved(), "max_model_len": self.max_model_len,
+        return {**self.platform.resolved(), "architecture": self.model_config.architecture,
+                "sliding_window": self.model_config.sliding_window if self.model_config.has_windows else None,
+                "max_model_len": self.max_model_len,
                 "max_input_len": self.max_input_len, "max_output_len": self.max_output_len,
                 "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching}
 
@@ -165,7 +176,10 @@ class LLMEngine:
                 raise RequestRejected("messages must not be empty")
             if not getattr(tok, "chat_template", None):
                 raise RequestRejected("this model has no chat template: send a plain prompt")
-            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            except jinja2.TemplateError as exc:  # the template's own refusal (Gemma 2: no system role)
+                raise RequestRejected(f"the model's chat template refused these messages: {exc}") from None
             return tok.encode(text, add_special_tokens=False)
         if not prompt:
             raise RequestRejected("prompt must not be empty")

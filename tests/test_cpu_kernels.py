@@ -3,28 +3,33 @@
 Same random cases as the Triton kernel's tests: shuffled block tables, contexts ending inside, at
 and just past a block boundary, several block sizes, head dims and GQA ratios; float32 must agree
 to float rounding, bfloat16 to bf16 rounding; the parallel and single-thread paths must agree; and
-the engine's greedy output must not change when the kernel replaces the torch path.
+the engine's greedy output must not change when the kernel replaces the torch path. Sliding windows
+and soft-capping against a dense float64 reference, with the slots before the window poisoned (and
+their blocks' ids out of the cache) to show they are never read; the batch-invariant backend
+(every query through this kernel) honours the window. And the rms_norm kernel's Gemma form.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from iterserve.attention.cpu_backend import CpuKernelAttentionBackend
+from iterserve.attention.cpu_backend import BatchInvariantCpuAttentionBackend, CpuKernelAttentionBackend
+from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.attention.selector import select_attention_backend
 from iterserve.attention.torch_attention import decode_attention
 from iterserve.config import EngineConfig
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.selector import get_platform
 
-from attention_cases import CONTEXT_LENS, HEAD_DIM, poison_unread_slots, random_case
+from attention_cases import (CONTEXT_LENS, HEAD_DIM, decode_reference, poison_unread_slots, random_case,
+                             reference_attention, sequence_kv)
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here (see the log)")
 
 
-def decode_attention_cpu(q, k_cache, v_cache, meta, scale):
-    return CpuKernelAttentionBackend(kernels).decode(q, k_cache, v_cache, meta, scale)
+def decode_attention_cpu(q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
+    return CpuKernelAttentionBackend(kernels).decode(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
 @pytest.mark.parametrize("head_dim, block_size, group", [(64, 16, 1), (64, 16, 3), (64, 32, 3), (80, 8, 4),
@@ -85,8 +90,105 @@ def test_unread_slots_do_not_leak():
     assert torch.equal(decode_attention_cpu(q, k_cache, v_cache, meta, scale), before)
 
 
+WINDOWS = [1, 5, 16, 17, 40, 100, 1000]  # inside a block, a block, across blocks, the whole context, more
+
+
+@pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("block_size, group", [(16, 3), (1, 2), (8, 1)])
+def test_window_and_softcap_match_dense_reference(block_size, group, q_dtype, cache_dtype):
+    """A window W: only each sequence's last W keys (W = 1: the query's own); a soft-cap of 5 on
+    scores scaled up to ~N(0, 16), where it bends most of them. float32 to float rounding, bf16 to
+    the output's rounding."""
+    q, k_cache, v_cache, meta = random_case(CONTEXT_LENS + [33, 2, 300], block_size, group)
+    q, k_cache, v_cache = (q * 4).to(q_dtype), k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scale = HEAD_DIM ** -0.5
+    tol = dict(rtol=1e-5, atol=1e-5) if q_dtype == torch.float32 else dict(rtol=2 ** -8, atol=1e-5)
+    for window in [0] + WINDOWS:
+        for softcap in (0.0, 5.0):
+            want = decode_reference(q, k_cache, v_cache, meta, scale, window, softcap)
+            got = decode_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+            assert got.dtype == q_dtype
+            torch.testing.assert_close(got.double(), want, **tol, msg=f"window {window} softcap {softcap}")
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_keys_before_the_window_are_never_read(block_size):
+    """The slots before each sequence's window hold 1e4 and the ids of the blocks wholly before it
+    point outside the cache (they may be freed): the kernel neither reads nor checks them."""
+    lens, window = [17, 5, 40, 100], 7
+    q, k_cache, v_cache, meta = random_case(lens, block_size, group=3)
+    scale = HEAD_DIM ** -0.5
+    before = decode_attention_cpu(q, k_cache, v_cache, meta, scale, window, 5.0)
+    poison_unread_slots(k_cache, v_cache, meta, window)
+    for b, n in enumerate(lens):
+        meta.block_tables[b, :max(0, n - window) // block_size] = k_cache.shape[0]
+    assert torch.equal(decode_attention_cpu(q, k_cache, v_cache, meta, scale, window, 5.0), before)
+
+
+def test_batch_invariant_backend_honours_the_window():
+    """Every query of a step (two decodes, a fresh prompt chunk and a chunk after a cached prefix)
+    through the decode kernel, each as a decode at its own position: each sees its own window."""
+    g = torch.Generator().manual_seed(3)
+    bs, kvh, group, D, window = 16, 2, 3, HEAD_DIM, 6
+    lens = {"d0": 30, "d1": 9, "p0": 20, "p1": 45}  # tokens in cache after the step
+    new = {"d0": 1, "d1": 1, "p0": 20, "p1": 11}  # of which this step's
+    need = {s: -(-n // bs) for s, n in lens.items()}
+    num_blocks = sum(need.values()) + 2
+    k_cache, v_cache = (torch.randn(num_blocks, bs, kvh, D, generator=g).bfloat16() for _ in range(2))
+    perm, tables = torch.randperm(num_blocks, generator=g).tolist(), {}
+    for s in lens:
+        tables[s], perm = torch.tensor(perm[:need[s]] + [0] * (4 - need[s])), perm[need[s]:]
+    T = sum(new.values())
+    q = (torch.randn(T, kvh * group, D, generator=g) * 4).bfloat16()
+    k, v = (torch.randn(T, kvh, D, generator=g).bfloat16() for _ in range(2))
+    slots = torch.cat([tables[s][torch.arange(lens[s] - new[s], lens[s]) // bs] * bs
+                       + torch.arange(lens[s] - new[s], lens[s]) % bs for s in lens])
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=2,
+        decode=DecodeMetadata(block_tables=torch.stack([tables["d0"], tables["d1"]]),
+                              context_lens=torch.tensor([30, 9]), max_context_len=30),
+        prefill=PrefillMetadata(block_tables=torch.stack([tables["p0"], tables["p1"]]), query_lens=[20, 11],
+                                context_lens=[20, 45]))
+    got = BatchInvariantCpuAttentionBackend(kernels).forward(q, k, v, (k_cache, v_cache), meta, 0.125, window, 5.0)
+    want, start = [], 0
+    for s, n in lens.items():
+        ks, vs = (sequence_kv(c, tables[s], n) for c in (k_cache, v_cache))
+        want.append(reference_attention(q[start:start + new[s]], ks, vs, torch.arange(n - new[s], n), 0.125,
+                                        window, 5.0))
+        start += new[s]
+    torch.testing.assert_close(got.double(), torch.cat(want), rtol=2 ** -8, atol=1e-5)
+
+
+def test_rms_norm_unit_offset_is_gemmas():
+    """unit_offset: transformers' GemmaRMSNorm, out = bf16(x * r * (1 + w)) in float32 (one
+    rounding, after the weight); only the sum of squares' order may move a value by a bf16 ulp.
+    Without it, the Llama form (x * r rounded to bf16 first, then times w)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for dim in (640, 100):
+        ref = GemmaRMSNorm(dim, eps=1e-6)
+        ref.weight.data = (torch.randn(dim, generator=g) * 0.5).bfloat16()
+        for rows in (1, 7, 100):
+            x = (torch.randn(rows, dim, generator=g) * 3).bfloat16()
+            with torch.no_grad():
+                want = ref(x)
+            got = kernels.rms_norm(x, ref.weight.data, 1e-6, True)
+            assert got.dtype == torch.bfloat16
+            differ = got != want
+            assert differ.float().mean().item() <= 1e-3, f"{rows} x {dim}: {differ.sum().item()} differ"
+            assert ((got.float() - want.float()).abs() <= want.float().abs() / 128).all()
+    x = torch.randn(5, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    xf = x.float()
+    llama = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert ((kernels.rms_norm(x, w, 1e-6, False).float() - llama.float()).abs() <= llama.float().abs() / 64).all()
+
+
 def test_bad_inputs_get_clear_errors():
     q, k_cache, v_cache, meta = random_case([17, 5], block_size=16, group=3)
+    with pytest.raises(RuntimeError, match=">= 0"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.1, -1, 0.0)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, torch.tensor([17, 10_000]), 0.1)
     bad = meta.block_tables.clone()

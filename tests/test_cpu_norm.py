@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.model.llama import RMSNorm
+from iterserve.model.layers import RMSNorm
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_norm import CpuRMSNorm, use_cpu_rms_norm
 

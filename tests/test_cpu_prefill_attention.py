@@ -4,7 +4,10 @@ against the torch path (SDPA over the gathered blocks) computed in float32 from 
 Fresh chunks (no cached prefix) and later chunks (after a cached prefix), shuffled block tables,
 lengths inside, at and just past a block and a 16-key tile boundary, several GQA ratios and head
 dims: the kernel must agree with the float32 result to bf16's rounding of the output, and never read
-a slot past the context or a block outside the table. Through the engine, on the real model in bf16
+a slot past the context or a block outside the table. Sliding windows (W = 1 up to past the context,
+fresh chunks and chunks after a prefix) and a soft-cap against a dense float64 reference, and never a
+key before the first query's window (slots poisoned, block ids out of the cache). Through the
+engine, on the real model in bf16
 with prompts split into chunks: the same greedy tokens and logprobs within bf16 tolerance as the
 torch path, with the kernel actually called.
 """
@@ -17,6 +20,8 @@ from iterserve.attention.cpu_backend import CpuKernelAttentionBackend
 from iterserve.attention.metadata import PrefillMetadata
 from iterserve.attention.torch_attention import prefill_attention
 from iterserve.platform.cpu_kernels import load_cpu_kernels
+
+from attention_cases import reference_attention, sequence_kv
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.bf16_gemm_is_vectorised(),
@@ -62,6 +67,44 @@ def test_matches_float32_torch_path_to_bf16_rounding(block_size, kv_heads, group
         assert err <= 2 * rounding + 2e-3, f"n={n} ctx={ctx}: max error {err:.4f} vs rounding {rounding:.4f}"
 
 
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 3, 64), (1, 1, 32), (1, 24, 32)])
+def test_window_and_softcap_match_dense_reference(block_size, kv_heads, group, head_dim):
+    """Windows inside a 16-key tile, at one, across tiles and blocks, W = 1 (only the query itself)
+    and wider than the context; a soft-cap of 5 on scores scaled up to ~N(0, 16). With one query per
+    row (group 1) a block holds 24 queries, so its last rows find the block's first tiles wholly
+    before their windows (the online softmax must skip them, not turn NaN)."""
+    scale = head_dim ** -0.5
+    for n, ctx in CHUNKS:
+        q, k_cache, v_cache, table, _, _ = case(n, ctx, block_size, kv_heads, group, head_dim)
+        q = (q.float() * 4).bfloat16()
+        k, v = sequence_kv(k_cache, table, ctx), sequence_kv(v_cache, table, ctx)
+        for window in (0, 1, 5, 16, 17, 40, 1000):
+            for softcap in (0.0, 5.0):
+                got = kernels.paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, window, softcap)
+                want = reference_attention(q, k, v, torch.arange(ctx - n, ctx), scale, window, softcap).float()
+                err = (got.float() - want).abs().max().item()
+                rounding = (want.bfloat16().float() - want).abs().max().item()
+                assert err <= 2 * rounding + 2e-3, (f"n={n} ctx={ctx} window={window} softcap={softcap}: "
+                                                    f"max error {err:.4f} vs rounding {rounding:.4f}")
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_keys_before_the_window_are_never_read(block_size):
+    """A chunk of 10 after a prefix of 190 with a window of 30: the first query sees keys from 161
+    on. The slots before hold 1e4 and the ids of the blocks wholly before point outside the cache
+    (they may be freed): the kernel neither reads nor checks them."""
+    n, ctx, window = 10, 200, 30
+    q, k_cache, v_cache, table, _, _ = case(n, ctx, block_size, 2, 3, 64)
+    before = kernels.paged_prefill_attention(q, k_cache, v_cache, table, ctx, 0.125, window, 5.0)
+    first = ctx - n - window + 1
+    pos = torch.arange(first)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, 2, 64)[table[pos // block_size] * block_size + pos % block_size] = 1e4
+    table[:first // block_size] = k_cache.shape[0]
+    assert torch.equal(kernels.paged_prefill_attention(q, k_cache, v_cache, table, ctx, 0.125, window, 5.0), before)
+
+
 def test_backend_runs_each_chunk_of_a_step():
     """Two sequences' chunks in one step (one fresh, one after a prefix): the backend's prefill
     matches the torch backend's within bf16 rounding."""
@@ -74,9 +117,11 @@ def test_backend_runs_each_chunk_of_a_step():
     q, k, v = torch.cat([a[0], b[0]]), torch.cat([a[4], b[4]]), torch.cat([a[5], b[5]])
     backend = CpuKernelAttentionBackend(kernels)
     assert backend.prefill_kernel_fits(q, k_cache)
-    got = backend.prefill(q, k, v, k_cache, v_cache, meta, 0.125)
-    want = prefill_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, 0.125)
-    assert (got.float() - want).abs().max().item() < 0.02
+    for window, softcap in ((0, 0.0), (8, 5.0)):  # the backend hands both to the kernel
+        got = backend.prefill(q, k, v, k_cache, v_cache, meta, 0.125, window, softcap)
+        want = prefill_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, 0.125,
+                                 window, softcap)
+        assert (got.float() - want).abs().max().item() < 0.02
     assert not backend.prefill_kernel_fits(q.float(), k_cache.float())  # float32 keeps the torch path
 
 
@@ -86,6 +131,8 @@ def test_bad_inputs_get_clear_errors():
         kernels.paged_prefill_attention(q, k_cache, v_cache, table, 4, 0.1)
     with pytest.raises(RuntimeError, match="n <= ctx"):
         kernels.paged_prefill_attention(q, k_cache, v_cache, table, 10_000, 0.1)
+    with pytest.raises(RuntimeError, match=">= 0"):
+        kernels.paged_prefill_attention(q, k_cache, v_cache, table, 20, 0.1, 0, -1.0)
     bad = table.clone()
     bad[0] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match="outside the cache"):

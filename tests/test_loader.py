@@ -20,7 +20,7 @@ from model_utils import chat_ids, sequence_logits
 from iterserve.config import ModelConfig
 from iterserve.model import loader
 from iterserve.model.gguf_file import GGUFTensor, dequantize_tensor, file_key, iter_tensors, read_index
-from iterserve.model.llama import RotaryEmbedding, apply_rope
+from iterserve.model.layers import RotaryEmbedding, apply_rope
 from iterserve.model.loader import ModelNotFound, ModelSource, load_weights_only, resolve_model, unpermute_qk
 
 
@@ -76,11 +76,14 @@ def test_index_naming_a_missing_shard(tmp_path, tiny_model_dir):
     assert "model-00002-of-00002.safetensors" in _one_line_error(e)
 
 
-def test_not_a_llama_family_model(tmp_path):
+def test_unsupported_architecture(tmp_path):
+    """Named, with the list of what is supported, before transformers or the weights are read."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ValueError, match="not a Llama-family decoder"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported") as e:
         load_weights_only(resolve_model(str(tmp_path)))
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM"):
+        assert arch in str(e.value)
 
 
 def test_garbage_gguf_file(tmp_path):
@@ -244,7 +247,7 @@ def test_permuted_weights_with_interleaved_rope_equal_rotate_half():
     n_head, d, hidden, T = 3, 16, 24, 7
     cfg = ModelConfig(vocab_size=8, hidden_size=hidden, intermediate_size=8, num_layers=1,
                       num_heads=n_head, num_kv_heads=n_head, head_dim=d)
-    cos, sin = RotaryEmbedding(cfg, 64)(torch.arange(T) * 5, torch.float32)
+    cos, sin = RotaryEmbedding.for_config(cfg, 64)(torch.arange(T) * 5, torch.float32)
     w, x = torch.randn(n_head * d, hidden), torch.randn(T, hidden)
     hf = apply_rope((x @ w.T).view(T, n_head, d), cos, sin)
     cpp = _rope_interleaved((x @ llama_cpp_permute(w, n_head).T).view(T, n_head, d), cos, sin)

@@ -2,7 +2,8 @@
 
 Random caches whose block tables are shuffled (a sequence's blocks are scattered and interleaved
 with other sequences'), contexts that end inside, exactly at and just past a block boundary, block
-sizes 16 and 32, GQA ratios 1 and 3, and a batch mixing all those lengths in one launch.
+sizes 16 and 32, GQA ratios 1 and 3, and a batch mixing all those lengths in one launch. Sliding
+windows and soft-capping against a dense float64 reference, the keys before the window never read.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from iterserve.attention.torch_attention import decode_attention  # noqa: E402
 from iterserve.attention.triton_backend import decode_attention_triton  # noqa: E402
 from iterserve.config import EngineConfig  # noqa: E402
 
-from attention_cases import CONTEXT_LENS, HEAD_DIM, poison_unread_slots, random_case  # noqa: E402
+from attention_cases import (CONTEXT_LENS, HEAD_DIM, decode_reference, poison_unread_slots,  # noqa: E402
+                             random_case)
 
 
 def check(context_lens: list[int], block_size: int, group: int, head_dim: int = HEAD_DIM) -> None:
@@ -73,6 +75,34 @@ def test_unread_slots_do_not_leak():
     before = decode_attention_triton(q, k_cache, v_cache, meta, scale)
     poison_unread_slots(k_cache, v_cache, meta)
     torch.testing.assert_close(decode_attention_triton(q, k_cache, v_cache, meta, scale), before)
+
+
+@pytest.mark.parametrize("block_size, group", [(16, 3), (1, 2), (32, 1)])
+def test_window_and_softcap_match_dense_reference(block_size, group):
+    """Windows inside a tile, at a block, across tiles and blocks, W = 1 and wider than the context
+    (the loop starts at the window's first tile); a soft-cap of 5 on scores scaled up to ~N(0, 16)."""
+    q, k_cache, v_cache, meta = random_case(CONTEXT_LENS + [33, 2, 70], block_size, group)
+    q = q * 4
+    scale = HEAD_DIM ** -0.5
+    for window in (0, 1, 5, 16, 17, 40, 1000):
+        for softcap in (0.0, 5.0):
+            want = decode_reference(q, k_cache, v_cache, meta, scale, window, softcap)
+            got = decode_attention_triton(q, k_cache, v_cache, meta, scale, window, softcap)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5,
+                                       msg=f"window {window} softcap {softcap}")
+
+
+def test_keys_before_the_window_are_never_read():
+    """The slots before each sequence's window hold 1e4 and the ids of the blocks wholly before it
+    point outside the cache (they may be freed): the result is the same."""
+    lens, window, bs = [17, 5, 40, 100], 7, 8
+    q, k_cache, v_cache, meta = random_case(lens, bs, group=3)
+    scale = HEAD_DIM ** -0.5
+    before = decode_attention_triton(q, k_cache, v_cache, meta, scale, window, 5.0)
+    poison_unread_slots(k_cache, v_cache, meta, window)
+    for b, n in enumerate(lens):
+        meta.block_tables[b, :max(0, n - window) // bs] = 10_000
+    torch.testing.assert_close(decode_attention_triton(q, k_cache, v_cache, meta, scale, window, 5.0), before)
 
 
 def test_selection_honours_the_override(monkeypatch):

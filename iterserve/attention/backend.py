@@ -24,29 +24,30 @@ class AttentionBackend:
     name: str = ""
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """q: [B, heads, D], one query per sequence at its last position (already written to the
-        cache) -> [B, heads, D]."""
+        cache) -> [B, heads, D]. window, softcap: as in torch_attention's docstring (0 = off)."""
         raise NotImplementedError
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: PrefillMetadata, scale: float) -> torch.Tensor:
+                meta: PrefillMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """q, k, v: [T, heads, D] of the step's prefill chunks, concatenated (their K/V already written
-        to the cache) -> [T, heads, D], causal within each sequence."""
-        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+        to the cache) -> [T, heads, D], causal within each sequence (and within the window)."""
+        return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Writes this step's k, v [T, kv_heads, D] to the cache, then attends q [T, heads, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """Writes this step's k, v [T, kv_heads, D] to the cache, then attends q [T, heads, D]. window:
+        the layer's sliding window (0: none), softcap: its attention-logit cap (0.0: none)."""
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         d = meta.num_decode_tokens
         if meta.prefill is None:
-            return self.decode(q, k_cache, v_cache, meta.decode, scale)
-        pre = self.prefill(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill, scale)
+            return self.decode(q, k_cache, v_cache, meta.decode, scale, window, softcap)
+        pre = self.prefill(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill, scale, window, softcap)
         if meta.decode is None:
             return pre
-        return torch.cat([self.decode(q[:d], k_cache, v_cache, meta.decode, scale), pre])
+        return torch.cat([self.decode(q[:d], k_cache, v_cache, meta.decode, scale, window, softcap), pre])
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -55,5 +56,5 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
-               scale: float) -> torch.Tensor:
-        return decode_attention(q, k_cache, v_cache, meta, scale)
+               scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)

@@ -24,9 +24,9 @@ class CpuKernelAttentionBackend(AttentionBackend):
         self.kernels = kernels
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                   scale)
+                                                   scale, window, softcap)
 
     def prefill_kernel_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """The prefill kernel's domain: bf16 queries and cache, a build with AVX512-BF16, head_dim a
@@ -35,13 +35,13 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 and q.shape[1] // k_cache.shape[2] <= 24 and self.kernels.bf16_gemm_is_vectorised())
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: PrefillMetadata, scale: float) -> torch.Tensor:
+                meta: PrefillMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         if not self.prefill_kernel_fits(q, k_cache):
-            return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+            return super().prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         outs, start = [], 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             outs.append(self.kernels.paged_prefill_attention(q[start:start + n], k_cache, v_cache,
-                                                             meta.block_tables[i], ctx, scale))
+                                                             meta.block_tables[i], ctx, scale, window, softcap))
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -55,9 +55,10 @@ class BatchInvariantCpuAttentionBackend(CpuKernelAttentionBackend):
 
     name = "cpu_batch_invariant"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        # each query as a decode ending at its own position: the kernel's window is then that query's own
         tables, lens = meta.per_query_tables()
-        return self.kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window, softcap)

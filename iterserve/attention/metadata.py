@@ -28,21 +28,31 @@ class DecodeMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
     context_lens: torch.Tensor  # [B] tokens in cache after this step's write
     max_context_len: int
-    _plan: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # gather plans by attention window: the torch path's key mask depends on it, and a model whose
+    # layers alternate windowed and global attention (Gemma 2, 3) asks for two every step
+    _plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return self.block_tables.shape[0]
 
-    def gather_plan(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_plan(self, block_size: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(block ids to gather [B * n], key mask [B, 1, 1, n * block_size]) for the torch path: the
-        same for every layer of a step, so built once, at the first layer."""
-        if self._plan is None:
-            flat = block_ids(self.block_tables, self.max_context_len, block_size)
+        same for every layer of a step with the same window (0: none; W: only each sequence's last W
+        keys), so built once per window, at the first layer that asks."""
+        if window >= self.max_context_len:
+            window = 0  # a window no sequence fills masks nothing
+        plan = self._plans.get(window)
+        if plan is None:
+            flat = (next(iter(self._plans.values()))[0] if self._plans
+                    else block_ids(self.block_tables, self.max_context_len, block_size))
             key_pos = torch.arange(flat.numel() // self.num_seqs * block_size, device=self.context_lens.device)
-            mask = (key_pos.unsqueeze(0) < self.context_lens.unsqueeze(1)).view(self.num_seqs, 1, 1, -1)
-            self._plan = (flat, mask)
-        return self._plan
+            lens = self.context_lens.unsqueeze(1)
+            mask = key_pos.unsqueeze(0) < lens
+            if window > 0:
+                mask &= key_pos.unsqueeze(0) >= lens - window
+            plan = self._plans[window] = (flat, mask.view(self.num_seqs, 1, 1, -1))
+        return plan
 
 
 @dataclass

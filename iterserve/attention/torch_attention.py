@@ -8,13 +8,17 @@ Nothing here loops in Python over decoding sequences.
 
 Every backend (attention/backend.py) writes K/V and runs prefills with these functions; the
 kernel backends replace only `decode_attention`, whose contract they share.
+
+Every function takes the layer's sliding window (`window` W > 0: a query at position p sees keys
+max(0, p - W + 1) .. p; Mistral, Gemma 2 and 3) and logit soft-cap (`softcap` c > 0: each score
+becomes c * tanh(score / c); Gemma 2), as Hugging Face transformers define them; 0 turns either off.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from iterserve.attention.metadata import DecodeMetadata, PrefillMetadata, block_ids
+from iterserve.attention.metadata import DecodeMetadata, PrefillMetadata
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -32,40 +36,70 @@ def gather_blocks(cache: torch.Tensor, flat: torch.Tensor, num_seqs: int) -> tor
     return cache.index_select(0, flat).view(num_seqs, -1, kvh, d).transpose(1, 2)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float = 0.0) -> torch.Tensor:
+    """q [B, H, n, D] against k, v [B, kv_heads, L, D] (GQA by broadcast) -> [B, H, n, D] in q's dtype;
+    mask: bool (True = attend), broadcast to [B, H, n, L], or None for causal (n == L).
+
+    softcap c > 0 (Gemma 2) makes each score c * tanh(q.k * scale / c) before the softmax. SDPA has
+    no such hook, so then the scores are computed here, in float32, with the mask applied by hand."""
+    H, kvh = q.shape[1], k.shape[1]
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=(H != kvh))
+    n, L = q.shape[2], k.shape[2]
+    if mask is None:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril()
+    # [B, kvh, group, n, L]: each KV head's group of query heads against its keys, no copy of k or v
+    s = q.float().unflatten(1, (kvh, H // kvh)) @ k.float().unsqueeze(2).transpose(-1, -2)
+    s = torch.tanh(s.flatten(1, 2) * (scale / softcap)) * softcap
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (p.unflatten(1, (kvh, H // kvh)) @ v.float().unsqueeze(2)).flatten(1, 2).to(q.dtype)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: DecodeMetadata, scale: float) -> torch.Tensor:
-    """q: [B, heads, D], one query per sequence at its last position -> [B, heads, D]."""
+                     meta: DecodeMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q: [B, heads, D], one query per sequence at its last position -> [B, heads, D]. window W > 0:
+    each query sees only its sequence's last W keys (itself included); softcap: see `attend`."""
     B, H, D = q.shape
-    flat, mask = meta.gather_plan(k_cache.shape[1])
+    flat, mask = meta.gather_plan(k_cache.shape[1], window)
     k, v = gather_blocks(k_cache, flat, B), gather_blocks(v_cache, flat, B)  # [B, kvh, L, D]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=(H != k.shape[1]))
+    out = attend(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
     return out.view(B, H, D)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: PrefillMetadata, scale: float) -> torch.Tensor:
-    """q, k, v: [T, heads, D] of the prefill chunks, concatenated -> [T, heads, D], causal.
+                      v_cache: torch.Tensor, meta: PrefillMetadata, scale: float, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
+    """q, k, v: [T, heads, D] of the prefill chunks, concatenated -> [T, heads, D], causal; query j of
+    a chunk sits at absolute position ctx - q_len + j and, with a window W > 0, sees keys from that
+    position - W + 1 on. softcap: see `attend`.
 
-    A chunk with no cached prefix attends to its own fresh K/V (no cache read); a later chunk
-    reads its whole context from the cache, with query j at absolute position ctx - q_len + j."""
+    A chunk with no cached prefix attends to its own fresh K/V (no cache read); a later chunk reads
+    its context from the cache, from the first block its first query's window reaches (the blocks
+    before it may have been freed)."""
     out = q.new_empty(q.shape)
-    H = q.shape[1]
+    bs = k_cache.shape[1]
     start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        lo = max(0, ctx - n - window + 1) if window > 0 else 0  # the first key any query of the chunk sees
         qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if ctx == n:
+        if ctx == n:  # then lo == 0
             ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
             vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
-            mask = None
         else:
-            flat = block_ids(meta.block_tables[i:i + 1], ctx, k_cache.shape[1])
-            ki = gather_blocks(k_cache, flat, 1)[:, :, :ctx].to(q.dtype)
-            vi = gather_blocks(v_cache, flat, 1)[:, :, :ctx].to(q.dtype)
+            flat = meta.block_tables[i, lo // bs:-(-ctx // bs)]
+            skip = lo % bs
+            ki = gather_blocks(k_cache, flat, 1)[:, :, skip:skip + ctx - lo].to(q.dtype)
+            vi = gather_blocks(v_cache, flat, 1)[:, :, skip:skip + ctx - lo].to(q.dtype)
+        mask = None  # causal, when the chunk is the whole context and no window cuts into it
+        if ctx != n or 0 < window < n:
             qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=(H != ki.shape[1]))
+            kpos = torch.arange(lo, ctx, device=q.device).unsqueeze(0)
+            mask = kpos <= qpos  # [n, ctx - lo]
+            if window > 0:
+                mask &= kpos > qpos - window
+        o = attend(qi, ki, vi, mask, scale, softcap)
         out[start:start + n] = o[0].transpose(0, 1)
         start += n
     return out

@@ -9,6 +9,9 @@ Grid: one program per (sequence, kv head). A program holds the GROUP query heads
 kv head (GQA) as the rows of one tile, so each K/V row is loaded once for all of them; tiles of
 BLOCK_N context tokens are gathered through the block table token by token, which makes the tile
 independent of the cache's block size (1 to 128 all work). Scores and the softmax run in float32.
+A sliding window (window W > 0) starts the loop at the tile holding the window's first key and
+masks the keys before it (never loaded: their blocks may be gone); a soft-cap (softcap c > 0) maps
+each score s to c * tanh(s / c) before the softmax.
 
 Triton is an optional dependency, imported when the kernel is first defined: this module imports
 on machines without it (`triton_available` says whether the backend can run). With
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 
 import torch
 
@@ -37,12 +39,13 @@ def _kernel():
 
     @triton.jit(do_not_specialize=["stride_tb"])
     def paged_decode_kernel(
-        Q, K, V, O, Tables, Lens, qk_scale,  # qk_scale = softmax scale * log2(e)
+        Q, K, V, O, Tables, Lens, scale, window, softcap,
         stride_qb, stride_qh, stride_ob, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_tb,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SOFTCAP: tl.constexpr,  # SOFTCAP: softcap > 0
     ):
+        LOG2E: tl.constexpr = 1.4426950408889634  # scores go to exp2
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         ctx = tl.load(Lens + seq)
@@ -55,15 +58,20 @@ def _kernel():
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-        for start in range(0, ctx, TILE_N):
+        lo = tl.maximum(ctx - window, 0)  # the first key the query sees
+        for start in range((lo // TILE_N) * TILE_N, ctx, TILE_N):
             pos = start + n
-            valid = pos < ctx
+            valid = (pos >= lo) & (pos < ctx)
             blk = tl.load(Tables + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             off = pos % BLOCK_SIZE
             kvmask = valid[:, None] & (d[None, :] < HEAD_DIM)
             k = tl.load(K + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                         mask=kvmask, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale  # [GROUP_PAD, TILE_N]
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [GROUP_PAD, TILE_N]
+            if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1, which saturates at +-1 (exp overflows to inf, not NaN)
+                s = softcap * LOG2E * (2.0 / (1.0 + tl.exp(s * (-2.0 * scale / softcap))) - 1.0)
+            else:
+                s = s * (scale * LOG2E)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -89,7 +97,7 @@ def _pow2_at_least(x: int, floor: int) -> int:
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: DecodeMetadata, scale: float) -> torch.Tensor:
+                            meta: DecodeMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as `torch_attention.decode_attention`: q [B, heads, D], one query per sequence at
     its last position (already written to the cache) -> [B, heads, D]."""
     B, H, D = q.shape
@@ -99,13 +107,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     tables = meta.block_tables
     out = torch.empty_like(q)
     group = H // kv_heads
+    # no window (0) goes in as the widest one, whose first key is 0 for any context
     _kernel()[(B, kv_heads)](
-        q, k_cache, v_cache, out, tables, meta.context_lens, scale * math.log2(math.e),
+        q, k_cache, v_cache, out, tables, meta.context_lens, scale, window or 2 ** 31 - 1, float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
         GROUP=group, GROUP_PAD=_pow2_at_least(group, MIN_DOT), HEAD_DIM=D, D_PAD=_pow2_at_least(D, MIN_DOT),
-        BLOCK_SIZE=block_size, TILE_N=BLOCK_N,
+        BLOCK_SIZE=block_size, TILE_N=BLOCK_N, SOFTCAP=softcap > 0,
     )
     return out
 
@@ -114,5 +123,5 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
-               scale: float) -> torch.Tensor:
-        return decode_attention_triton(q, k_cache, v_cache, meta, scale)
+               scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        return decode_attention_triton(q, k_cache, v_cache, meta, scale, window, softcap)

@@ -5,6 +5,10 @@
 // paged_decode_attention: one query row per sequence against its blocks, read in place.
 //   The torch path copies every sequence's blocks into a padded tensor (index_select) and runs
 //   masked SDPA over the copy: ~15 small ops per layer, each waking the second thread.
+// Both attention kernels take a layer's sliding window (window W > 0: a query at position p sees
+//   keys max(0, p - W + 1) .. p; the keys before are never read, nor their blocks' ids checked: they
+//   may be freed) and its logit soft-cap (softcap c > 0: each scaled score s becomes c * tanh(s / c)
+//   before the softmax), as Hugging Face defines them for Mistral and Gemma 2 / 3; 0 turns either off.
 // q4_gemm: the projections of steps of <= 8 rows from 4-bit weights (GGUF Q4_1 levels), where
 //   reading the weights bounds the step.
 // q8_0_gemm: the LM head in GGUF's Q8_0 layout (int8 weights, one float scale per 32), for steps of
@@ -159,7 +163,7 @@ inline void axpy(float p, const C* v, float* acc, int64_t D) {
 template <typename T, typename C>
 void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                            const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                           int64_t BS, int64_t table_width, float scale) {
+                           int64_t BS, int64_t table_width, float scale, int64_t window, float softcap) {
   const int64_t group = H / KVH;
   const int64_t token_stride = KVH * D;   // elements between consecutive slots
   const int64_t block_stride = BS * token_stride;
@@ -170,34 +174,37 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
     acc.resize(D);
     const int64_t b = item / H, h = item % H, kvh = h / group;
     const int64_t len = lens[b];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the window's first key
     const int64_t* table = tables + b * table_width;
     const T* qrow = q + item * D;
     for (int64_t d = 0; d < D; ++d) qf[d] = load(qrow[d]) * scale;
-    scores.resize(len);
+    const int64_t keys = len - first;
+    scores.resize(keys);
+    float* sc = scores.data();  // sc[i]: the key at position first + i
     float mx = -INFINITY;
-    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+    // the keys a block at a time: slots [o0, o1) of the block holding position t0 (o0 > 0 only in
+    // the window's first block)
+    for (int64_t t0 = first; t0 < len;) {
+      const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
       const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * D;
-      const int64_t n = std::min(BS, len - t0);
-      for (int64_t o = 0; o < n; ++o) {
-        const float s = dot(qf.data(), kb + o * token_stride, D);
-        scores[t0 + o] = s;
+      for (int64_t o = o0; o < o1; ++o, ++t0) {
+        float s = dot(qf.data(), kb + o * token_stride, D);
+        if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
+        sc[t0 - first] = s;
         mx = std::max(mx, s);
       }
     }
     float sum = 0.f;
-    float* sc = scores.data();
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      sc[t] = exp_nonpositive(sc[t] - mx);
-      sum += sc[t];
+    for (int64_t i = 0; i < keys; ++i) {
+      sc[i] = exp_nonpositive(sc[i] - mx);
+      sum += sc[i];
     }
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+    for (int64_t t0 = first; t0 < len;) {
+      const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
       const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
-      const int64_t n = std::min(BS, len - t0);
-      for (int64_t o = 0; o < n; ++o) {
-        axpy(scores[t0 + o], vb + o * token_stride, acc.data(), D);
-      }
+      for (int64_t o = o0; o < o1; ++o, ++t0) axpy(sc[t0 - first], vb + o * token_stride, acc.data(), D);
     }
     T* orow = out + item * D;
     const float inv = len > 0 ? 1.f / sum : 0.f;
@@ -209,9 +216,11 @@ template <typename T>
 const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); }
 
 // q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, width] int64;
-// context_lens [B] int64 (tokens in cache, this step's included) -> [B, H, D] in q's dtype.
+// context_lens [B] int64 (tokens in cache, this step's included) -> [B, H, D] in q's dtype. window,
+// softcap: see the top of this file (0: off).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window, double softcap) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q must be [B, H, D] and the caches [num_blocks, block_size, kv_heads, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -225,13 +234,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or the GQA ratio does not match the caches");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per sequence");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
   at::Tensor out = at::empty_like(q);
   if (B == 0) return out;
   const int64_t* lp = lens.const_data_ptr<int64_t>();
   const int64_t* tp = tables.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= tables.size(1) * BS, "context length ", lp[b], " exceeds its block table");
-    for (int64_t j = 0; j < (lp[b] + BS - 1) / BS; ++j)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0;  // blocks before: never read
+    for (int64_t j = first / BS; j < (lp[b] + BS - 1) / BS; ++j)
       TORCH_CHECK(tp[b * tables.size(1) + j] >= 0 && tp[b * tables.size(1) + j] < k_cache.size(0),
                   "block id ", tp[b * tables.size(1) + j], " is outside the cache");
   }
@@ -241,7 +252,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 #define ISV_CALL(T, C)                                                                                       \
   decode_attention_impl<T, C>(ptr<T>(q), ptr<C>(k_cache), ptr<C>(v_cache), tp,                              \
                               lp, reinterpret_cast<T*>(out.data_ptr()), B, H, KVH, D, BS, tables.size(1),    \
-                              static_cast<float>(scale))
+                              static_cast<float>(scale), window, static_cast<float>(softcap))
   if (qt == at::kBFloat16 && ct == at::kBFloat16) ISV_CALL(uint16_t, uint16_t);
   else if (qt == at::kFloat && ct == at::kBFloat16) ISV_CALL(float, uint16_t);
   else if (qt == at::kBFloat16 && ct == at::kFloat) ISV_CALL(uint16_t, float);
@@ -887,7 +898,9 @@ bool f32_bf16w_gemm_is_vectorised() { return ISV_AVX2_FMA; }
 // order, whatever the row count (batch-invariant); only the sum of squares' order differs from
 // torch's, which can move the normalised x by one bf16 ulp (the output, rounded again after the
 // weight, by up to two).
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+// unit_offset: Gemma's form, whose weight is stored as an offset from 1, in Gemma's own order of
+// rounding (transformers' GemmaRMSNorm scales in float32 and rounds once): out = bf16(x * r * (1 + w)).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, bool unit_offset) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
               w.dim() == 1 && w.size(0) == x_in.size(1) && w.is_contiguous(),
               "x must be [T, H] bfloat16 and the weight [H] bfloat16");
@@ -913,6 +926,10 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
 #endif
     for (; d < H; ++d) ss += load(xr[d]) * load(xr[d]);
     const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
+    if (unit_offset) {
+      for (int64_t c = 0; c < H; ++c) store(orow + c, load(xr[c]) * r * (1.f + load(wp[c])));
+      return;
+    }
     for (int64_t c = 0; c < H; ++c) {
       uint16_t y;
       store(&y, load(xr[c]) * r);
@@ -939,7 +956,11 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
 // call, as bf16_gemm's weights), an online softmax per row in float32 (flash attention's running
 // max and sum), and O += P.V by vdpbf16ps with P rounded to bf16 (as torch's flash kernel does for
 // bf16 inputs; V laid out [tile][8 key pairs][D][2]). Query j sits at position ctx - n + j and sees
-// keys 0..that position. Needs AVX512-BF16, bf16 q and caches, head_dim a multiple of 32.
+// keys 0..that position, or with a window W only the last W of them: then a block of queries starts
+// at the tile holding its first query's first key (only the tiles some query needs are laid out,
+// from the chunk's first query's window on), and each row masks the keys before its own window.
+// A soft-cap maps the scaled scores through c * tanh(s / c), 16 lanes at a time, before the mask.
+// Needs AVX512-BF16, bf16 q and caches, head_dim a multiple of 32.
 #if ISV_BF16_DOT
 inline __m512 exp512_nonpositive(__m512 x) {  // exp_nonpositive above, 16 lanes at a time
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -958,16 +979,33 @@ inline __m512 exp512_nonpositive(__m512 x) {  // exp_nonpositive above, 16 lanes
   return _mm512_castsi512_ps(bits);
 }
 
+// cap * tanh(s / cap), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= 1: no overflow, and
+// +-1 once e underflows. Absolute error a few 1e-7 x cap, far below the bf16 rounding of P.
+inline __m512 softcap512(__m512 s, float cap, float inv_cap) {
+  const __m512 x = _mm512_mul_ps(s, _mm512_set1_ps(inv_cap));
+  const __m512 e = exp512_nonpositive(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(cap));
+}
+
 constexpr int64_t kAttnRows = 24;  // accumulators of one score tile: rows x 16 keys, as bf16_gemm's tall tile
 
 // One block of `MB` rows (row i: query row_q[i] at position row_pos[i], head row_h[i]) against key
-// tiles [0, tiles): qp [D/2][MB] bf16 pairs; kp/vp the KV head's laid-out tiles; out rows [n, H, D].
+// tiles [first_tile, first_tile + tiles): qp [D/2][MB] bf16 pairs; kp/vp the KV head's laid-out
+// tiles from first_tile on; out rows [n, H, D]. window, softcap: as paged_prefill_attention's.
 template <int MB>
 void prefill_block(const uint32_t* qp, const int64_t* row_pos, const uint16_t* kp, const uint16_t* vp,
-                   int64_t tiles, int64_t D, float scale, float* acc, uint16_t* const* out_rows) {
+                   int64_t first_tile, int64_t tiles, int64_t D, float scale, int64_t window, float softcap,
+                   float* acc, uint16_t* const* out_rows) {
   const int64_t D2 = D / 2, chunks = D / 16;
   float m[MB], l[MB];
-  for (int i = 0; i < MB; ++i) m[i] = -INFINITY, l[i] = 0.f;
+  int32_t lo[MB];  // each row's first key (its window's), or 0
+  for (int i = 0; i < MB; ++i) {
+    m[i] = -INFINITY, l[i] = 0.f;
+    lo[i] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, row_pos[i] - window + 1) : 0);
+  }
   std::fill(acc, acc + MB * D, 0.f);
   alignas(64) float p[MB][16];
   for (int64_t t = 0; t < tiles; ++t) {
@@ -981,15 +1019,18 @@ void prefill_block(const uint32_t* qp, const int64_t* row_pos, const uint16_t* k
       for (int i = 0; i < MB; ++i)
         s[i] = _mm512_dpbf16_ps(s[i], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i])));
     }
-    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(t * 16)),
+    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>((first_tile + t) * 16)),
                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     for (int i = 0; i < MB; ++i) {
-      const __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(row_pos[i])));
-      if (!valid) {
+      const __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(row_pos[i]))) &
+                              _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(lo[i]));
+      if (!valid) {  // wholly after the row's position or before its window: the running max stays
         _mm512_store_ps(p[i], _mm512_setzero_ps());
         continue;
       }
-      const __m512 si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_mul_ps(s[i], _mm512_set1_ps(scale)));
+      __m512 scaled = _mm512_mul_ps(s[i], _mm512_set1_ps(scale));
+      if (softcap > 0.f) scaled = softcap512(scaled, softcap, 1.f / softcap);
+      const __m512 si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, scaled);
       const float mx = std::max(m[i], _mm512_reduce_max_ps(si));
       const __m512 pi = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(si, _mm512_set1_ps(mx))));
       const float alpha = exp_nonpositive(m[i] - mx);  // m = -inf at the first tile: alpha ~ 0, acc is 0
@@ -1023,9 +1064,12 @@ void prefill_block(const uint32_t* qp, const int64_t* row_pos, const uint16_t* k
 }
 
 void prefill_block_rows(int64_t rows, const uint32_t* qp, const int64_t* row_pos, const uint16_t* kp,
-                        const uint16_t* vp, int64_t tiles, int64_t D, float scale, float* acc, uint16_t* const* out_rows) {
+                        const uint16_t* vp, int64_t first_tile, int64_t tiles, int64_t D, float scale,
+                        int64_t window, float softcap, float* acc, uint16_t* const* out_rows) {
   switch (rows) {
-#define ISV_ROWS(R) case R: return prefill_block<R>(qp, row_pos, kp, vp, tiles, D, scale, acc, out_rows);
+#define ISV_ROWS(R)                                                                                 \
+  case R:                                                                                           \
+    return prefill_block<R>(qp, row_pos, kp, vp, first_tile, tiles, D, scale, window, softcap, acc, out_rows);
     ISV_ROWS(1) ISV_ROWS(2) ISV_ROWS(3) ISV_ROWS(4) ISV_ROWS(5) ISV_ROWS(6) ISV_ROWS(7) ISV_ROWS(8)
     ISV_ROWS(9) ISV_ROWS(10) ISV_ROWS(11) ISV_ROWS(12) ISV_ROWS(13) ISV_ROWS(14) ISV_ROWS(15) ISV_ROWS(16)
     ISV_ROWS(17) ISV_ROWS(18) ISV_ROWS(19) ISV_ROWS(20) ISV_ROWS(21) ISV_ROWS(22) ISV_ROWS(23) ISV_ROWS(24)
@@ -1036,9 +1080,10 @@ void prefill_block_rows(int64_t rows, const uint32_t* qp, const int64_t* row_pos
 
 // q [n, H, D] bf16 (the chunk's queries, at positions ctx - n .. ctx - 1); caches [num_blocks,
 // block_size, KVH, D] bf16 holding the sequence's first ctx tokens (this chunk's written);
-// block_table [width] int64 -> [n, H, D] bf16.
+// block_table [width] int64 -> [n, H, D] bf16. window, softcap: see the top of this file (0: off).
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t ctx, double scale) {
+                                   const at::Tensor& block_table, int64_t ctx, double scale, int64_t window,
+                                   double softcap) {
   TORCH_CHECK(ISV_BF16_DOT, "paged_prefill_attention needs a build with AVX512-BF16");
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q must be [n, H, D] and the caches [num_blocks, block_size, kv_heads, D]");
@@ -1052,24 +1097,29 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
               "head_dim must match the caches and be a multiple of 32; at most 24 query heads per KV head");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1, "block_table must be a 1-d int64 tensor");
   TORCH_CHECK(n <= ctx && ctx <= table.size(0) * BS, "need n <= ctx <= the block table's capacity");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
+  TORCH_CHECK(ctx < INT32_MAX, "context too long");  // key positions are compared as int32 lanes
+  // the first key any query sees: the first query's window's (no key before it is read)
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, ctx - n - window + 1) : 0;
   const int64_t* tp = table.const_data_ptr<int64_t>();
-  for (int64_t j = 0; j < (ctx + BS - 1) / BS; ++j)
+  for (int64_t j = first_key / BS; j < (ctx + BS - 1) / BS; ++j)
     TORCH_CHECK(tp[j] >= 0 && tp[j] < k_cache.size(0), "block id ", tp[j], " is outside the cache");
   at::Tensor out = at::empty_like(q);
   if (n == 0) return out;
 #if ISV_BF16_DOT
-  const int64_t G = H / KVH, D2 = D / 2, tiles = (ctx + 15) / 16;
+  const int64_t G = H / KVH, D2 = D / 2, t0 = first_key / 16, tiles = (ctx + 15) / 16 - t0;
   const int64_t qb = std::max<int64_t>(1, kAttnRows / G), qblocks = (n + qb - 1) / qb;
   const uint16_t* kc = ptr<uint16_t>(k_cache);
   const uint16_t* vc = ptr<uint16_t>(v_cache);
   const int64_t token_stride = KVH * D, block_stride = BS * token_stride;
-  // K as [KVH][tile][D/2][16][2] and V as [KVH][tile][8][D][2], zero past ctx
+  // tiles t0 .. of K as [KVH][tile][D/2][16][2] and of V as [KVH][tile][8][D][2], zero outside
+  // [first_key, ctx)
   std::vector<uint16_t> kp(KVH * tiles * 16 * D, 0), vp(KVH * tiles * 16 * D, 0);
   WorkPool::instance().run(KVH * tiles, [&](int64_t item) {
-    const int64_t h = item / tiles, t = item % tiles;
+    const int64_t h = item / tiles, t = t0 + item % tiles;
     uint16_t* kt = kp.data() + item * 16 * D;
     uint16_t* vt = vp.data() + item * 16 * D;
-    for (int64_t j = 0; j < 16 && t * 16 + j < ctx; ++j) {
+    for (int64_t j = std::max<int64_t>(0, first_key - t * 16); j < 16 && t * 16 + j < ctx; ++j) {
       const int64_t pos = t * 16 + j;
       const uint16_t* kr = kc + tp[pos / BS] * block_stride + (pos % BS) * token_stride + h * D;
       const uint16_t* vr = vc + tp[pos / BS] * block_stride + (pos % BS) * token_stride + h * D;
@@ -1100,9 +1150,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
       const uint32_t* src = reinterpret_cast<const uint32_t*>(qs + (qi * H + head) * D);
       for (int64_t kq = 0; kq < D2; ++kq) qp[kq * rows + r] = src[kq];
     }
-    const int64_t needed = (ctx - n + q0 + nq - 1) / 16 + 1;  // tiles up to the block's last position
-    prefill_block_rows(rows, qp.data(), row_pos, kp.data() + h * tiles * 16 * D, vp.data() + h * tiles * 16 * D,
-                       needed, D, sc, acc.data(), out_rows);
+    // tiles from the one holding the block's first query's first key to its last query's position
+    const int64_t first = window > 0 ? std::max<int64_t>(0, row_pos[0] - window + 1) / 16 : 0;
+    const int64_t end = row_pos[rows - 1] / 16 + 1;
+    const int64_t skip = (h * tiles + first - t0) * 16 * D;
+    prefill_block_rows(rows, qp.data(), row_pos, kp.data() + skip, vp.data() + skip, first, end - first, D, sc,
+                       window, static_cast<float>(softcap), acc.data(), out_rows);
   });
 #endif
   return out;
@@ -1113,10 +1166,16 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_threads", [] { return WorkPool::instance().num_threads(); }, "threads of the kernels' work pool");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one query per sequence against its paged K/V, read in place (see cpu_kernels.cpp)");
+        "one query per sequence against its paged K/V, read in place; window and softcap 0: off (see cpu_kernels.cpp)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "a chunk's queries, causal, against its sequence's paged K/V (bf16, AVX512-BF16; see cpu_kernels.cpp)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows in Hugging Face's order of rounding (see cpu_kernels.cpp)");
+        "a chunk's queries, causal, against its sequence's paged K/V (bf16, AVX512-BF16); window and softcap 0: "
+        "off (see cpu_kernels.cpp)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("ctx"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows in Hugging Face's order of rounding; unit_offset: Gemma's "
+        "(1 + w) form (see cpu_kernels.cpp)", py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("unit_offset") = false);
   m.def("q4_gemm", &q4_gemm, "x @ w.T for 4-bit w (GGUF Q4_1 levels; layout in cpu_kernels.cpp)");
   m.def("q4_gemm_is_vectorised", &q4_gemm_is_vectorised, "whether q4_gemm was built with AVX512-VNNI or AVX2 + FMA");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T for bf16 w packed by pack_bf16 (layout in cpu_kernels.cpp); steps of "

@@ -1,6 +1,6 @@
 """Finding and loading a model: a GGUF file, a Hugging Face folder, or a short name.
 
-Weights are streamed tensor by tensor into the model's parameters (`LlamaForCausalLM.load_weights`),
+Weights are streamed tensor by tensor into the model's parameters (`DecoderForCausalLM.load_weights`),
 so the only full copy that stays in memory is the model itself. Tokenizer and chat template come
 from the same source through transformers; nothing is ever fetched from a hub.
 """
@@ -21,7 +21,9 @@ import torch
 from iterserve.config import ModelConfig
 from iterserve.model.gguf_file import (GGUFIndex, cache_dir, dequantize_tensor, file_key,
                                        iter_tensors, read_index)
-from iterserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from iterserve.model.decoder import DecoderForCausalLM
+from iterserve.model.families.base import Family, common_config
+from iterserve.model.registry import UnsupportedArchitecture, family_for
 
 log = logging.getLogger("iterserve.loader")
 
@@ -83,24 +85,29 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
 
 # ---- Hugging Face folders ---------------------------------------------------------------------
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def hf_config(src: ModelSource) -> ModelConfig:
+def hf_family(src: ModelSource) -> Family:
+    """The registry family of a Hugging Face folder, from config.json alone (an unknown
+    architecture fails here, before transformers or the weights are touched)."""
     cfg = json.loads((src.path / "config.json").read_text())
-    archs = cfg.get("architectures") or []
-    mtype = cfg.get("model_type", "")
-    if mtype not in HF_MODEL_TYPES and not any("Llama" in a for a in archs):
-        raise ValueError(f"{src.path}: model_type {mtype!r} is not a Llama-family decoder "
-                         f"(supported: {', '.join(HF_MODEL_TYPES)})")
-    if cfg.get("mlp_bias"):
-        raise ValueError(f"{src.path}: mlp_bias=true is not supported")
-    mc = ModelConfig.from_hf_dict(cfg)
-    # Llama's attention_bias covers q, k, v and o; Qwen2 always has q/k/v biases and no o bias
-    mc.o_proj_bias = mc.attention_bias
-    if mtype == "qwen2":
-        mc.attention_bias, mc.o_proj_bias = True, False
+    try:
+        return family_for(cfg.get("architectures"), cfg.get("model_type"))
+    except UnsupportedArchitecture as exc:
+        raise UnsupportedArchitecture(f"{src.path}: {exc}") from None
+
+
+def hf_config(src: ModelSource) -> ModelConfig:
+    """ModelConfig of a Hugging Face folder: transformers' config class reads config.json (with the
+    family's defaults), the family sets its options, generation_config.json adds stop tokens."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    family = hf_family(src)
+    hf = AutoConfig.from_pretrained(str(src.path)).get_text_config()
+    mc = common_config(hf, family.name)
+    family.configure(hf, mc)
     gen = src.path / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -120,9 +127,11 @@ def checkpoint_dtype(src: ModelSource) -> torch.dtype:
 
 
 def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors one at a time from every safetensors file (the shards named by the index, if any)."""
+    """Tensors one at a time from every safetensors file (the shards named by the index, if any),
+    named as the decoder names them (the family's `rename`; what it drops is never read)."""
     from safetensors import safe_open
 
+    rename = hf_family(src).rename
     files = sorted(src.path.glob("*.safetensors"))
     index = src.path / "model.safetensors.index.json"
     if index.is_file():
@@ -133,7 +142,9 @@ def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
-                yield key, sf.get_tensor(key)
+                name = rename(key)
+                if name is not None:
+                    yield name, sf.get_tensor(key)
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------
@@ -162,6 +173,7 @@ def gguf_config(index: GGUFIndex, path: Path | None = None) -> ModelConfig:
         scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
     eos = index.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
+        architecture="llama",
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=g("feed_forward_length"),
@@ -257,6 +269,30 @@ def is_four_bit_checkpoint(src: ModelSource) -> bool:
 
 
 # ---- the entry points ------------------------------------------------------------------------------
+def model_config(src: ModelSource) -> ModelConfig:
+    """The ModelConfig alone, from config.json or the GGUF's metadata (no weights read)."""
+    return gguf_config(read_index(src.path), src.path) if src.kind == "gguf" else hf_config(src)
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One line on what runs: family, size, and its windows / soft-caps / RoPE variants."""
+    parts = [f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+             f"{cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, vocab {cfg.vocab_size}"]
+    windowed = [i for i in range(cfg.num_layers) if cfg.layer_window(i)]
+    if windowed:
+        parts.append(f"sliding window {cfg.sliding_window} on {len(windowed)} of {cfg.num_layers} layers")
+    if cfg.attn_logit_softcap or cfg.final_logit_softcap:
+        parts.append(f"soft-cap attention {cfg.attn_logit_softcap} / logits {cfg.final_logit_softcap}")
+    if cfg.rope_scaling:
+        parts.append(f"RoPE {cfg.rope_scaling.get('rope_type', cfg.rope_scaling.get('type'))}")
+    if cfg.local_rope_theta:
+        parts.append(f"RoPE bases {cfg.local_rope_theta:g} (local) / {cfg.rope_theta:g} (global)")
+    if cfg.no_rope_layers:
+        parts.append(f"no RoPE on {len(cfg.no_rope_layers)} layers")
+    return "; ".join(parts)
+
+
+# ---- loading ------------------------------------------------------------------------------
 def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
                       max_positions: int | None = None):
     """(model, ModelConfig). The model is built on the meta device, given empty storage once in
@@ -270,10 +306,9 @@ def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float3
         cfg = hf_config(src)
         weights = hf_weights(src)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = DecoderForCausalLM(cfg, max_positions)
     model = model.to(dtype).to_empty(device=device)
-    # the rope tables are computed, not loaded: rebuild them off the meta device, in float32
-    model.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)
+    model.build_tables(device)  # the rope tables and scales are computed, not loaded: off the meta device
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(weights)
@@ -291,5 +326,6 @@ def load_model(name_or_path: str, dtype: torch.dtype | None = torch.float32, dev
     t1 = time.perf_counter()
     tokenizer = load_tokenizer(src)
     t2 = time.perf_counter()
-    log.info("loaded %s in %.1f s (weights %.1f s, tokenizer %.1f s)", src.name, t2 - t0, t1 - t0, t2 - t1)
+    log.info("loaded %s (%s) in %.1f s (weights %.1f s, tokenizer %.1f s)", src.name, describe(cfg),
+             t2 - t0, t1 - t0, t2 - t1)
     return model, cfg, tokenizer, src

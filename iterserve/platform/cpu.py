@@ -81,6 +81,7 @@ class CpuPlatform(Platform):
         The head's twin needs the C++ CPU kernels. In float32: `_prepare_float32`."""
         cfg = self.config
         q = cfg.quantization
+        self._log_attention_paths(model.cfg)
         if self.dtype == torch.bfloat16 and self.kernels is not None:
             use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
         if self.dtype == torch.float32:  # (batch_invariant needs bf16: refused in __init__)
@@ -114,6 +115,18 @@ class CpuPlatform(Platform):
                      f" (on AMX tiles from {amx} rows)" if amx else "",
                      f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
                      f", Q8_0 LM head for <= {self.q8_head_max_tokens} sampled rows" if self.q8_head_max_tokens else "")
+
+    def _log_attention_paths(self, mcfg: ModelConfig) -> None:
+        """Says at start-up where this model's attention leaves the C++ kernels for the torch path."""
+        kernel = self.kernels is not None and self.attention.name.startswith("cpu")
+        group = mcfg.num_heads // mcfg.num_kv_heads
+        if kernel and self.dtype == torch.bfloat16 and (mcfg.head_dim % 32 or group > 24 or
+                                                        not self.kernels.bf16_gemm_is_vectorised()):
+            log.info("prefill attention runs on torch's SDPA: the C++ prefill kernel needs AVX512-BF16, head_dim a "
+                     "multiple of 32 (this model: %d) and at most 24 query heads per KV head (%d)", mcfg.head_dim, group)
+        if mcfg.attn_logit_softcap and (not kernel or self.dtype != torch.bfloat16):
+            log.info("attention soft-capping on the torch path (%s): scores are computed explicitly in float32, "
+                     "slower than the C++ kernels' in-place cap", "prefill" if kernel else "decode and prefill")
 
     def _prepare_float32(self, model: nn.Module) -> None:
         """float32 (a CPU without fast bf16): each projection and the LM head keep plain F.linear

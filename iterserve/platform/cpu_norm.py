@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from iterserve.model.llama import RMSNorm
+from iterserve.model.layers import RMSNorm
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 
@@ -21,13 +21,13 @@ class CpuRMSNorm(RMSNorm):
     load_cpu_kernels' cache per call, as CpuLinear does), so the model stays copyable."""
 
     def __init__(self, norm: RMSNorm) -> None:
-        super().__init__(norm.weight.shape[0], norm.eps)
+        super().__init__(norm.weight.shape[0], norm.eps, norm.unit_offset)
         self.weight = norm.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or x.dim() != 2:
             return super().forward(x)
-        return load_cpu_kernels().rms_norm(x, self.weight, self.eps)
+        return load_cpu_kernels().rms_norm(x, self.weight, self.eps, self.unit_offset)
 
 
 def use_cpu_rms_norm(model: nn.Module) -> int:

@@ -327,7 +327,7 @@ def attention_candidates(backends: Mapping[str, AttentionBackend], num_heads: in
             meta = DecodeMetadata(block_tables=torch.arange(rows * per_seq).view(rows, per_seq),
                                   context_lens=torch.full((rows,), ATTENTION_CONTEXT), max_context_len=ATTENTION_CONTEXT)
             q = torch.randn(rows, num_heads, head_dim).to(dtype)
-            return lambda: backend.decode(q, k, v, meta, head_dim ** -0.5)
+            return lambda: backend.decode(q, k, v, meta, head_dim ** -0.5, 0, 0.0)  # no window, no softcap
         return make
     return {name: factory(b) for name, b in backends.items()}
 

@@ -1,0 +1,40 @@
+"""The model registry: which families iterserve runs, found by a checkpoint's Hugging Face
+`architectures` / `model_type` (and, for GGUF files, by `general.architecture`).
+
+Each family lives in model/families/, over the shared layers of model/layers.py; they all run as
+model/decoder.py's DecoderForCausalLM. Adding one: a module with a FAMILY, listed below.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from iterserve.model.families import (gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3,
+                                      smollm3)
+from iterserve.model.families.base import Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY,
+    granite.FAMILY, olmo2.FAMILY, smollm3.FAMILY)}
+_BY_ARCHITECTURE = {a: f for f in FAMILIES.values() for a in f.architectures}
+_BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def supported_architectures() -> str:
+    return ", ".join(a for f in FAMILIES.values() for a in f.architectures)
+
+
+def family_for(architectures: Sequence[str] | None, model_type: str | None) -> Family:
+    """The family of a Hugging Face config: its first known `architectures` entry, else its
+    `model_type`; an unknown one gets an error that names what is supported."""
+    for arch in architectures or ():
+        if arch in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[arch]
+    if model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    what = ", ".join(architectures or ()) or f"model_type {model_type!r}"
+    raise UnsupportedArchitecture(f"{what} is not supported: iterserve runs these architectures: "
+                                  f"{supported_architectures()} (docs/models.md)")
