@@ -354,6 +354,16 @@ def test_synthetic_llama_gguf_matches_transformers(tmp_path, monkeypatch, hf_tin
         assert torch.equal(a, b), n
 
 
+def test_index_keeps_the_end_of_turn_tokens(tmp_path, monkeypatch):
+    """The vocabulary itself is not kept in the index; the control tokens that end a turn are
+    (stop tokens of files that name no eot_token_id), and survive the cache."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    path = resolve_model("smollm2-135m").path
+    assert read_index(path).end_of_turn == {"<|im_end|>": 2}
+    assert read_index(path).end_of_turn == {"<|im_end|>": 2}  # from the cached JSON
+    assert "tokenizer.ggml.tokens" not in read_index(path).fields
+
+
 def test_cached_index_follows_file_changes(tmp_path):
     path = tmp_path / "x.gguf"
     _write_gguf(path, {"w": (np.ones((2, 32), dtype=np.float32), None)})

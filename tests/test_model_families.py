@@ -307,3 +307,9 @@ def test_prefix_caching_with_windows(family_dirs, prompts):
     assert llm.engine.scheduler.prefix_cache_hits >= 2 * (len(prompts[1]) // 16) * 16
     assert first == again == ref_ids[0]
     assert extended == ref_ids[1]
+    # n > 1: a second sequence that waits for its leader's prompt blocks and shares them
+    eng, params = llm.engine, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    lead = eng.add_request(prompt_token_ids=longer, params=params, request_id="lead")
+    eng.add_request(prompt_token_ids=longer, params=params, request_id="follow", prefix_leader="lead")
+    both = llm.run_until_done([lead.request_id, "follow"])
+    assert [r.token_ids for r in both] == [ref_ids[1], ref_ids[1]]

@@ -6,6 +6,11 @@ separately). So the first load of a file keeps what the reader found (scalar fie
 table with byte offsets) as a small JSON index in the cache, keyed by the file's path, size and
 mtime; later loads memory-map the file and slice tensors straight from that index. Dequantisation
 always goes through the gguf package's own dequantisers.
+
+A file that cannot be read is refused with a `GGUFError` that names what is wrong: a truncated file
+(the tensor whose data runs past its end), a tensor type this gguf package does not know, a type
+iterserve cannot dequantise. `QuantShard` is the raw, still-quantised form of a weight's rows that
+the loader keeps for the platform's quantised kernels (model.gguf_sources, model/loader.py).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +27,31 @@ import torch
 
 log = logging.getLogger("iterserve.loader")
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 MAX_STORED_ARRAY = 256  # metadata arrays longer than this (vocabularies) keep only their length
 GGUF_DEQUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                       "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")  # stored as plain numbers: no quantised twin needs their bytes
+# control tokens that end a turn (llama.cpp's end-of-generation tokens, found by their text when the
+# file names no eot_token_id): found once in the vocabulary and kept in the index
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|end_of_text|>")
+CONTROL_TOKEN_TYPE = 3  # gguf.TokenType.CONTROL
+
+
+class GGUFError(ValueError):
+    """A GGUF file iterserve cannot load; the message names the file and the key or tensor."""
+
+
+@dataclass
+class QuantShard:
+    """The raw rows of one GGUF tensor inside a (possibly fused) parameter of the decoder, for the
+    platform's quantised kernels. `model.gguf_sources[module]` lists them in row order."""
+
+    row_start: int  # first output row of the fused parameter this shard fills
+    rows: int
+    cols: int  # input features
+    qtype: str  # GGMLQuantizationType name, e.g. "Q4_K", "Q6_K", "Q8_0", "F16", "F32"
+    data: torch.Tensor  # uint8 [rows, bytes_per_row]: the file's blocks of these rows, as stored (a copy, contiguous)
 
 
 def cache_dir() -> Path:
@@ -62,14 +88,18 @@ class GGUFIndex:
     fields: dict  # scalar and short array metadata values
     array_lengths: dict[str, int]  # long metadata arrays (token lists): length only
     tensors: list[TensorEntry]
+    end_of_turn: dict[str, int] = field(default_factory=dict)  # END_OF_TURN_TOKENS found as control tokens
 
     def get(self, key: str, default=None):
         return self.fields.get(key, default)
 
+    def tensor(self, name: str) -> TensorEntry | None:
+        return next((t for t in self.tensors if t.name == name), None)
+
     def to_json(self) -> str:
         return json.dumps({"version": INDEX_VERSION, "fields": self.fields,
                            "array_lengths": self.array_lengths,
-                           "tensors": [vars(t) for t in self.tensors]})
+                           "tensors": [vars(t) for t in self.tensors], "end_of_turn": self.end_of_turn})
 
     @classmethod
     def from_json(cls, text: str) -> "GGUFIndex":
@@ -77,7 +107,7 @@ class GGUFIndex:
         if d.get("version") != INDEX_VERSION:
             raise ValueError("stale index")
         tensors = [TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"]]
-        return cls(d["fields"], d["array_lengths"], tensors)
+        return cls(d["fields"], d["array_lengths"], tensors, d["end_of_turn"])
 
     @classmethod
     def from_reader(cls, reader) -> "GGUFIndex":
@@ -91,7 +121,60 @@ class GGUFIndex:
                 fields[key] = f.contents()
         tensors = [TensorEntry(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
                                int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
-        return cls(fields, lengths, tensors)
+        return cls(fields, lengths, tensors, _end_of_turn_tokens(reader))
+
+
+def _end_of_turn_tokens(reader) -> dict[str, int]:
+    """{text: id} of the END_OF_TURN_TOKENS the vocabulary has as control tokens (one pass over the
+    raw token strings; their lengths filter most of them out before any bytes are compared)."""
+    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is None:
+        return {}
+    wanted = {t.encode(): t for t in END_OF_TURN_TOKENS}
+    sizes = {len(b) for b in wanted}
+    found = {}
+    for i, part in enumerate(tokens.data):
+        raw = tokens.parts[part]
+        if len(raw) in sizes and (text := wanted.get(raw.tobytes())) is not None:
+            if types is None or int(types.parts[types.data[i]][0]) == CONTROL_TOKEN_TYPE:
+                found[text] = i
+    return found
+
+
+def _checked_reader(path: Path):
+    """gguf.GGUFReader over a plain array view of the file, and a tensor of a type unknown to gguf
+    or whose data runs past the end of the file is refused by name before the reader slices it (it
+    would fail on a reshape, naming nothing)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class Reader(GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            # a plain ndarray view of the map: every one of the reader's ~10 slices per token string
+            # would otherwise pay for np.memmap's subclass hooks (3x slower on a 262k vocabulary)
+            self._plain = np.asarray(value)
+
+        def _build_tensors(self, start_offs, fields):
+            for f in fields:
+                _, name, _, dims, raw_type, offset = f.parts
+                name = bytes(name).decode("utf-8", "replace")
+                try:
+                    qtype = GGMLQuantizationType(int(raw_type[0]))
+                except ValueError:
+                    raise GGUFError(f"{path}: GGUF tensor {name!r} has quantisation type id {int(raw_type[0])}, "
+                                    "which the gguf package does not know") from None
+                block, size = GGML_QUANT_SIZES[qtype]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * size // block
+                if end > len(self.data):
+                    raise GGUFError(f"{path}: the file is truncated: GGUF tensor {name!r} ends at byte {end} "
+                                    f"but the file has {len(self.data)} bytes")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader(str(path))
 
 
 def read_index(path: Path, use_cache: bool = True) -> GGUFIndex:
@@ -102,12 +185,12 @@ def read_index(path: Path, use_cache: bool = True) -> GGUFIndex:
             return GGUFIndex.from_json(cached.read_text())
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring unreadable GGUF index %s", cached)
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
-    except (ValueError, IndexError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+        reader = _checked_reader(path)
+    except GGUFError:
+        raise
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError) as e:
+        raise GGUFError(f"{path}: not a readable GGUF file (truncated or not GGUF: {e})") from None
     index = GGUFIndex.from_reader(reader)
     del reader  # drops its memory map of the file
     if use_cache:
@@ -142,8 +225,8 @@ def dequantize_tensor(t: GGUFTensor) -> torch.Tensor:
     from gguf.quants import dequantize
 
     if t.qtype not in GGUF_DEQUANT_TYPES:
-        raise ValueError(f"GGUF tensor {t.name}: quantisation {t.qtype} is not supported "
-                         f"(supported: {', '.join(GGUF_DEQUANT_TYPES)})")
+        raise GGUFError(f"GGUF tensor {t.name}: quantisation {t.qtype} is not supported "
+                        f"(supported: {', '.join(GGUF_DEQUANT_TYPES)})")
     arr = dequantize(t.data, GGMLQuantizationType[t.qtype]).reshape(t.shape)
     if arr.dtype != np.float32 or not arr.flags.writeable or np.may_share_memory(arr, t.data):
         arr = arr.astype(np.float32)  # F32 comes back as a view of the read-only map: copy it

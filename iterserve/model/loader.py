@@ -2,7 +2,11 @@
 
 Weights are streamed tensor by tensor into the model's parameters (`DecoderForCausalLM.load_weights`),
 so the only full copy that stays in memory is the model itself. Tokenizer and chat template come
-from the same source through transformers; nothing is ever fetched from a hub.
+from the same source through transformers; nothing is ever fetched from a hub. A GGUF file is read
+through its architecture's table (model/gguf_arch.py) and is enough on its own: config, weights,
+tokenizer, chat template and stop tokens all come from it. The loaded model carries
+`gguf_sources` (the raw quantised rows of its projections, for the platform's quantised kernels;
+empty for a Hugging Face folder) and `load_info` (what was loaded, for the log and /v1/scheduler).
 """
 from __future__ import annotations
 
@@ -12,18 +16,22 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from iterserve.config import ModelConfig
-from iterserve.model.gguf_file import (GGUFIndex, cache_dir, dequantize_tensor, file_key,
-                                       iter_tensors, read_index)
 from iterserve.model.decoder import DecoderForCausalLM
 from iterserve.model.families.base import Family, common_config
-from iterserve.model.registry import UnsupportedArchitecture, family_for
+from iterserve.model.gguf_arch import (GGUF_ARCHS, GLOBAL_TENSORS, SKIPPED_BLOCK_TENSORS, SKIPPED_TENSORS, GGUFArch,
+                                       GGUFMeta, base_config, longrope_scaling)
+from iterserve.model.gguf_file import (FLOAT_TYPES, GGUF_DEQUANT_TYPES, GGUFError, GGUFIndex, QuantShard, cache_dir,
+                                       dequantize_tensor, file_key, iter_tensors, read_index)
+from iterserve.model.registry import UnsupportedArchitecture, family_for, family_for_gguf
 
 log = logging.getLogger("iterserve.loader")
 
@@ -148,91 +156,177 @@ def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------
-GGUF_ARCHS = ("llama",)
+# Each architecture's table (names, what llama.cpp's converter did to the tensors, its options) is in
+# model/gguf_arch.py; this part reads a file through it.
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of llama3 rope scaling: per-frequency divisors
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's long-rope
+
+
+def _small_tensor(path: Path | None, index: GGUFIndex, name: str) -> list[float] | None:
+    entry = index.tensor(name)
+    if entry is None or path is None:
+        return None
+    return dequantize_tensor(next(iter_tensors(path, GGUFIndex({}, {}, [entry])))).tolist()
 
 
 def gguf_config(index: GGUFIndex, path: Path | None = None) -> ModelConfig:
-    """ModelConfig from GGUF metadata; `path` lets it read the small rope_freqs tensor if present."""
+    """ModelConfig from GGUF metadata through the architecture's table (model/gguf_arch.py); `path`
+    lets it read the small RoPE factor tensors (llama3's rope_freqs, Phi-3's long-rope factors).
+    Refuses, by name, an unknown architecture, a missing key, a tensor type iterserve cannot
+    dequantise and a tensor with no place in the model, before any weight is read."""
     arch = index.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
-    g = lambda k, d=None: index.get(f"{arch}.{k}", d)  # noqa: E731
-    heads = g("attention.head_count")
-    hidden = g("embedding_length")
-    vocab = (g("vocab_size") or index.array_lengths.get("tokenizer.ggml.tokens")
-             or len(index.get("tokenizer.ggml.tokens", ())))
-    names = {t.name for t in index.tensors}
-    scaling = None
-    stype = g("rope.scaling.type")
-    if stype and stype != "none":
-        scaling = {"rope_type": stype, "factor": g("rope.scaling.factor", 1.0)}
-    if ROPE_FREQS in names and path is not None:
-        entry = next(t for t in index.tensors if t.name == ROPE_FREQS)
-        factors = dequantize_tensor(next(iter_tensors(path, GGUFIndex({}, {}, [entry]))))
-        scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
-    eos = index.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=g("feed_forward_length"),
-        num_layers=g("block_count"),
-        num_heads=heads,
-        num_kv_heads=g("attention.head_count_kv", heads),
-        head_dim=g("attention.key_length") or g("rope.dimension_count") or hidden // heads,
-        rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=g("rope.freq_base", 10000.0),
-        rope_scaling=scaling,
-        max_position_embeddings=g("context_length", 2048),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=index.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(eos,) if eos is not None else (),
-        attention_bias="blk.0.attn_q.bias" in names,
-    )
-
-
-_GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
-def gguf_to_hf_name(name: str) -> str:
-    parts = name.split(".")
+    where = f"{path}: " if path else ""
     try:
-        if parts[0] == "blk":
-            return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-        return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
-    except (KeyError, IndexError):
-        raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model") from None
+        family_for_gguf(arch)
+    except UnsupportedArchitecture as exc:
+        raise UnsupportedArchitecture(f"{where}{exc}") from None
+    spec = GGUF_ARCHS[arch]
+    m = GGUFMeta(index, path)
+    cfg = base_config(m, spec)
+    spec.configure(m, cfg)
+    freqs = _small_tensor(path, index, ROPE_FREQS)
+    if freqs is not None:
+        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": freqs}
+    short, long = (_small_tensor(path, index, n) for n in ROPE_FACTORS)
+    if short is not None and long is not None:
+        cfg.rope_scaling = longrope_scaling(m, cfg, short, long)
+    for t in index.tensors:
+        if t.qtype not in GGUF_DEQUANT_TYPES:
+            raise GGUFError(f"{where}GGUF tensor {t.name!r} is stored as {t.qtype}, which iterserve cannot "
+                            f"dequantise (supported: {', '.join(GGUF_DEQUANT_TYPES)})")
+        name = gguf_to_hf_name(t.name, spec, where)
+        if name and name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
+            raise GGUFError(f"{where}GGUF tensor {t.name!r} has no place in a model of {cfg.num_layers} layers")
+    return cfg
+
+
+def gguf_to_hf_name(name: str, arch: str | GGUFArch = "llama", where: str = "") -> str | None:
+    """The decoder's (HF) name of a GGUF tensor; None for the ones read elsewhere (RoPE factors)."""
+    spec = arch if isinstance(arch, GGUFArch) else GGUF_ARCHS[arch]
+    if name in SKIPPED_TENSORS:
+        return None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] in ("weight", "bias"):
+        if parts[2] in SKIPPED_BLOCK_TENSORS:
+            return None
+        if parts[2] in spec.tensors:
+            return f"model.layers.{parts[1]}.{spec.tensors[parts[2]]}.{parts[3]}"
+    elif len(parts) == 2 and parts[0] in GLOBAL_TENSORS and parts[1] in ("weight", "bias"):
+        return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+    raise GGUFError(f"{where}GGUF tensor {name!r} has no place in a {spec.name} model")
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undoes llama.cpp's convert-time permutation of Q/K rows (interleaved -> rotate-half)."""
+    """Undoes llama.cpp's convert-time permutation of Q/K rows (interleaved -> rotate-half). A row
+    permutation: it applies as well to a tensor of raw quantised rows (blocks run along a row)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named float32 tensors, one at a time, Q/K rows back in Hugging Face order."""
+def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+    """HF projection -> (the decoder's fused parameter, its first row there)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size)}
+
+
+def _module_and_row(hf_name: str, fused: dict[str, tuple[str, int]]) -> tuple[str, int]:
+    """"model.layers.0.self_attn.k_proj.weight" -> ("layers.0.self_attn.qkv_proj", q rows)."""
+    module = hf_name.removeprefix("model.").removesuffix(".weight")
+    head, _, last = module.rpartition(".")
+    if last in fused:
+        target, row = fused[last]
+        return f"{head}.{target}", row
+    return module, 0
+
+
+def _quantised_modules(index: GGUFIndex, spec: GGUFArch, fused: dict[str, tuple[str, int]]) -> set[str]:
+    """Modules with at least one 2-d weight stored in a quantised type: the ones whose raw rows are
+    kept (all their shards, float ones too, so that the shards cover the parameter)."""
+    out = set()
+    for t in index.tensors:
+        name = gguf_to_hf_name(t.name, spec)
+        if name and name.endswith(".weight") and len(t.shape) == 2 and t.qtype not in FLOAT_TYPES:
+            out.add(_module_and_row(name, fused)[0])
+    return out
+
+
+def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig,
+                 sources: dict[str, list[QuantShard]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 tensors, one at a time, with what llama.cpp's converter did undone: Q/K rows
+    back in Hugging Face order (the architectures it permutes), 1 taken off Gemma's norm weights.
+    With `sources`, the raw rows of the quantised modules' weights are kept there as QuantShards
+    (row-permuted as their dequantised rows are), module path -> shards in the order read."""
+    spec = GGUF_ARCHS[index.get("general.architecture")]
+    fused = _fused_rows(cfg)
+    keep = _quantised_modules(index, spec, fused) if sources is not None else set()
     for t in iter_tensors(path, index):
-        if t.name == ROPE_FREQS:
+        name = gguf_to_hf_name(t.name, spec)
+        if name is None:
             continue  # folded into the rope tables by gguf_config
-        name = gguf_to_hf_name(t.name)
         w = dequantize_tensor(t)
-        if ".q_proj." in name:
-            w = unpermute_qk(w, cfg.num_heads)
-        elif ".k_proj." in name:
-            w = unpermute_qk(w, cfg.num_kv_heads)
+        heads = None
+        if spec.permuted_qk and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            w = unpermute_qk(w, heads)
+        if spec.norm_offset and name.endswith("norm.weight"):
+            w = w - 1.0  # float32, as transformers' GGUF loader does; the decoder adds it back
+        if keep and name.endswith(".weight") and len(t.shape) == 2:
+            module, row = _module_and_row(name, fused)
+            if module in keep:
+                raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+                if heads is not None:
+                    raw = unpermute_qk(raw, heads)
+                sources.setdefault(module, []).append(
+                    QuantShard(row, t.shape[0], t.shape[1], t.qtype, raw.contiguous()))
         yield name, w
+
+
+def finish_sources(sources: dict[str, list[QuantShard]], cfg: ModelConfig) -> dict[str, list[QuantShard]]:
+    """Shards in row order; a tied head reads the embedding's."""
+    out = {k: sorted(v, key=lambda s: s.row_start) for k, v in sources.items()}
+    if cfg.tie_word_embeddings and "embed_tokens" in out:
+        out["lm_head"] = out["embed_tokens"]
+    return out
+
+
+_GROUPS = {"attn_q": ("attn", "q"), "attn_k": ("attn", "k"), "attn_v": ("attn", "v"), "attn_qkv": ("attn", "qkv"),
+           "attn_output": ("attn", "o"), "ffn_gate": ("ffn", "gate"), "ffn_up": ("ffn", "up"),
+           "ffn_down": ("ffn", "down")}
+
+
+def gguf_load_info(src: ModelSource, index: GGUFIndex, cfg: ModelConfig) -> dict:
+    """What a GGUF file holds, for the start-up log and /v1/scheduler: its architecture, the family
+    it runs as, and the storage types of each group of weights (most used first), groups of equal
+    types merged: {"attn_q/k/o": "Q4_K", "attn_v": "Q6_K", "ffn": "Q4_K/Q6_K", "output": "Q8_0", ...}."""
+    counts: dict[tuple[str, str], Counter] = {}
+    for t in index.tensors:
+        parts = t.name.split(".")
+        key = _GROUPS.get(parts[2]) if parts[0] == "blk" and len(parts) == 4 and parts[3] == "weight" else None
+        if key is None and parts[0] in ("output", "token_embd") and parts[-1] == "weight":
+            key = ("output" if parts[0] == "output" else "embd", "")
+        if key:
+            counts.setdefault(key, Counter())[t.qtype] += 1
+    types = {k: "/".join(q for q, _ in c.most_common()) for k, c in counts.items()}
+    groups: dict[str, str] = {}
+    for prefix in ("attn", "ffn"):
+        members = [(m, types[(p, m)]) for p, m in _GROUPS.values() if p == prefix and (p, m) in types]
+        if prefix == "ffn" and len(members) > 1 and len({v for _, v in members}) == 1:
+            groups["ffn"] = members[0][1]
+            continue
+        for value in dict.fromkeys(v for _, v in members):
+            groups[f"{prefix}_" + "/".join(m for m, v in members if v == value)] = value
+    groups["output"] = types.get(("output", ""), "tied to embd")
+    groups["embd"] = types.get(("embd", ""), "?")
+    return {"format": "gguf", "file": src.path.name, "arch": index.get("general.architecture"),
+            "family": cfg.architecture, "quant_types": groups,
+            "summary": ", ".join(f"{k}: {v}" for k, v in groups.items())}
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------
 def load_tokenizer(src: ModelSource):
-    """A transformers fast tokenizer with the model's chat template (offline)."""
+    """A transformers fast tokenizer with the model's chat template (offline). A GGUF's comes from
+    its own metadata alone (gguf_tokenizer); the converted tokenizer is cached."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
@@ -242,17 +336,36 @@ def load_tokenizer(src: ModelSource):
     cached = cache_dir() / "tokenizers" / file_key(src.path)
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
-    tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
-    if not getattr(tok, "chat_template", None):
-        tmpl = read_index(src.path).get("tokenizer.chat_template")
-        if tmpl:
-            tok.chat_template = tmpl
+    tok = gguf_tokenizer(src)
     tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
     try:  # written aside, then renamed: a concurrent load never sees half a tokenizer
         tok.save_pretrained(str(tmp))
         tmp.rename(cached)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # read-only cache, or another process won the race
+    return tok
+
+
+def gguf_tokenizer(src: ModelSource):
+    """The tokenizer a GGUF's metadata describes, converted by transformers (SentencePiece for
+    Gemma, byte-level BPE for Qwen, SmolLM, Llama 3, ...). transformers picks the tokenizer class
+    from a model config it can only build for some architectures; for the others the generic fast
+    tokenizer takes the same converted vocabulary. Then what the file says is made to hold: its
+    chat template (none: chat requests are refused, plain prompts work) and whether a BOS starts
+    each prompt (`tokenizer.ggml.add_bos_token`)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
+    except ValueError:  # "GGUF model with architecture ... is not supported yet" (olmo2, granite, smollm3)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(src.folder), gguf_file=src.path.name)
+    index = read_index(src.path)
+    if not getattr(tok, "chat_template", None) and index.get("tokenizer.chat_template"):
+        tok.chat_template = index.get("tokenizer.chat_template")
+    add_bos = index.get("tokenizer.ggml.add_bos_token")
+    if add_bos is not None and tok.bos_token_id is not None:
+        if (tok.encode("a")[:1] == [tok.bos_token_id]) != bool(add_bos):
+            tok.add_bos_token = bool(add_bos)  # rebuilds the post-processor
     return tok
 
 
@@ -298,13 +411,18 @@ def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float3
     """(model, ModelConfig). The model is built on the meta device, given empty storage once in
     its final dtype, then filled tensor by tensor: no second full copy. dtype None: as stored."""
     dtype = dtype or checkpoint_dtype(src)
+    sources: dict[str, list[QuantShard]] = {}
     if src.kind == "gguf":
         index = read_index(src.path)
         cfg = gguf_config(index, src.path)
-        weights = gguf_weights(src.path, index, cfg)
+        weights = gguf_weights(src.path, index, cfg, sources)
+        info = gguf_load_info(src, index, cfg)
+        log.info("GGUF %s: arch %s, runs as %s; %s", src.path.name, info["arch"], info["family"], info["summary"])
     else:
         cfg = hf_config(src)
         weights = hf_weights(src)
+        info = {"format": "hf", "folder": src.path.name, "family": cfg.architecture,
+                "dtype": str(checkpoint_dtype(src)).removeprefix("torch.")}
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, max_positions)
     model = model.to(dtype).to_empty(device=device)
@@ -313,6 +431,9 @@ def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float3
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(weights)
     del weights  # releases the GGUF memory map
+    # module path ("layers.0.self_attn.qkv_proj", "lm_head", ...) -> its raw quantised rows (GGUF)
+    model.gguf_sources = finish_sources(sources, cfg)
+    model.load_info = info
     model.eval()
     return model, cfg
 

@@ -1,5 +1,5 @@
 """The model registry: which families iterserve runs, found by a checkpoint's Hugging Face
-`architectures` / `model_type` (and, for GGUF files, by `general.architecture`).
+`architectures` / `model_type` (and, for GGUF files, by `general.architecture`: family_for_gguf).
 
 Each family lives in model/families/, over the shared layers of model/layers.py; they all run as
 model/decoder.py's DecoderForCausalLM. Adding one: a module with a FAMILY, listed below.
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from iterserve.model.families import (gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3,
                                       smollm3)
 from iterserve.model.families.base import Family
+from iterserve.model.gguf_arch import GGUF_ARCHS
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY,
@@ -25,6 +26,20 @@ class UnsupportedArchitecture(ValueError):
 
 def supported_architectures() -> str:
     return ", ".join(a for f in FAMILIES.values() for a in f.architectures)
+
+
+def supported_gguf_architectures() -> str:
+    return ", ".join(GGUF_ARCHS)
+
+
+def family_for_gguf(arch: str | None) -> Family:
+    """The family of a GGUF file by its `general.architecture` (model/gguf_arch.py has each one's
+    table; a llama-arch file with a sliding window runs as Mistral); an unknown one gets an error
+    that names what is supported."""
+    if arch not in GGUF_ARCHS:
+        raise UnsupportedArchitecture(f"GGUF architecture {arch!r} is not supported: iterserve reads GGUF files "
+                                      f"of these architectures: {supported_gguf_architectures()} (docs/models.md)")
+    return FAMILIES[GGUF_ARCHS[arch].family]
 
 
 def family_for(architectures: Sequence[str] | None, model_type: str | None) -> Family:
