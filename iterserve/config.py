@@ -188,6 +188,13 @@ class EngineConfig:
     # structured outputs: JSON schemas allow any whitespace between tokens (vLLM's default), or
     # exactly one space after ':' and ',' (ours: small models loop on whitespace otherwise)
     structured_outputs_any_whitespace: bool = False
+    # structured outputs: an object schema that does not state additionalProperties allows no keys
+    # besides its own (False, vLLM's xgrammar default and OpenAI's strict schemas), or any (True,
+    # JSON Schema's own default: a small model then invents keys until max_tokens cuts the JSON off)
+    structured_outputs_allow_additional_properties: bool = False
+    # embeddings (/v1/embeddings): how a prompt's final hidden states become one vector: last, mean
+    # or cls (pooling.py); None = the model folder's own sentence-transformers pooling config, else last
+    pooling: Literal["last", "mean", "cls"] | None = None
     max_waiting: int | None = None  # queue bound; None = unbounded
     # misc
     log_scheduler: bool = False
@@ -213,6 +220,8 @@ class EngineConfig:
                 raise ValueError(f"batch_invariant (--batch-invariant) runs one fixed kernel per op (the C++ CPU "
                                  f"kernels' bf16 GEMM and decode attention, no twins, no inductor): drop "
                                  f"{', '.join(bad)}")
+        if self.pooling not in (None, "last", "mean", "cls"):
+            raise ValueError(f"pooling must be last, mean or cls (or unset: the model's own), got {self.pooling!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.block_size not in (1, 8, 16, 32, 64, 128):

@@ -9,6 +9,7 @@ the platform's (platform/selector.py), chosen once here.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -25,9 +26,11 @@ from iterserve.config import EngineConfig, ModelConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
-from iterserve.model.loader import load_model, model_config, resolve_model
+from iterserve.model.loader import ModelNotFound, load_model, model_config, resolve_model
 from iterserve.platform.base import kv_bytes_per_block, user_cache_dir
 from iterserve.platform.selector import get_platform
+from iterserve.pooling import PoolingConfig, resolve_pooling
+from iterserve.pooling import finish as finish_pooling
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
 from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
@@ -120,7 +123,9 @@ class LLMEngine:
                  fits, self.max_model_len)
         self.structured = StructuredOutputManager(
             tokenizer, mcfg.vocab_size, mcfg.eos_token_ids,
-            StructuredOutputConfig(any_whitespace=config.structured_outputs_any_whitespace))
+            StructuredOutputConfig(any_whitespace=config.structured_outputs_any_whitespace,
+                                   allow_additional_properties=config.structured_outputs_allow_additional_properties))
+        self.pooling = self._resolve_pooling()
         self._compiling: dict[str, tuple[Request, object]] = {}  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self.step_count = 0
@@ -136,6 +141,21 @@ class LLMEngine:
         if max_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's {mcfg.max_position_embeddings} positions")
         return max_len
+
+    def _resolve_pooling(self) -> PoolingConfig:
+        """How embedding requests pool (pooling.py): --pooling, else the model folder's own config."""
+        try:
+            src = resolve_model(self.config.model)
+        except ModelNotFound:  # a model handed in by a test under another name
+            src = None
+        folder = src.folder if src is not None and src.kind == "hf" else None
+        pooling = resolve_pooling(self.config.pooling, folder)
+        if pooling.error:
+            log.warning("embeddings are off: %s", pooling.error)
+        else:
+            log.info("embeddings: %s pooling (%s)%s", pooling.method, pooling.source,
+                     ", matryoshka dimensions" if pooling.matryoshka else "")
+        return pooling
 
     def _compile_model(self) -> None:
         if not hasattr(self.model, "compile_decoder"):
@@ -165,7 +185,8 @@ class LLMEngine:
                 "sliding_window": self.model_config.sliding_window if self.model_config.has_windows else None,
                 "max_model_len": self.max_model_len,
                 "max_input_len": self.max_input_len, "max_output_len": self.max_output_len,
-                "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching}
+                "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching,
+                "model_load": getattr(self.model, "load_info", None)}
 
     # ---- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None,
@@ -194,6 +215,8 @@ class LLMEngine:
         prefix_leader: id of parallel sampling's first sequence, whose prompt blocks this one (same
         prompt) waits for and shares instead of computing them again."""
         params = params or SamplingParams()
+        if params.pooling is not None:
+            params = self.pooling_params(params)
         if prompt_token_ids is None:
             prompt_token_ids = self.encode_prompt(prompt, messages)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -249,11 +272,28 @@ class LLMEngine:
                 continue
             self.scheduler.add_request(req)
 
+    def pooling_params(self, params: SamplingParams) -> SamplingParams:
+        """An embedding request's params with the engine's pooling method; RequestRejected when the
+        model cannot serve it."""
+        if self.pooling.method is None:
+            raise RequestRejected(f"this server cannot compute embeddings for its model: {self.pooling.error}")
+        why = self.pooling.check_dimensions(params.pooling.dimensions, self.model_config.hidden_size)
+        if why is not None:
+            raise RequestRejected(why)
+        if params.pooling.method is None:
+            params = dataclasses.replace(params, pooling=dataclasses.replace(params.pooling,
+                                                                             method=self.pooling.method))
+        return params
+
     def check_limits(self, num_prompt: int, params: SamplingParams) -> None:
         if num_prompt == 0:
             raise RequestRejected("prompt must not be empty")
         if num_prompt > self.max_input_len:
             raise RequestRejected(f"prompt has {num_prompt} tokens, more than max_input_len {self.max_input_len}")
+        if params.pooling is not None:  # generates nothing: only the prompt must fit
+            if num_prompt > self.max_model_len:
+                raise RequestRejected(f"prompt has {num_prompt} tokens, more than max_model_len {self.max_model_len}")
+            return
         if params.max_tokens > self.max_output_len:
             raise RequestRejected(f"max_tokens {params.max_tokens} exceeds max_output_len {self.max_output_len}")
         if num_prompt + params.max_tokens > self.max_model_len:
@@ -322,6 +362,14 @@ class LLMEngine:
         for res in results:
             req = res.scheduled.request
             req.num_computed_tokens += res.scheduled.num_tokens
+            if res.prompt_logprobs:
+                req.prompt_logprobs.extend(res.prompt_logprobs)
+            if res.pooled is not None:
+                req.add_pooled(*res.pooled)
+            if req.is_pooling:  # an embedding request ends as soon as its prompt is computed
+                if not req.is_finished and req.num_computed_tokens >= req.num_prompt_tokens:
+                    self._finish_pooling(req, now, outputs, finished)
+                continue
             if res.token_id is None or req.is_finished:  # mid-prompt chunk, or a member held after it stopped
                 continue
             try:
@@ -355,6 +403,13 @@ class LLMEngine:
             req.times.finished = now
         self._release(released, now, outputs, finished, new_tokens={req.request_id: res})
 
+    def _finish_pooling(self, req: Request, now: float, outputs: list[RequestOutput], finished) -> None:
+        lo, hi = req.pool_range
+        req.embedding = finish_pooling(req.pool_sum, hi - lo, req.params.pooling)
+        req.status = RequestStatus.FINISHED_STOPPED
+        released = self.scheduler.finish(req)  # continuous: its blocks are free now
+        self._release(released, now, outputs, finished)
+
     def _release(self, released, now, outputs, finished_ids, new_tokens=None) -> None:
         for r, freed in released:
             r.times.finished = r.times.finished or now
@@ -366,12 +421,17 @@ class LLMEngine:
             self.requests.pop(r.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], logprob, finished: bool = False) -> RequestOutput:
+        prompt_lps = None
+        if (req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent
+                and len(req.prompt_logprobs) == req.num_prompt_tokens):
+            prompt_lps, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_ids, text_delta=req.take_text_delta(),
             finished=finished, finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             times=req.times, new_logprobs=[logprob] if logprob is not None else [],
             output_text=req.output_text, error=req.error if finished else None,
+            prompt_logprobs=prompt_lps, embedding=req.embedding if finished else None,
         )
 
     def _record(self, sched: SchedulerOutput, duration: float, finished, now: float) -> None:

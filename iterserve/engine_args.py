@@ -129,6 +129,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "under a flexible grammar can spend its whole budget on newlines and never close "
                         "the object; off, the JSON is written with one space after ':' and ','. A schema's "
                         "own \"x-guidance\" options win either way")
+    g.add_argument("--structured-outputs-allow-additional-properties", action=argparse.BooleanOptionalAction,
+                   default=d.structured_outputs_allow_additional_properties,
+                   help="JSON-schema outputs: an object schema that does not state additionalProperties "
+                        "allows keys besides its own (JSON Schema's default). Off by default, as in vLLM's "
+                        "default backend and OpenAI's strict schemas: such an object gets exactly its own "
+                        "keys (a small model otherwise invents keys until max_tokens cuts the JSON off). A "
+                        "schema that states additionalProperties is kept as written either way")
+    g.add_argument("--pooling", choices=["last", "mean", "cls"], default=d.pooling,
+                   help="how /v1/embeddings pools the prompt's final hidden states: last (the last token's, "
+                        "Qwen3-Embedding's convention), mean (all tokens'), cls (the first token's). Default: "
+                        "the model folder's own sentence-transformers config (modules.json, 1_Pooling/), "
+                        "else last. The vector is L2-normalised")
     g.add_argument("--log-scheduler", action="store_true",
                    help="log one line per engine step: batch size, tokens, KV blocks, admitted requests "
                         "with their prefix-cache hit tokens, finished/preempted requests")

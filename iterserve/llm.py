@@ -22,10 +22,13 @@ class CompletionResult:
     completion_tokens: int
     times: RequestTimes
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: per prompt token, the first None
+    embedding: list[float] | None = None  # SamplingParams.pooling: the normalised vector
 
 
 class LLM:
-    """Offline batch generation: `LLM(model="smollm2-135m").generate(prompts, params)`."""
+    """Offline batch generation: `LLM(model="smollm2-135m").generate(prompts, params)`; embeddings
+    with `params=SamplingParams(pooling=PoolingParams())` (each result's `embedding`)."""
 
     def __init__(self, model: str = "smollm2-135m", loaded=None, config: EngineConfig | None = None,
                  **engine_kwargs) -> None:
@@ -57,7 +60,8 @@ class LLM:
                     r = reqs[out.request_id]
                     done[out.request_id] = CompletionResult(
                         r.request_id, r.output_text, list(r.output_token_ids), r.finish_reason,
-                        r.num_prompt_tokens, r.num_output_tokens, r.times, r.logprobs)
+                        r.num_prompt_tokens, r.num_output_tokens, r.times, r.logprobs,
+                        r.prompt_logprobs if r.params.prompt_logprobs is not None else None, r.embedding)
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]

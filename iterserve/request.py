@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from iterserve.pooling import pooled_range
 from iterserve.sampling import SamplingParams
 from iterserve.structured.grammar import RequestGrammar
 
@@ -62,6 +63,10 @@ class RequestTimes:
     def e2e(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
 
+    def summary(self) -> dict:
+        """Server-side seconds a client cannot see for itself (the `iterserve` key of answers)."""
+        return {"queue_time": self.queue_time, "ttft": self.ttft, "e2e": self.e2e}
+
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -90,6 +95,17 @@ class Request:
         self.logprobs: list = []
         self.generator: torch.Generator | None = None
         self.grammar: RequestGrammar | None = None  # set once its structured-output grammar is compiled
+        # prompt logprobs (params.prompt_logprobs): one entry per prompt token computed so far, from the
+        # first (None: nothing predicts it); each (logprob, rank, [(token id, logprob), ...top k])
+        self.prompt_logprobs: list = [None] if params.prompt_logprobs is not None else []
+        self.prompt_logprobs_sent = False
+        # an embedding request (params.pooling): the sum of its pooled hidden states and the prompt
+        # position up to which they are summed; `embedding` once the prompt is computed
+        self.pool_range = pooled_range(params.pooling.method or "last", len(prompt_token_ids)) \
+            if params.pooling is not None else (0, 0)
+        self.pool_sum: torch.Tensor | None = None
+        self.pooled_upto = self.pool_range[0]
+        self.embedding: list[float] | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -128,6 +144,38 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:start - p + n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:start + n - p]
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.params.pooling is not None
+
+    def max_cached_tokens(self) -> int:
+        """Tokens an admission may take from the prefix cache: all but the last (whose logits give the
+        next token), and none from the first position whose logits (prompt logprobs) or hidden state
+        (pooling) the request still needs: cached blocks are never computed, so they have neither."""
+        n = self.num_tokens - 1
+        if self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+            n = min(n, len(self.prompt_logprobs) - 1)
+        if self.is_pooling and self.pooled_upto < self.pool_range[1]:
+            n = min(n, self.pooled_upto)
+        return n
+
+    def prompt_logprob_rows(self, start: int, n: int) -> range:
+        """The positions among start .. start + n - 1 whose logits give a prompt token's logprob not
+        yet known (the logits at position p give token p + 1's)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + n, self.num_prompt_tokens - 1))
+
+    def pooled_rows(self, start: int, n: int) -> range:
+        """The positions among start .. start + n - 1 whose hidden states the pooling still needs."""
+        if not self.is_pooling:
+            return range(0)
+        return range(max(start, self.pooled_upto), min(start + n, self.pool_range[1]))
+
+    def add_pooled(self, total: torch.Tensor, upto: int) -> None:
+        self.pool_sum = total if self.pool_sum is None else self.pool_sum + total
+        self.pooled_upto = upto
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -230,3 +278,7 @@ class RequestOutput:
     new_logprobs: list = field(default_factory=list)
     output_text: str = ""
     error: str | None = None
+    # the prompt's logprobs (SamplingParams.prompt_logprobs), once, in the first output after the
+    # prompt is computed: one entry per prompt token, the first None, each (logprob, rank, top)
+    prompt_logprobs: list | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, in its final output

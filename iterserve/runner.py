@@ -1,5 +1,10 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
 
+Besides the sampled rows, a step may ask the model for the logits of prompt positions (a request
+that wants its prompt's logprobs: each position's log-softmax at the next prompt token) and for the
+final hidden states of prompt positions (an embedding request: pooling.py); both come out of the
+same forward pass as the sampled logits, and neither goes through the sampler or the constraints.
+
 It owns the KV cache tensors and the sampler. Everything it needs about a step comes in the
 scheduler's output (each request's block table, start position and input ids), so it never reads
 the block pool; the device, dtype and attention backend come from the platform, chosen once when
@@ -10,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +45,10 @@ class StepInputs:
     logits_indices: torch.Tensor  # flat rows whose logits are sampled
     sampled: list[int]  # index into sched.scheduled of each sampled row, in the same order
     last_index: list[int]  # flat row of each scheduled request's last token this step
+    # prompt logprobs: (index into sched.scheduled, flat rows, the prompt token each row predicts)
+    prompt_rows: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # pooling: (index into sched.scheduled, flat rows, the prompt position pooled up to after them)
+    pooled_rows: list[tuple[int, list[int], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -47,6 +56,8 @@ class StepResult:
     scheduled: ScheduledRequest
     token_id: int | None  # None: a prefill chunk that did not reach the end of the prompt
     logprob: tuple | None = None
+    prompt_logprobs: list | None = None  # the next prompt tokens' (logprob, rank, top k), in order
+    pooled: tuple[torch.Tensor, int] | None = None  # (float32 sum of hidden states, pooled up to)
 
 
 class ModelRunner:
@@ -75,6 +86,8 @@ class ModelRunner:
         last_index = [0] * len(rows)
         logits_idx: list[int] = []
         sampled: list[int] = []
+        prompt_rows: list[tuple[int, list[int], list[int]]] = []
+        pooled_rows: list[tuple[int, list[int], int]] = []
         dec_tables, dec_ctx, pre_tables, pre_q, pre_ctx = [], [], [], [], []
         for i in rows:
             s = sched.scheduled[i]
@@ -90,7 +103,17 @@ class ModelRunner:
                 pre_q.append(n)
                 pre_ctx.append(start + n)
             last_index[i] = len(tokens) - 1
-            if s.sample:
+            first = len(tokens) - n  # flat row of position `start`
+            req = s.request
+            if not s.padding:
+                lp_pos = req.prompt_logprob_rows(start, n)
+                if lp_pos:
+                    prompt_rows.append((i, [first + p - start for p in lp_pos],
+                                        [req.prompt_token_ids[p + 1] for p in lp_pos]))
+                pool_pos = req.pooled_rows(start, n)
+                if pool_pos:
+                    pooled_rows.append((i, [first + p - start for p in pool_pos], pool_pos.stop))
+            if s.sample and not req.is_pooling:
                 logits_idx.append(len(tokens) - 1)
                 sampled.append(i)
         dev = self.device
@@ -111,6 +134,8 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             sampled=sampled,
             last_index=last_index,
+            prompt_rows=prompt_rows,
+            pooled_rows=pooled_rows,
         )
 
     @contextmanager
@@ -151,7 +176,29 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[StepResult]:
         inp = self.prepare(sched)
-        logits = self.compute_logits(inp, inp.logits_indices)
+        results = [StepResult(s, None) for s in sched.scheduled]
+        extra = [r for _, rows, _ in inp.prompt_rows for r in rows]
+        rows_idx = inp.logits_indices
+        if extra:  # the prompt positions' logits come after the sampled rows'
+            rows_idx = torch.cat([rows_idx, torch.tensor(extra, dtype=torch.long, device=self.device)])
+        if inp.pooled_rows:
+            hidden_idx = torch.tensor([r for _, rows, _ in inp.pooled_rows for r in rows], dtype=torch.long,
+                                      device=self.device)
+            with self.step_context(inp.meta):
+                all_logits, hidden = self.model.forward_with_hidden(inp.input_ids, inp.positions, rows_idx,
+                                                                    hidden_idx)
+            self._pool(inp, hidden, results)
+        else:
+            all_logits = self.compute_logits(inp, rows_idx)
+        num_sampled = len(inp.sampled)
+        if extra:
+            self._prompt_logprobs(inp, all_logits[num_sampled:], results)
+        if num_sampled:
+            self._sample(sched, inp, all_logits[:num_sampled], results)
+        return results
+
+    def _sample(self, sched: SchedulerOutput, inp: StepInputs, logits: torch.Tensor,
+                results: list[StepResult]) -> None:
         sampled = inp.sampled
         rows = [sched.scheduled[i] for i in sampled]
         reqs = [s.request for s in rows]
@@ -165,8 +212,46 @@ class ModelRunner:
             [r.num_prompt_tokens for r in reqs],
             [r.generator for r in reqs],
         )
-        results = [StepResult(s, None) for s in sched.scheduled]
         for row, i in enumerate(sampled):
             results[i].token_id = sample.token_ids[row]
             results[i].logprob = sample.logprobs[row]
-        return results
+
+    PROMPT_LOGPROB_ROWS = 256  # log-softmax over this many prompt rows at a time (each row is a vocab)
+
+    def _prompt_logprobs(self, inp: StepInputs, logits: torch.Tensor, results: list[StepResult]) -> None:
+        """Each prompt position's log-softmax at the prompt token that follows it (raw logits: no
+        bias, no grammar), its rank in the distribution (1 = the most likely) and the top k."""
+        targets = torch.tensor([t for _, _, toks in inp.prompt_rows for t in toks], dtype=torch.long,
+                               device=logits.device)
+        k = max(results[i].scheduled.request.params.prompt_logprobs for i, _, _ in inp.prompt_rows)
+        chosen, ranks, top_v, top_i = [], [], [], []
+        for lo in range(0, logits.shape[0], self.PROMPT_LOGPROB_ROWS):
+            lp = logits[lo:lo + self.PROMPT_LOGPROB_ROWS].float().log_softmax(dim=-1)
+            tgt = targets[lo:lo + self.PROMPT_LOGPROB_ROWS]
+            picked = lp.gather(1, tgt.unsqueeze(1))
+            chosen.append(picked.squeeze(1))
+            ranks.append((lp > picked).sum(dim=1) + 1)
+            if k:
+                v, i = lp.topk(k, dim=-1)
+                top_v.append(v)
+                top_i.append(i)
+        chosen_l, ranks_l = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
+        top_vl = torch.cat(top_v).tolist() if k else None
+        top_il = torch.cat(top_i).tolist() if k else None
+        row = 0
+        for i, rows, _ in inp.prompt_rows:
+            kk = results[i].scheduled.request.params.prompt_logprobs
+            entries = []
+            for _ in rows:
+                top = list(zip(top_il[row][:kk], top_vl[row][:kk])) if kk else []
+                entries.append((chosen_l[row], ranks_l[row], top))
+                row += 1
+            results[i].prompt_logprobs = entries
+
+    @staticmethod
+    def _pool(inp: StepInputs, hidden: torch.Tensor, results: list[StepResult]) -> None:
+        """Each embedding request's hidden states of this step, summed in float32 (pooling.py)."""
+        row = 0
+        for i, rows, upto in inp.pooled_rows:
+            results[i].pooled = (hidden[row:row + len(rows)].float().sum(dim=0), upto)
+            row += len(rows)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from iterserve.pooling import PoolingParams
 from iterserve.structured.params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy: dividing logits by a denormal overflows them to inf, and
@@ -38,6 +39,11 @@ class SamplingParams:
     # constrained decoding (vLLM's names): the output must match this; None = free text
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
+    # vLLM's: each prompt token's logprob (the first one's is None) plus the top k at its position;
+    # None: off. The request computes every prompt position whose logits it needs (no cached blocks)
+    prompt_logprobs: int | None = None
+    # an embedding request: its prompt is computed and pooled, nothing is sampled (pooling.py)
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +80,10 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
+        if self.pooling is not None and (self.structured_outputs is not None or self.prompt_logprobs is not None):
+            bad("an embedding request (pooling) samples nothing: no structured outputs or prompt_logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > 16:

@@ -90,3 +90,38 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, pad_id: i
     assert new.shape[1] == max_new_tokens
     logits = torch.stack(out.logits, dim=1).float()  # [B, steps, vocab]
     return new.tolist(), list(logits)
+
+
+def hf_llama_from(loaded):
+    """transformers' LlamaForCausalLM with the very weights of a Llama-family model iterserve loaded
+    (its fused qkv / gate_up projections split back): transformers' forward pass on iterserve's
+    dequantisation of a GGUF file, without transformers' own GGUF loader (half a minute for SmolLM2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, cfg, _ = loaded
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                         rope_scaling=cfg.rope_scaling, max_position_embeddings=cfg.max_position_embeddings,
+                         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias)
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    state = {}
+    for name, p in model.named_parameters():
+        p = p.detach().float()
+        if name.endswith("qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            state |= {base + "q_proj.weight": p[:q], base + "k_proj.weight": p[q:q + kv],
+                      base + "v_proj.weight": p[q + kv:]}
+        elif name.endswith("gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            state |= {base + "gate_proj.weight": p[:inter], base + "up_proj.weight": p[inter:]}
+        else:
+            state[name] = p
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    lm_head = state.pop("lm_head.weight", None)
+    missing, unexpected = hf.model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    if lm_head is not None and not cfg.tie_word_embeddings:
+        hf.lm_head.weight.data.copy_(lm_head)
+    return hf

@@ -115,6 +115,25 @@ def test_completions_and_chat_through_openai_client(client):
     assert text == chat.choices[0].message.content
 
 
+def test_embeddings_echo_and_responses_through_the_ingress(client):
+    """The new routes are the shared API's: embeddings pooled on the replicas, echo's prompt logprobs
+    through coalesced replica outputs, the Responses store in the ingress."""
+    emb = client.embeddings.create(model=MODEL, input=["Hello there", "Hi"], encoding_format="float")
+    assert [len(d.embedding) for d in emb.data] == [64, 64]
+    again = client.embeddings.create(model=MODEL, input="Hello there", encoding_format="float")
+    assert max(abs(a - b) for a, b in zip(again.data[0].embedding, emb.data[0].embedding)) < 1e-4
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt="Count with me", max_tokens=8, temperature=0, echo=True,
+                                        logprobs=1, stream=stream, extra_body={"ignore_eos": True})
+        lps = [v for c in out if c.choices and c.choices[0].logprobs
+               for v in c.choices[0].logprobs.token_logprobs] if stream else out.choices[0].logprobs.token_logprobs
+        assert lps[0] is None and len(lps) > 8 and all(v is not None for v in lps[1:])
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0)
+    second = client.responses.create(model=MODEL, input="Again", previous_response_id=first.id, max_output_tokens=3)
+    assert client.responses.retrieve(second.id).previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
 def test_streamed_outputs_coalesce_without_losing_tokens(client):
     """Replicas merge the outputs of several steps into one message (stream_interval_s): every
     token still arrives, with its logprob, in order."""

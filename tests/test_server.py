@@ -212,6 +212,22 @@ def test_dropped_stream_frees_blocks(process):
 
 
 @pytest.mark.slow
+def test_dropped_responses_stream_frees_blocks(process):
+    """The Responses API's event stream is the chat path's: a client that hangs up aborts it."""
+    body = {"model": MODEL, "input": "never ending", "max_output_tokens": 500, "stream": True}
+    with httpx.Client(base_url=process.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/responses", json=body) as resp:
+            lines = resp.iter_lines()
+            got = 0
+            while got < 8:
+                got += next(lines).startswith("event: response.output_text.delta")
+            assert scheduler(http)["running"] == 1
+        dropped = time.monotonic()
+        wait_idle(http, timeout=1.0)
+        assert time.monotonic() - dropped < 1.0
+
+
+@pytest.mark.slow
 def test_dropped_non_streaming_request_frees_blocks(process):
     body = {"model": MODEL, "prompt": "never ending", "max_tokens": 500, "ignore_eos": True}
     failed = []
@@ -258,7 +274,10 @@ BAD = [
      404, "model"),
     ("max_tokens over cap", "/v1/completions", {"prompt": "hi", "max_tokens": 513}, 400, None),
     ("prompt too long", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, None),
-    ("unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("unknown route", "/v1/images/generations", {"prompt": "x"}, 404, None),
+    ("empty embedding input", "/v1/embeddings", {"input": []}, 400, "input"),
+    ("unknown previous response", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"}, 404,
+     "previous_response_id"),
 ]
 
 

@@ -119,8 +119,9 @@ def test_schemathesis_finds_no_5xx(http, schema, mode, with_key):
     from schemathesis import GenerationMode
 
     ops = operations(schema)
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/scheduler",
-            "/metrics", "/health", "/v1/models"} <= {op.path for op in ops}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
+            "/v1/embeddings", "/tokenize", "/detokenize", "/v1/scheduler", "/metrics", "/health",
+            "/v1/models"} <= {op.path for op in ops}
     headers = AUTH if with_key else {}
     total = 0
     for op in ops:
@@ -150,7 +151,7 @@ def test_schemathesis_finds_no_5xx(http, schema, mode, with_key):
         print(f"\nschemathesis {mode} {'key' if with_key else 'no-key'} {op.method.upper()} {op.path}: "
               f"{len(statuses)} cases, status codes {counts}")
         total += len(statuses)
-        if with_key and op.path in ("/v1/completions", "/v1/chat/completions"):
+        if with_key and op.path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
             assert len(statuses) >= MAX_EXAMPLES // 2  # hypothesis stops early only when the space runs out
             assert counts.get(200 if mode == "positive" else 400, 0) > 0  # served, and refused, not just one
     print(f"schemathesis {mode} {'key' if with_key else 'no-key'}: {total} cases over {len(ops)} operations")

@@ -8,7 +8,8 @@ to the waiting queue to be recomputed later with identical output.
 
 Prefix caching: on admission (and re-admission after preemption) the longest run of the request's
 full blocks already in the pool's cache is shared by reference, and its computed tokens start
-after them; at least the last token is always computed (its logits give the next token). Blocks
+after them; at least the last token is always computed (its logits give the next token), and so is
+every position whose logits (prompt logprobs) or hidden state (pooling) a request still needs. Blocks
 are registered in the cache once their KV is computed, i.e. at the step after they were scheduled.
 
 No preemption thrash: a prefill chunk that does not fit in the free blocks shrinks to what fits
@@ -325,7 +326,7 @@ class Scheduler(SchedulerBase):
             if self._waits_for_leader(req):
                 continue
             hashes = self._update_block_hashes(req)
-            cached = self.pool.find_cached_prefix(hashes[: (req.num_tokens - 1) // bs])
+            cached = self.pool.find_cached_prefix(hashes[: req.max_cached_tokens() // bs])
             num_cached = len(cached) * bs
             n = min(req.num_tokens - num_cached, budget)
             # a preempted request takes all the blocks it needs to reach its next token at once

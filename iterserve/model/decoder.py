@@ -59,7 +59,23 @@ class DecoderForCausalLM(nn.Module):
         """Returns float32 logits [len(logits_indices), vocab] for the flat tokens that get sampled.
         Call it inside the step's forward_context (ModelRunner does)."""
         x = (self._compiled_stack or self.decoder_stack)(input_ids, positions)
-        logits = self.lm_head(self.norm(x[logits_indices])).float()
+        return self.logits(self.norm(x[logits_indices]))
+
+    def forward_with_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                            hidden_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits, and the final-norm hidden states [len(hidden_indices), hidden] of the flat
+        rows `hidden_indices` (what the LM head reads; embeddings pool them), from one pass."""
+        x = (self._compiled_stack or self.decoder_stack)(input_ids, positions)
+        hidden = self.norm(x[hidden_indices])
+        if not len(logits_indices):  # a step of embedding requests only
+            return torch.empty(0, self.cfg.vocab_size, device=x.device), hidden
+        return self.logits(self.norm(x[logits_indices])), hidden
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-norm hidden states."""
+        if h.shape[0] == 0:  # a step of prompt chunks that sample nothing: no head call
+            return h.new_zeros(0, self.cfg.vocab_size, dtype=torch.float32)
+        logits = self.lm_head(h).float()
         cfg = self.cfg
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor

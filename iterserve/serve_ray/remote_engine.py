@@ -26,7 +26,7 @@ from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.request import RequestOutput, RequestRejected, RequestTimes
 from iterserve.sampling import SamplingParams
 from iterserve.serve_ray.replica import Admission, EngineInfo
-from iterserve.structured.manager import StructuredOutputManager
+from iterserve.structured.manager import StructuredOutputConfig, StructuredOutputManager
 
 log = logging.getLogger("iterserve.serve_ray")
 
@@ -52,7 +52,11 @@ class FrontEngine:
         self.model_config = FrontModelConfig(info.vocab_size, info.eos_token_ids)
         self.max_model_len, self.max_input_len, self.max_output_len = (
             info.max_model_len, info.max_input_len, info.max_output_len)
-        self.structured = StructuredOutputManager(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        cfg = info.config  # compiled as the replicas compile (a grammar the ingress accepts, they accept)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, info.vocab_size, info.eos_token_ids,
+            StructuredOutputConfig(any_whitespace=cfg.structured_outputs_any_whitespace,
+                                   allow_additional_properties=cfg.structured_outputs_allow_additional_properties))
 
 
 class RemoteStream:

@@ -57,13 +57,15 @@ class EngineInfo:
 
 
 def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: their tokens, text and logprobs in order, the last
-    one's state (finished, reason, counts, times)."""
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order, the prompt
+    logprobs whichever carries them, the last one's state (finished, reason, counts, times, embedding)."""
     if len(outputs) == 1:
         return outputs[0]
     return dataclasses.replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
                                text_delta="".join(o.text_delta for o in outputs),
-                               new_logprobs=[lp for o in outputs for lp in o.new_logprobs])
+                               new_logprobs=[lp for o in outputs for lp in o.new_logprobs],
+                               prompt_logprobs=next((o.prompt_logprobs for o in outputs
+                                                     if o.prompt_logprobs is not None), None))
 
 
 class EngineReplica:

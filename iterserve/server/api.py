@@ -19,7 +19,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
@@ -35,7 +35,8 @@ from iterserve.server.metrics import ServerMetrics
 from iterserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware,
                                          RejectionCounterMiddleware, error_response)
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, error_body, validation_message)
+                                       EmbeddingRequest, ResponsesRequest, TokenizeRequest, error_body,
+                                       validation_message)
 from iterserve.server.serving import OpenAIServing, ServerSettings, message_chars
 
 access_log = logging.getLogger("iterserve.access")
@@ -186,6 +187,29 @@ def build_api(serving: OpenAIServing, settings: ServerSettings, count_rejected: 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
+
+    @app.post("/v1/responses", responses=ERROR_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request):
+        return await serving.responses(body, request)
+
+    response_id = Path(max_length=256, description="a stored response's id")
+
+    @app.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def get_response(response_id: str = response_id,
+                           stream: bool | None = Query(None, description="not supported: replays need a "
+                                                                         "background response")):
+        if stream:
+            raise APIError("stream is not supported by this server on GET /v1/responses/{id}", param="stream",
+                           code="unsupported_field")
+        return serving.get_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str = response_id):
+        return serving.delete_response(response_id)
+
+    @app.post("/v1/embeddings", responses=ERROR_RESPONSES)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await serving.embeddings(body, request)
 
     # ---- the rest ---------------------------------------------------------------------------------------
     @app.get("/v1/models")

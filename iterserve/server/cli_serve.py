@@ -43,8 +43,8 @@ class _Unset:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions "
-                    "(streaming with SSE), /v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus), "
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, "
+                    "/v1/responses (streaming with SSE), /v1/embeddings, /v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus), "
                     "/v1/scheduler (live batch, KV cache and per-step records), /v1/scheduler/stream (the same as "
                     "server-sent events) and /dashboard (live charts of it in the browser; one panel per replica with "
                     "--replicas).")
@@ -84,6 +84,12 @@ def add_parser(subparsers) -> None:
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue bound: beyond it new requests get HTTP 503 with Retry-After (default: unbounded)")
     g.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503 (default 1)")
+    g.add_argument("--responses-store-size", type=parse_size, default="64MiB",
+                   help="the Responses API keeps finished responses (store: true) in memory for GET "
+                        "/v1/responses/{id} and previous_response_id, up to this many bytes of their JSON; "
+                        "the oldest go first; 0 keeps none (default 64MiB)")
+    g.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored response is kept (default 3600)")
     r = p.add_argument_group("scale-out on Ray Serve (docs/scale-out.md; needs pip install 'iterserve[ray]')")
     r.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas on Ray Serve behind one OpenAI-compatible ingress (default: one "
@@ -173,6 +179,10 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--shutdown-timeout and --step-timeout must be >= 0")
     if args.max_consecutive_step_failures < 1:
         raise ValueError("--max-consecutive-step-failures must be >= 1")
+    if isinstance(args.responses_store_size, str):
+        args.responses_store_size = parse_size(args.responses_store_size)
+    if args.responses_store_ttl <= 0:
+        raise ValueError("--responses-store-ttl must be > 0")
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1KiB")
     if isinstance(args.allowed_hosts, str):
@@ -202,7 +212,8 @@ def server_settings(args: argparse.Namespace):
     return ServerSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                           retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
                           metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
-                          vllm_metrics=args.vllm_metrics)
+                          vllm_metrics=args.vllm_metrics, responses_store_bytes=args.responses_store_size,
+                          responses_store_ttl_s=args.responses_store_ttl)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -65,8 +65,10 @@ def engine_info(llm: LLMEngine, served_model_name: str, model: str) -> dict:
     size), and the sequences one step may hold (the batch-size chart's limit line). `model` is the
     model as answers may name it (api.model_name: no path on this machine)."""
     cfg = llm.config
+    pooling = getattr(llm, "pooling", None)  # /v1/embeddings' pooling as resolved (None: refused)
     return {**asdict(cfg), **llm.resolved_config(), "model": model, "served_model_name": served_model_name,
-            "step_limit": cfg.max_batch_size if cfg.batching == "static" else cfg.max_num_seqs}
+            "step_limit": cfg.max_batch_size if cfg.batching == "static" else cfg.max_num_seqs,
+            "embedding_pooling": pooling.method if pooling is not None else None}
 
 
 class SchedulerStream:

@@ -28,6 +28,8 @@ MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit
+MAX_METADATA = 16  # OpenAI's limit (Responses' metadata)
 
 
 def _integral(value):
@@ -110,13 +112,16 @@ class GenerationRequest(StrictModel):
     guided_regex: str | None = Field(None, description="extension (vLLM, older name)")
     guided_choice: list[str] | None = Field(None, description="extension (vLLM, older name)")
     guided_grammar: str | None = Field(None, description="extension (vLLM, older name)")
+    prompt_logprobs: Int | None = Field(None, ge=0, le=20, description="extension (vLLM): each prompt token's "
+                                        "logprob (the first null) and the top k at its position")
 
 
 class CompletionRequest(GenerationRequest):
     prompt: (str | Annotated[list[str], Field(max_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(max_length=1)])
     logprobs: Int | None = Field(None, ge=0, le=20)
-    echo: bool | None = False
+    echo: bool | None = Field(False, description="the prompt before the completion, in the text and (with "
+                                                  "logprobs) in the logprobs, the first token's null")
     suffix: str | None = None
     best_of: Int | None = None
 
@@ -176,6 +181,113 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = Field(None, description='false: tool_choice "required" makes one call')
 
 
+class EmbeddingRequest(StrictModel):
+    """OpenAI's /v1/embeddings body. Extra fields are kept, as in GenerationRequest."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    model: str | None = None
+    input: (str | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)] | TokenIds
+            | Annotated[list[TokenIds], Field(max_length=MAX_EMBEDDING_INPUTS)])
+    dimensions: Int | None = Field(None, ge=1, le=INT32_MAX,
+                                   description="keep this many dimensions (models trained for it: Matryoshka)")
+    encoding_format: Literal["float", "base64"] | None = Field(
+        "float", description="base64: each vector's little-endian float32 bytes")
+    user: str | None = None
+    priority: Int | None = Field(0, ge=INT64_MIN, le=UINT64_MAX,
+                                 description="extension: lower runs first under --scheduling-policy priority")
+
+
+# ---- the Responses API ---------------------------------------------------------------------------------
+class ResponseContentPart(StrictModel):
+    """A part of a message's content; only text parts are served (others are refused by type)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    type: str = Field(description="input_text or output_text (text only)")
+    text: str | None = None
+
+
+class ResponseInputItem(StrictModel):
+    """One item of `input`: a message (type "message" or none), an earlier `function_call`, or a
+    `function_call_output`. Which fields apply depends on the type (checked when the body is read)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    type: str | None = None
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | Annotated[list[ResponseContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | Annotated[list[ResponseContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseTool(StrictModel):
+    """A tool: function tools are served; built-in ones (web_search, file_search ...) are refused by type."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    type: str
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseToolChoice(StrictModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    type: str
+    name: str | None = None
+
+
+class ResponseTextFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseText(StrictModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    format: ResponseTextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(StrictModel):
+    """OpenAI's /v1/responses body. It becomes a chat request (the chat path's models, limits and
+    tool handling); fields OpenAI defines that iterserve does not implement are refused by name
+    (RESPONSES_UNSUPPORTED_FIELDS)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    model: str | None = None
+    input: str | Annotated[list[ResponseInputItem], Field(max_length=MAX_MESSAGES)] | None = None
+    instructions: str | None = None
+    max_output_tokens: Int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool | None = False
+    text: ResponseText | None = None
+    tools: list[ResponseTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = Field(True, description="keep the response for previous_response_id and GET "
+                                                 "(bounded in memory: --responses-store-size, --responses-store-ttl)")
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA)
+    user: str | None = None
+    safety_identifier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # extensions (as on the chat route)
+    seed: Int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX, description="extension")
+    top_k: Int | None = Field(None, ge=-1, le=INT32_MAX, description="extension: 0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension")
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                             description="extension")
+    priority: Int | None = Field(0, ge=INT64_MIN, le=UINT64_MAX,
+                                 description="extension: lower runs first under --scheduling-policy priority")
+
+
 class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
@@ -208,7 +320,6 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
     Unsupported("function_call", lambda v: v in (None, "none")),
     Unsupported("suffix", lambda v: v in (None, "")),
     Unsupported("best_of", lambda v: v in (None, 1), "only 1; n > 1 returns every sample"),
-    Unsupported("echo", _off),
     Unsupported("audio", _off),
     Unsupported("modalities", lambda v: v in (None, ["text"]), "only [\"text\"]"),
     Unsupported("prediction", _off),
@@ -220,11 +331,39 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
 )
 
 
-def unsupported_field(body: BaseModel) -> APIError | None:
-    """The error for the first unsupported field the body uses, or None."""
-    extra = body.model_extra or {}
-    for u in UNSUPPORTED_FIELDS:
-        value = getattr(body, u.field) if u.field in type(body).model_fields else extra.get(u.field)
+def _no_reasoning(value) -> bool:
+    return _off(value) or (isinstance(value, dict) and all(v is None for v in value.values()))
+
+
+# the Responses API's own (its tools and input items are checked by type where they are read)
+RESPONSES_UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
+    Unsupported("reasoning", _no_reasoning, "no model served here has a reasoning switch"),
+    Unsupported("background", _off),
+    Unsupported("include", _off),
+    Unsupported("conversation", _off, "use previous_response_id"),
+    Unsupported("prompt", _off),
+    Unsupported("truncation", lambda v: v in (None, "disabled"), "only \"disabled\": a request that does not "
+                "fit is refused"),
+    Unsupported("max_tool_calls", lambda v: v is None),
+    Unsupported("top_logprobs", lambda v: v in (None, 0)),
+    Unsupported("service_tier", lambda v: v in (None, "auto", "default")),
+    Unsupported("prompt_cache_key", lambda v: v is None, "prefix caching is automatic"),
+    Unsupported("prompt_cache_retention", lambda v: v is None),
+    Unsupported("text.verbosity", lambda v: v is None),
+)
+
+
+def unsupported_field(body: BaseModel, fields: tuple[Unsupported, ...] = UNSUPPORTED_FIELDS) -> APIError | None:
+    """The error for the first unsupported field the body uses, or None (`a.b`: field b of field a)."""
+    for u in fields:
+        obj, name = body, u.field
+        if "." in name:
+            head, name = name.split(".", 1)
+            obj = getattr(body, head, None)
+            if obj is None:
+                continue
+        extra = obj.model_extra or {}
+        value = getattr(obj, name) if name in type(obj).model_fields else extra.get(name)
         if not u.accepts(value):
             hint = f" ({u.hint})" if u.hint else ""
             return APIError(f"{u.field} is not supported by this server{hint}", param=u.field,

@@ -1,4 +1,4 @@
-"""OpenAI completions and chat completions over the AsyncEngine.
+"""OpenAI completions, chat completions, responses and embeddings over the AsyncEngine.
 
 A body becomes token ids (tokenised off the event loop) and SamplingParams; the engine admits the
 request or says why not before any byte of the response is sent; then the outputs become either
@@ -8,10 +8,15 @@ them (each computes only the prompt's last, partial block); with a seed, choice 
 vLLM does. Usage counts the prompt once and sums the completions, as OpenAI does. A client that goes away (stream cancelled, or a disconnect seen
 while a non-streaming request waits) aborts its request, which frees its KV blocks at the next
 step boundary.
+
+The Responses API (responses.py) is a chat request with another answer shape; embeddings are
+engine requests that pool their prompt instead of generating (pooling.py), one per input, admitted
+all or none as parallel samples are.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import functools
 import json
@@ -20,14 +25,19 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from iterserve.request import RequestOutput, RequestTimes
+from iterserve.pooling import PoolingParams
+from iterserve.request import RequestOutput, RequestRejected, RequestTimes
 from iterserve.sampling import SamplingParams
 from iterserve.server.async_engine import AsyncEngine, RequestStream
-from iterserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       GenerationRequest, error_body, unsupported_field)
+from iterserve.server.protocol import (RESPONSES_UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, ChatMessage,
+                                       CompletionRequest, EmbeddingRequest, GenerationRequest, ResponsesRequest,
+                                       error_body, unsupported_field)
+from iterserve.server.responses import (DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_S, ResponsesFormat, ResponseStore,
+                                        to_chat_request)
 from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls, prompt_messages, template_has_tools
 from iterserve.structured.params import StructuredOutputError, StructuredOutputsParams
 
@@ -46,6 +56,9 @@ class ServerSettings:
     metrics_without_key: bool = False  # with api_key: let scrapers read /metrics without it
     allowed_hosts: list[str] | None = None  # Host header names accepted; None or "*" = any
     vllm_metrics: bool = True  # also export vllm:* names so vLLM's dashboards and routers read us
+    # the Responses API's store of finished responses (responses.py): bytes kept, and their lifetime
+    responses_store_bytes: int = DEFAULT_STORE_BYTES
+    responses_store_ttl_s: float = DEFAULT_STORE_TTL_S
 
 
 def max_token_chars(tokenizer) -> int:
@@ -58,7 +71,7 @@ def max_token_chars(tokenizer) -> int:
 
 def timings(t: RequestTimes) -> dict:
     """The `iterserve` key: server-side seconds a client cannot see for itself."""
-    return {"queue_time": t.queue_time, "ttft": t.ttft, "e2e": t.e2e}
+    return t.summary()
 
 
 def usage(outs: list[RequestOutput]) -> dict:
@@ -127,6 +140,7 @@ class OpenAIServing:
         tok = self.llm.tokenizer
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i]))
         self.max_token_chars = max_token_chars(tok)
+        self.responses_store = ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl_s)
 
     def check_text_length(self, num_chars: int, max_tokens: int, what: str, param: str) -> None:
         """Refuses text that cannot fit in max_tokens tokens, before any tokenisation."""
@@ -147,13 +161,15 @@ class OpenAIServing:
             raise error
 
     def sampling_params(self, body: GenerationRequest, max_tokens: int, logprobs: int | None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                                 "stop_token_ids", "presence_penalty", "frequency_penalty",
                                                 "repetition_penalty") if getattr(body, k) is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
-                                  structured_outputs=structured, logit_bias=self.logit_bias(body), **given)
+                                  structured_outputs=structured, logit_bias=self.logit_bias(body),
+                                  prompt_logprobs=prompt_logprobs, **given)
         except ValueError as e:
             raise APIError(str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
 
@@ -194,12 +210,23 @@ class OpenAIServing:
             ids = await self.engine.encode(prompt=text)
         max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, self.llm.max_output_len)
         structured, param = structured_outputs_from(body)
-        params = self.sampling_params(body, max_tokens, body.logprobs, structured)
+        echo_lp = body.logprobs if body.echo else None  # echo + logprobs: the prompt's logprobs too
+        params = self.sampling_params(body, max_tokens, body.logprobs, structured,
+                                      prompt_logprobs=_max_k(echo_lp, body.prompt_logprobs))
         await self.compile_grammar(structured, param)
-        return await self._generate(_Format(False, self), body, http, ids, params, arrival)
+        fmt = _Format(False, self, prompt_ids=ids, echo=bool(body.echo), echo_text=text, echo_logprobs=echo_lp,
+                      prompt_logprobs=body.prompt_logprobs)
+        return await self._generate(fmt, body, http, ids, params, arrival)
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
         arrival = time.monotonic()
+        tools, ids, params = await self.chat_inputs(body)
+        fmt = _Format(True, self, tools if tools.active else None, prompt_ids=ids,
+                      prompt_logprobs=body.prompt_logprobs)
+        return await self._generate(fmt, body, http, ids, params, arrival)
+
+    async def chat_inputs(self, body: ChatCompletionRequest) -> tuple[ToolMode, list[int], SamplingParams]:
+        """A chat body's checks, tools, prompt ids and sampling parameters (the Responses API's too)."""
         self.check_model(body.model)
         self.check_supported(body)
         if not body.messages:
@@ -219,10 +246,104 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens or body.max_tokens or max(
             1, min(self.llm.max_output_len, self.llm.max_model_len - len(ids)))
         params = self.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                                      structured)
+                                      structured, prompt_logprobs=body.prompt_logprobs)
         await self.compile_grammar(structured, param)
-        return await self._generate(_Format(True, self, tools if tools.active else None), body, http, ids,
+        return tools, ids, params
+
+    async def responses(self, body: ResponsesRequest, http: Request):
+        """POST /v1/responses: the chat path (chat_inputs, _generate) with the Responses API's answer."""
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        error = unsupported_field(body, RESPONSES_UNSUPPORTED_FIELDS)
+        if error is not None:
+            raise error
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            stored = self.responses_store.get(body.previous_response_id)
+            if stored is None:
+                raise APIError(f"previous response {body.previous_response_id!r} not found (never stored, "
+                               "deleted, or dropped from the bounded store)", 404, param="previous_response_id",
+                               code="not_found")
+            history = stored.conversation
+        chat, conversation = to_chat_request(body, history)
+        tools, ids, params = await self.chat_inputs(chat)
+        return await self._generate(ResponsesFormat(self, body, chat, tools, conversation), chat, http, ids,
                                     params, arrival)
+
+    def get_response(self, response_id: str) -> dict:
+        stored = self.responses_store.get(response_id)
+        if stored is None:
+            raise APIError(f"response {response_id!r} not found", 404, param="response_id", code="not_found")
+        return stored.response
+
+    def delete_response(self, response_id: str) -> dict:
+        if not self.responses_store.delete(response_id):
+            raise APIError(f"response {response_id!r} not found", 404, param="response_id", code="not_found")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def embeddings(self, body: EmbeddingRequest, http: Request):
+        """POST /v1/embeddings: one pooling request per input, admitted together (or none)."""
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        pooling = getattr(self.llm, "pooling", None)  # the engine's (the Ray ingress's replicas check their own)
+        if pooling is not None:
+            if pooling.method is None:
+                raise APIError(f"this server cannot compute embeddings for its model: {pooling.error}")
+            why = pooling.check_dimensions(body.dimensions, self.llm.model_config.hidden_size)
+            if why is not None:
+                raise APIError(why, param="dimensions")
+        prompts = await self._embedding_prompts(body.input)
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(dimensions=body.dimensions))
+        vocab = self.llm.model_config.vocab_size
+        for i, ids in enumerate(prompts):
+            where = "input" if len(prompts) == 1 else f"input[{i}]"
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="input")
+            try:
+                self.llm.check_limits(len(ids), params)
+            except RequestRejected as e:
+                raise APIError(f"{where}: {e}", param="input") from None
+        request_id = f"embd-{uuid.uuid4().hex}"
+        streams = await self._add_requests([(f"{request_id}-{i}", ids, params, None) for i, ids in enumerate(prompts)],
+                                           body.priority or 0, arrival)
+        http.state.admitted = True
+        outputs = await self._collect(streams, http)
+        if outputs is None:
+            return JSONResponse(error_body("client disconnected", 400), status_code=400)
+        lasts = [outs[-1] for outs in outputs]
+        failed = next((o for o in lasts if o.error or o.embedding is None), None)
+        if failed is not None:
+            failed.error = failed.error or "the request ended without an embedding"
+            return self.failed(failed)
+        base64_out = body.encoding_format == "base64"
+        data = [{"object": "embedding", "index": i,
+                 "embedding": (base64.b64encode(np.asarray(o.embedding, dtype="<f4").tobytes()).decode()
+                               if base64_out else o.embedding)} for i, o in enumerate(lasts)]
+        n = sum(o.num_prompt_tokens for o in lasts)
+        return JSONResponse({"object": "list", "data": data, "model": self.settings.served_model_name,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}},
+                            headers={"X-Request-Id": request_id})
+
+    async def _embedding_prompts(self, given) -> list[list[int]]:
+        """`input` (a string, strings, token ids, lists of token ids) as token id lists."""
+        if isinstance(given, str):
+            given = [given]
+        if not given:
+            raise APIError("input must not be empty", param="input")
+        if isinstance(given[0], int):
+            given = [given]
+        prompts = []
+        for i, one in enumerate(given):
+            where = "input" if len(given) == 1 else f"input[{i}]"
+            if not one:
+                raise APIError(f"{where} must not be empty", param="input")
+            if isinstance(one, str):
+                self.check_text_length(len(one), self.llm.max_input_len, where, "input")
+                prompts.append(await self.engine.encode(prompt=one))
+            else:
+                prompts.append(list(one))
+        return prompts
 
     async def encode_chat(self, messages: list[ChatMessage], tools: ToolMode | None = None) -> list[int]:
         tools = tools or ToolMode([], "none")
@@ -251,14 +372,14 @@ class OpenAIServing:
         return (one, None) if isinstance(one, str) else (None, list(one))
 
     # ---- generation -----------------------------------------------------------------------------------
-    async def _generate(self, fmt: "_Format", body: GenerationRequest, http: Request, ids: list[int],
-                        params: SamplingParams, arrival: float):
-        request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    async def _generate(self, fmt: "_Format | ResponsesFormat", body: GenerationRequest, http: Request,
+                        ids: list[int], params: SamplingParams, arrival: float):
+        request_id = fmt.new_id()
         streams = await self._add_choices(request_id, ids, params, body.n or 1, body.priority or 0, arrival)
         http.state.admitted = True  # from here on an error is a failure, not a rejection (metrics)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(fmt, request_id, streams, include_usage),
+            return StreamingResponse(fmt.stream(request_id, streams, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         outputs = await self._collect(streams, http)
@@ -268,23 +389,31 @@ class OpenAIServing:
         failed = next((o for o in lasts if o.error), None)
         if failed is not None:
             return self.failed(failed)
-        choices = [([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.new_logprobs])
+        choices = [([t for o in outs for t in o.new_token_ids], [lp for o in outs for lp in o.new_logprobs],
+                    next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None))
                    for outs in outputs]
         return JSONResponse(fmt.response(request_id, lasts, choices, params.logprobs is not None),
                             headers={"X-Request-Id": request_id})
 
     async def _add_choices(self, request_id: str, ids: list[int], params: SamplingParams, n: int,
                            priority: int, arrival: float) -> list[RequestStream]:
-        """One engine request per choice, all admitted or none (a refusal aborts those added)."""
+        """One engine request per choice, all admitted or none; choice i > 0 shares choice 0's prompt."""
         if n == 1:
-            return [await self.engine.add_request(request_id, ids, params, priority=priority, arrival_time=arrival)]
+            return await self._add_requests([(request_id, ids, params, None)], priority, arrival)
+        return await self._add_requests(
+            [(f"{request_id}-{i}", ids,
+              params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**64),
+              f"{request_id}-0" if i else None) for i in range(n)], priority, arrival)
+
+    async def _add_requests(self, items: list[tuple[str, list[int], SamplingParams, str | None]], priority: int,
+                            arrival: float) -> list[RequestStream]:
+        """Engine requests (id, prompt ids, params, prefix leader), all admitted or none (a refusal
+        aborts those added)."""
         streams: list[RequestStream] = []
         try:
-            for i in range(n):
-                p = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**64)
-                streams.append(await self.engine.add_request(
-                    f"{request_id}-{i}", ids, p, priority=priority, arrival_time=arrival,
-                    prefix_leader=f"{request_id}-0" if i else None))
+            for rid, ids, params, leader in items:
+                streams.append(await self.engine.add_request(rid, ids, params, priority=priority,
+                                                             arrival_time=arrival, prefix_leader=leader))
         except BaseException:
             for st in streams:
                 self.engine.abort(st.request_id)
@@ -359,11 +488,17 @@ class OpenAIServing:
                               | extra)
             offsets = [0] * len(streams)
             calls = [ToolCallStream(fmt.tools) if fmt.tools is not None else None for _ in streams]
+            started = [False] * len(streams)
             async for i, out in self._merged(streams):
                 if out.error:
                     status = 503 if out.finish_reason == "shutdown" else 500
                     yield sse(error_body(out.error, status, code=out.finish_reason))
                     break
+                if not started[i]:  # the first chunk of a choice: the echoed prompt, the prompt logprobs
+                    started[i] = True
+                    first, offsets[i] = fmt.first_chunk(request_id, created, out.prompt_logprobs, i)
+                    if first is not None:
+                        yield sse(first | extra)
                 lp, offsets[i] = fmt.logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
                 if out.finished:
                     lasts[i] = out
@@ -395,15 +530,95 @@ class OpenAIServing:
             self._abort_unfinished(streams)
 
 
-class _Format:
-    """What differs between the two endpoints' response shapes."""
+def _max_k(*ks: int | None) -> int | None:
+    given = [k for k in ks if k is not None]
+    return max(given) if given else None
 
-    def __init__(self, chat: bool, serving: OpenAIServing, tools: ToolMode | None = None) -> None:
+
+class _Format:
+    """What differs between the two endpoints' response shapes.
+
+    echo (completions): the prompt's text before the completion's, and with logprobs the prompt's
+    tokens before the completion's, the first with a null logprob (OpenAI's legacy format, what
+    lm-evaluation-harness reads). prompt_logprobs (vLLM's): a list per choice, one entry per prompt
+    token, null for the first, else {token id: {logprob, rank, decoded_token}} for the prompt token
+    and the top k; on chat responses at the top level, as vLLM puts it."""
+
+    def __init__(self, chat: bool, serving: OpenAIServing, tools: ToolMode | None = None,
+                 prompt_ids: list[int] | None = None, echo: bool = False, echo_text: str | None = None,
+                 echo_logprobs: int | None = None, prompt_logprobs: int | None = None) -> None:
         self.chat = chat
+        self.serving = serving
         self.tools = tools  # chat with tools offered: the text is parsed into tool calls
         self.model = serving.settings.served_model_name
         self.token_text = serving.token_text
         self.id_prefix = "chatcmpl" if chat else "cmpl"
+        self.prompt_ids = prompt_ids or []
+        self.echo = echo
+        self._echo_text = echo_text
+        self.echo_logprobs = echo_logprobs
+        self.prompt_logprobs = prompt_logprobs
+
+    def new_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    def stream(self, request_id: str, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+        return self.serving._stream(self, request_id, streams, include_usage)
+
+    @functools.cached_property
+    def echo_text(self) -> str:
+        """The prompt as echoed: as sent, or decoded when it came as token ids."""
+        if self._echo_text is not None:
+            return self._echo_text
+        return self.serving.llm.tokenizer.decode(self.prompt_ids)
+
+    def vllm_prompt_logprobs(self, prompt_lps: list | None) -> list | None:
+        if self.prompt_logprobs is None or prompt_lps is None:
+            return None
+        out: list = [None]
+        for tid, entry in zip(self.prompt_ids[1:], prompt_lps[1:]):
+            lp, rank, top = entry
+            d = {str(i): {"logprob": max(v, MIN_LOGPROB), "rank": r + 1, "decoded_token": self.token_text(i)}
+                 for r, (i, v) in enumerate(top[: self.prompt_logprobs])}
+            d[str(tid)] = {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": self.token_text(tid)}
+            out.append(d)
+        return out
+
+    def echo_logprobs_obj(self, prompt_lps: list | None) -> tuple[dict | None, int]:
+        """The prompt's part of a completions logprobs object (echo + logprobs), and its text length."""
+        if self.echo_logprobs is None or prompt_lps is None:
+            return None, 0
+        tokens, lps, tops, offsets, offset = [], [], [], [], 0
+        for tid, entry in zip(self.prompt_ids, prompt_lps):
+            text = self.token_text(tid)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:
+                lps.append(None)
+                tops.append(None)
+                continue
+            lp, _, top = entry
+            lps.append(max(lp, MIN_LOGPROB))
+            tops.append({self.token_text(i): max(v, MIN_LOGPROB) for i, v in top[: self.echo_logprobs]})
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def first_chunk(self, request_id: str, created: int, prompt_lps: list | None,
+                    index: int) -> tuple[dict | None, int]:
+        """A stream's chunk before a choice's first tokens: the echoed prompt (completions) and the
+        prompt logprobs; None when there is neither. Also the text offset the next logprobs start at."""
+        if not self.echo and self.prompt_logprobs is None:
+            return None, 0
+        lp, offset = self.echo_logprobs_obj(prompt_lps)
+        chunk = self.chunk(request_id, created, self.echo_text if self.echo else ("" if not self.chat else {}),
+                           lp, None, index)
+        vllm = self.vllm_prompt_logprobs(prompt_lps)
+        if vllm is not None:
+            if self.chat:
+                chunk["prompt_logprobs"] = vllm
+            else:
+                chunk["choices"][0]["prompt_logprobs"] = vllm
+        return chunk, offset
 
     def delta(self, text: str):
         return {"content": text} if self.chat else text
@@ -416,14 +631,17 @@ class _Format:
         return {"id": request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": created, "model": self.model, "choices": choices}
 
-    def response(self, request_id: str, lasts: list[RequestOutput], choices: list[tuple[list[int], list]],
+    def response(self, request_id: str, lasts: list[RequestOutput], choices: list[tuple[list[int], list, list]],
                  want_lp: bool) -> dict:
-        """lasts: each choice's final output; choices: each choice's token ids and logprobs."""
+        """lasts: each choice's final output; choices: each choice's token ids, logprobs and prompt logprobs."""
         out = []
-        for i, (last, (ids, lps)) in enumerate(zip(lasts, choices)):
-            lp = self.logprobs(ids, lps, 0)[0] if want_lp else None
+        for i, (last, (ids, lps, prompt_lps)) in enumerate(zip(lasts, choices)):
+            echo_lp, offset = self.echo_logprobs_obj(prompt_lps) if self.echo else (None, 0)
+            lp = self.logprobs(ids, lps, offset)[0] if want_lp else None
+            if echo_lp is not None:
+                lp = echo_lp if lp is None else {k: echo_lp[k] + lp[k] for k in echo_lp}
             choice = ({"message": {"role": "assistant", "content": last.output_text}} if self.chat
-                      else {"text": last.output_text})
+                      else {"text": (self.echo_text if self.echo else "") + last.output_text})
             reason = last.finish_reason
             if self.tools is not None:
                 content, calls = parse_tool_calls(last.output_text, self.tools)
@@ -432,9 +650,14 @@ class _Format:
                 if calls and reason == "stop":
                     reason = "tool_calls"
             out.append({"index": i, **choice, "logprobs": lp, "finish_reason": reason})
-        return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
+            if self.prompt_logprobs is not None and not self.chat:
+                out[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt_lps)
+        body = {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": out,
                 "usage": usage(lasts), "iterserve": timings(lasts[0].times)}
+        if self.prompt_logprobs is not None and self.chat:
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0][2])
+        return body
 
     def logprobs(self, ids: list[int], lps: list, offset: int) -> tuple[dict | None, int]:
         """OpenAI's logprobs object for these tokens; the completions format needs text offsets."""

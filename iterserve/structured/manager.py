@@ -1,5 +1,12 @@
 """Compiles structured-output constraints off the engine loop and caches them by spec.
 
+JSON schemas are strict about objects by default, as vLLM's xgrammar backend and OpenAI's strict
+schemas are: an object schema that lists properties without stating additionalProperties is
+compiled as if it said `false` (strict_objects), since llguidance otherwise follows JSON Schema's
+permissive default and a small model fills the object with invented keys until max_tokens cuts the
+JSON off. `StructuredOutputConfig.allow_additional_properties` (--structured-outputs-allow-additional-properties)
+keeps the permissive default.
+
 Why llguidance (not xgrammar): measured on the embedded model's 49152-token vocabulary
 (docs/structured-outputs.md), it compiles a JSON schema in under a millisecond where xgrammar takes
 milliseconds, fills 16 masks and applies them within a fraction of a millisecond, and its wheel
@@ -13,6 +20,7 @@ constraint that fails to compile fails only its own request.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 import weakref
@@ -39,6 +47,9 @@ class StructuredOutputConfig:
     # JSON schemas: any whitespace between tokens (True, vLLM's default) or one space after ':' and ','
     # (False): a small model under a flexible grammar can loop on newlines until max_tokens
     any_whitespace: bool = False
+    # JSON schemas: an object schema with properties but no additionalProperties allows other keys
+    # (True: JSON Schema's default) or not (False: vLLM's xgrammar default, OpenAI's strict mode)
+    allow_additional_properties: bool = False
 
 
 class StructuredOutputManager:
@@ -116,6 +127,8 @@ class StructuredOutputManager:
         `defaults`, so a schema's own "x-guidance" options still win."""
         if fmt != "json_schema":
             return llguidance.grammar_from(fmt, text)
+        if not self.config.allow_additional_properties:
+            text = strict_objects_text(text)
         ws = {"whitespace_flexible": self.config.any_whitespace}
         if not self.config.any_whitespace:
             ws.update(item_separator=", ", key_separator=": ")
@@ -123,6 +136,50 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# where a JSON schema holds subschemas: keyword -> how (a map of them, a list of them, or one)
+_SUBSCHEMAS = {"properties": "map", "patternProperties": "map", "$defs": "map", "definitions": "map",
+               "dependentSchemas": "map", "items": "one_or_list", "prefixItems": "list", "anyOf": "list",
+               "oneOf": "list", "additionalProperties": "one", "additionalItems": "one", "contains": "one",
+               "if": "one", "then": "one", "else": "one", "propertyNames": "one"}
+
+
+def strict_objects(schema, strict: bool = True):
+    """A copy of a JSON schema in which every object schema that lists `properties` and states
+    neither `additionalProperties` nor `unevaluatedProperties` gets `additionalProperties: false`,
+    at any depth. Left as written: objects without `properties` (a free-form object, json_object's
+    `{"type": "object"}`), and the members of `allOf` (each names only part of the keys, so closing
+    one would forbid the others'; their nested objects are closed), and `not`."""
+    if isinstance(schema, list):
+        return [strict_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        how = _SUBSCHEMAS.get(key)
+        if how == "map" and isinstance(value, dict):
+            value = {k: strict_objects(v) for k, v in value.items()}
+        elif how in ("list", "one_or_list") and isinstance(value, list):
+            value = [strict_objects(v) for v in value]
+        elif how in ("one", "one_or_list") and isinstance(value, dict):
+            value = strict_objects(value)
+        elif key == "allOf" and isinstance(value, list):
+            value = [strict_objects(v, strict=False) for v in value]
+        out[key] = value
+    if (strict and isinstance(out.get("properties"), dict) and "additionalProperties" not in out
+            and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
+def strict_objects_text(text: str) -> str:
+    """strict_objects on a schema's JSON text; text that is not JSON is left for the compiler's error."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text
+    return json.dumps(strict_objects(schema))
 
 
 def _what(fmt: str) -> str:
