@@ -8,6 +8,8 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
     python benchmarks/kernel_options.py attention --batch 1 4 8 16 --context 100 500
     python benchmarks/kernel_options.py prefill-attention --chunk 256:256 512:512 1024:1024 256:1024
     python benchmarks/kernel_options.py prefill-attention --chunk 1024:1024 --window 256 --softcap 50
+    python benchmarks/kernel_options.py gguf-twins --rows 1 2 4 8                 # GGUF block twins
+    python benchmarks/kernel_options.py gguf-twins --shapes 262144x640 --types Q8_0 Q5_0 --sampler
 
 - linears: ms for all 30 layers' projections (QKV, O, gate-up, down) at M rows: oneDNN bf16 with
   the weight prepacked (what steps use where our bf16 kernel is not vectorised), torch's int4
@@ -26,6 +28,17 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
   (n == ctx: a fresh prompt; n < ctx: a chunk after a cached prefix): the torch path (SDPA per
   chunk, after a block gather when there is a prefix) against our kernel (blocks read in place);
   the two take turns, best of the rounds.
+- gguf-twins: ms per call of one projection shape at M rows: our bf16 GEMM (`tiled`; oneDNN's
+  prepacked weight where ours is not vectorised), the min-max Q4_1 twin (q4_gemm) and a twin from
+  GGUF blocks of each type (gguf_gemm: Q4_K, Q5_K, Q6_K as stored, Q8_0 / Q5_0 / ... repacked four
+  blocks to a group), random blocks, enough distinct copies of each that they stream from memory;
+  the candidates take turns, best of the rounds; for an LM head (>= --head-rows outputs) also the
+  head's old twin, Q8_0 rebuilt from the float weight (q8_0_gemm). Defaults: 640x2048 (a small model's down
+  projection), 2048x2048, and Gemma 3 270M's 262144 x 640 LM head (K-quants need K % 256 == 0:
+  none there; llama.cpp stores such a head as Q8_0). --sampler adds greedy and top-p sampling over
+  that many logits; --numerics FILE.gguf a real model's decode logits, teacher-forced, with no twin,
+  with the twins of its blocks and with the min-max twins, against float32. Prints the CPU's model
+  and flags first.
 Both attention commands take --window W (a sliding window, as Mistral's and Gemma's) and --softcap
 C (Gemma 2's logit cap); 0, the default, turns either off.
 Columns of our kernels appear when they build (platform/cpu_kernels.py). Results are printed; the
@@ -47,7 +60,9 @@ from iterserve.bench.common import best_time  # noqa: E402
 from iterserve.attention.metadata import DecodeMetadata, PrefillMetadata  # noqa: E402
 from iterserve.attention.torch_attention import decode_attention, prefill_attention  # noqa: E402
 from iterserve.platform.cpu_kernels import load_cpu_kernels  # noqa: E402
-from iterserve.platform.cpu_linear import GROUP_SIZE, pack_bf16, pack_int4, pack_q4_1  # noqa: E402
+from iterserve.platform.cpu_linear import (GGUF_BLOCKS, GROUP_SIZE, RandomShard, pack_bf16, pack_gguf_twin,  # noqa: E402
+                                           pack_int4, pack_q4_1, pack_q8_0, tiled_gemm_vectorised)
+from iterserve.cpu_info import cpu_flags_line, cpu_model_name  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SHAPES = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -260,6 +275,124 @@ def prefill_attention_options(args) -> None:
               f"   ({best['torch'] / best['ours']:.2f}x) per layer", flush=True)
 
 
+def gguf_twins(args) -> None:
+    """Each GGUF block twin against bf16 and the min-max Q4_1 twin, per shape and row count."""
+    import math
+
+    torch.manual_seed(0)
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the GGUF twins need iterserve's CPU kernels, which did not build here")
+    flags = [f for f in cpu_flags_line().split() if f.startswith(("avx", "amx", "f16c", "fma"))]
+    print(f"CPU: {cpu_model_name()}; {os.cpu_count()} cores; flags: {' '.join(flags)}")
+    print(f"gguf_gemm path: {kernels.gguf_gemm_isa()}; torch threads {torch.get_num_threads()}", flush=True)
+    tiled = tiled_gemm_vectorised(kernels)
+    for spec in args.shapes:
+        n, k = (int(v) for v in spec.lower().split("x"))
+        # enough distinct copies that even the smallest twin's bytes stream from memory (64 MiB)
+        copies = max(1, min(args.max_copies, math.ceil((64 << 20) / (n * k * 0.5625))))
+        w = torch.randn(n, k) * 0.02
+        cands = {}
+        if tiled:
+            packed = [pack_bf16(w.bfloat16()) for _ in range(copies)]
+            cands["bf16 (ours, tiled)"] = lambda x, ws=packed: [kernels.bf16_gemm(x, t, n) for t in ws]
+        else:
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for _ in range(copies)]
+            cands["bf16 (oneDNN)"] = lambda x, ws=packed: [
+                torch.ops.mkldnn._linear_pointwise(x, t, None, "none", [], "") for t in ws]
+        if k % 64 == 0:
+            q4 = [pack_q4_1(w) for _ in range(copies)]
+            cands["q4_1 (min-max)"] = lambda x, ws=q4: [kernels.q4_gemm(x, *t) for t in ws]
+        if n >= args.head_rows:  # the LM head's twin until now: Q8_0 rebuilt from the float weight
+            q8 = [pack_q8_0(w) for _ in range(copies)]
+            cands["q8_0 (rebuilt, float)"] = lambda x, ws=q8: [kernels.q8_0_gemm(x, *t) for t in ws]
+        for qtype in args.types:
+            if k % GGUF_BLOCKS[qtype][1]:
+                continue
+            twins = [pack_gguf_twin([RandomShard(0, n, k, qtype)], k) for _ in range(copies)]
+            cands[qtype.lower()] = lambda x, ws=twins: [kernels.gguf_gemm(x, b, m, n) for b, m in ws]
+        skipped = [q for q in args.types if k % GGUF_BLOCKS[q][1]]
+        print(f"\n{n} x {k}, {copies} cop{'y' if copies == 1 else 'ies'}: ms per call"
+              + (f" ({', '.join(skipped)}: K is not a multiple of 256)" if skipped else ""))
+        print(f"  {'rows':22s}" + "".join(f"{m:>9d}" for m in args.rows))
+        table = {name: [] for name in cands}
+        for m in args.rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            best = dict.fromkeys(cands, float("inf"))
+            for name in cands:
+                cands[name](x)  # warm-up
+            for _ in range(args.rounds):  # in turns, so a noisy moment hits every candidate
+                for name, fn in cands.items():
+                    best[name] = min(best[name], best_ms(lambda: fn(x), rounds=1) / copies)
+            for name in cands:
+                table[name].append(best[name])
+        for name, ms in table.items():
+            print(f"  {name:22s}" + "".join(f"{v:9.3f}" for v in ms), flush=True)
+        del cands
+    if args.sampler:
+        sampler_cost(args)
+    if args.numerics:
+        gguf_numerics(args.numerics)
+
+
+def gguf_numerics(path: str, steps: int = 48) -> None:
+    """A GGUF model decoding one sequence, teacher-forced on float32's greedy tokens (float32 holds
+    the file's values exactly): bf16 with no twin, with the twins of the file's own blocks
+    (quantization auto), and with the min-max 4-bit / Q8_0 twins rebuilt from the float weights
+    (quantization int4, the path before): top-1 agreement and |logprob difference| of float32's token."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
+    from model_utils import make_request, new_runner, run_step
+
+    from iterserve.config import EngineConfig
+    from iterserve.engine import LLMEngine
+
+    prompt = "The history of the Roman Empire begins with"
+
+    def logits(engine, ids: list[int], n_prompt: int) -> torch.Tensor:
+        runner = new_runner((engine.model, engine.model_config, engine.tokenizer), num_blocks=len(ids) // 16 + 2)
+        req = make_request("seq", ids)
+        got = [run_step(runner, [(req, n_prompt)])[0]]
+        got += [run_step(runner, [(req, 1)])[0] for _ in range(len(ids) - n_prompt)]
+        return torch.stack(got).float().log_softmax(-1)
+
+    base = dict(model=path, kv_cache_memory="64MiB", measure_kernels=False, max_num_seqs=4)
+    ref = LLMEngine(EngineConfig(**base, dtype="float32", quantization="none"))
+    ids = ref.tokenizer(prompt)["input_ids"]
+    n_prompt = len(ids)
+    for _ in range(steps):  # float32's greedy continuation
+        ids.append(int(logits(ref, ids, len(ids))[0].argmax()))
+    want = logits(ref, ids[:-1], n_prompt)
+    del ref
+    rows = torch.arange(len(want))
+    tokens = torch.tensor(ids[n_prompt:])
+    for label, q in (("bf16, no twin", "none"), ("bf16 + twins of the file's blocks", "auto"),
+                     ("bf16 + min-max int4 / Q8_0 twins", "int4")):
+        eng = LLMEngine(EngineConfig(**base, dtype="bfloat16", quantization=q))
+        got = logits(eng, ids[:-1], n_prompt)
+        top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        diff = (got[rows, tokens] - want[rows, tokens]).abs()
+        print(f"{label:36s} vs float32 over {len(want)} positions (decode steps: 1 row): top-1 {top1:.3f}, "
+              f"|logprob diff| of float32's token mean {diff.mean():.4f} max {diff.max():.3f}", flush=True)
+        del eng
+
+
+def sampler_cost(args) -> None:
+    """Greedy and top-p sampling over a vocabulary of the largest shape's outputs, per step."""
+    from iterserve.sampling import Sampler, SamplingParams
+
+    n = max(int(s.lower().split("x")[0]) for s in args.shapes)
+    sampler = Sampler(n)
+    print()
+    for m in args.rows:
+        logits = torch.randn(m, n, dtype=torch.bfloat16)  # as the head returns them
+        for label, params in (("greedy", SamplingParams(temperature=0)),
+                              ("top-p 0.9, T 0.8", SamplingParams(temperature=0.8, top_p=0.9))):
+            ms = best_ms(lambda: sampler(logits, [params] * m, [[]] * m, [0] * m, [None] * m), rounds=5)
+            print(f"sampler, {m} rows x {n} logits, {label}: {ms:.3f} ms", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -285,6 +418,19 @@ def main() -> None:
     p.add_argument("--window", type=int, default=0, help="sliding window in tokens (0: none)")
     p.add_argument("--softcap", type=float, default=0.0, help="attention-logit soft-cap (0: none)")
     p.set_defaults(fn=prefill_attention_options)
+    p = sub.add_parser("gguf-twins", help="twins from GGUF blocks vs bf16 and the min-max Q4_1 twin")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--shapes", nargs="+", default=["640x2048", "2048x2048", "262144x640"], metavar="NxK",
+                   help="outputs x inputs")
+    p.add_argument("--types", nargs="+", default=["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"],
+                   choices=sorted(GGUF_BLOCKS))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--max-copies", type=int, default=128)
+    p.add_argument("--head-rows", type=int, default=32768,
+                   help="shapes with this many outputs are LM heads: also time the Q8_0 twin rebuilt from floats")
+    p.add_argument("--sampler", action="store_true", help="also the sampler over that many logits")
+    p.add_argument("--numerics", metavar="GGUF", help="also a GGUF model's logits with each twin vs float32")
+    p.set_defaults(fn=gguf_twins)
     args = ap.parse_args()
     args.fn(args)
 

@@ -23,10 +23,10 @@ from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
-                                           int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
-                                           tiled_gemm_vectorised)
+                                           gguf_twin_name, gguf_twins_of, int4_kernel_available, optimize_cpu_linears,
+                                           tiled_gemm_amx, tiled_gemm_vectorised)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, choose_kernels,
-                                              kernel_choice_dir, shapes_of)
+                                              kernel_choice_dir, parse_linear_key, shapes_of)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -66,8 +66,9 @@ class CpuPlatform(Platform):
                 raise ValueError(f"bf16_gemm={config.bf16_gemm} is a bf16 layout; a float32 run takes auto, "
                                  f"{' or '.join(FLOAT32_LAYOUTS)}")
             self.layout = "float32" if config.bf16_gemm == "auto" else config.bf16_gemm
-        self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit twin
-        self.q8_head_max_tokens = 0
+        self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit (or GGUF) twin
+        self.q8_head_max_tokens = 0  # ... and the LM head a Q8_0 (or GGUF) twin
+        self.gguf_twins: dict[str, str] = {}  # module -> its GGUF twin's spec, when built from the file's blocks
         self.kernel_choice: KernelChoice | None = None  # the measured table, when measured
         # our tiled GEMM's AMX path (never under batch_invariant: its rows would round by step size)
         self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
@@ -75,10 +76,13 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """In bf16: weights laid out once for a bf16 GEMM (ours, oneDNN's, or a float32 copy) and
         (quantization) a 4-bit twin of the projections and a Q8_0 twin of the LM head for steps of
-        few tokens, where decoding is bound by reading weights (platform/cpu_linear.py). Which
-        layout and up to how many rows each twin runs are timed on this machine for this model's
-        shapes (platform/kernel_choice.py) unless measure_kernels is off or a flag forces them.
-        The head's twin needs the C++ CPU kernels. In float32: `_prepare_float32`."""
+        few tokens, where decoding is bound by reading weights (platform/cpu_linear.py). A GGUF in
+        other block types than Q4_0 / Q4_1 (K-quants, Q8_0, Q5_x: `model.gguf_sources`) gives each
+        projection and the head whose blocks the kernel reads a twin of those blocks instead
+        (quantization auto; `gguf_twins_of`). Which layout and up to how many rows each twin runs
+        are timed on this machine for this model's shapes (platform/kernel_choice.py) unless
+        measure_kernels is off or a flag forces them. Every twin but torch's int4 one needs the C++
+        CPU kernels. In float32: `_prepare_float32`."""
         cfg = self.config
         q = cfg.quantization
         self._log_attention_paths(model.cfg)
@@ -98,23 +102,36 @@ class CpuPlatform(Platform):
             log.info("CPU bf16, batch-invariant: %d projections on our tiled bf16 GEMM, no quantised twins, every "
                      "query through the decode attention kernel", n)
             return
-        use_int4 = q == "int4" or (q == "auto" and int4_kernel_available() and is_four_bit_checkpoint(source))
+        # a GGUF's own blocks (K-quants, Q8_0, Q5_x), where the loader handed them over; else as before
+        gguf = gguf_twins_of(model) if q == "auto" and self.kernels is not None else {}
+        self.gguf_twins = {name: spec for name, (spec, _) in gguf.items()}
+        use_int4 = not gguf and (q == "int4" or (q == "auto" and int4_kernel_available()
+                                                 and is_four_bit_checkpoint(source)))
         use_q8_head = use_int4 and self.kernels is not None
         plans = None
         if cfg.measure_kernels:
             plans = self._measure(model, use_int4, use_q8_head)
         else:
-            self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_int4 else 0
-            self.q8_head_max_tokens = Q8_HEAD_MAX_TOKENS if use_q8_head else 0
+            gguf_proj = any(name != "lm_head" for name in gguf)
+            self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_int4 or gguf_proj else 0
+            self.q8_head_max_tokens = Q8_HEAD_MAX_TOKENS if use_q8_head or "lm_head" in gguf else 0
         amx = AMX_MIN_ROWS if plans is None and self.layout == "tiled" and self.amx else 0
         n = optimize_cpu_linears(model, self.layout, self.int4_max_tokens, self.q8_head_max_tokens, self.kernels,
-                                 plans, amx_min_rows=amx)
+                                 plans, amx_min_rows=amx, gguf_twins={name: s for name, (_, s) in gguf.items()})
+        if gguf:  # the twins hold the blocks now: the loader's copies of them can go
+            used = set(gguf) | ({"embed_tokens"} if "lm_head" in gguf else set())
+            model.gguf_sources = {k: v for k, v in model.gguf_sources.items() if k not in used}
+            types = sorted({gguf_twin_name(spec) for spec in self.gguf_twins.values()})
+            log.info("CPU bf16: %d of %d projections (head included) have a twin of the GGUF's own blocks (%s)",
+                     len(gguf), n, ", ".join(types))
         if plans is None:
             log.info("CPU bf16: %d projections laid out for %s%s%s%s", n,
                      "our tiled bf16 GEMM" if self.layout == "tiled" else self.layout,
                      f" (on AMX tiles from {amx} rows)" if amx else "",
-                     f", 4-bit twin for steps of <= {self.int4_max_tokens} tokens" if use_int4 else "",
-                     f", Q8_0 LM head for <= {self.q8_head_max_tokens} sampled rows" if self.q8_head_max_tokens else "")
+                     f", {'GGUF-block' if gguf else '4-bit'} twin for steps of <= {self.int4_max_tokens} tokens"
+                     if self.int4_max_tokens else "",
+                     f", {'GGUF-block' if gguf else 'Q8_0'} LM head for <= {self.q8_head_max_tokens} sampled rows"
+                     if self.q8_head_max_tokens else "")
 
     def _log_attention_paths(self, mcfg: ModelConfig) -> None:
         """Says at start-up where this model's attention leaves the C++ kernels for the torch path."""
@@ -158,13 +175,14 @@ class CpuPlatform(Platform):
                      f", Q4_1 twin for steps of <= {self.int4_max_tokens} tokens" if self.int4_max_tokens else "")
 
     def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool
-                 ) -> dict[tuple[str, int, int], tuple[str, int, int]]:
+                 ) -> dict[tuple[str, int, int, str], tuple[str, int, int]]:
         """Times the candidates (or reads the cached table), logs the table, and returns the per-shape plan."""
         cfg = self.config
         mcfg = model.cfg
         max_seqs = cfg.max_seqs_per_step
         measure_attention = cfg.decode_attention == "auto" and self.kernels is not None
-        req = ChoiceRequest(shapes=shapes_of(model, self.dtype), buckets=batch_buckets(max_seqs), dtype=self.dtype,
+        req = ChoiceRequest(shapes=shapes_of(model, self.dtype, self.gguf_twins), buckets=batch_buckets(max_seqs),
+                            dtype=self.dtype,
                             layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,
                             q8_head=use_q8_head, amx=self.amx,
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
@@ -179,7 +197,7 @@ class CpuPlatform(Platform):
         self.int4_max_tokens = max((c.twin_max_tokens for c in choice.linears.values() if c.role == "proj"), default=0)
         self.q8_head_max_tokens = max((c.twin_max_tokens for c in choice.linears.values() if c.role == "head"),
                                       default=0)
-        return {(c.role, *map(int, key.split(":")[1].split("x"))): (c.layout, c.twin_max_tokens, c.amx_min_rows)
+        return {parse_linear_key(key): (c.layout, c.twin_max_tokens, c.amx_min_rows)
                 for key, c in choice.linears.items()}
 
     def num_kv_blocks(self, model_config: ModelConfig, profile_run: Callable[[], None]) -> int:
@@ -192,7 +210,8 @@ class CpuPlatform(Platform):
         layouts = sorted({c.layout for c in self.kernel_choice.linears.values()}) if self.kernel_choice else None
         return {**super().resolved(), "cpu_kernels": self.kernels is not None,
                 "bf16_gemm": "/".join(layouts) if layouts else "tiled" if self.config.batch_invariant else self.layout,
-                "quantization": "int4" if self.int4_max_tokens else "none",
+                "quantization": "gguf" if self.gguf_twins else "int4" if self.int4_max_tokens else "none",
+                "gguf_twins": sorted({gguf_twin_name(s) for s in self.gguf_twins.values()}),
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
                 "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else

@@ -21,6 +21,14 @@ each threshold are in docs/profile.md, with the commands that measured them
 - Q8_0 head. The LM head is the largest single matrix of a small model's step. Its twin is GGUF's
   Q8_0 (int8 with a float scale per 32 inputs), used for steps that sample few rows.
 
+- GGUF twins. A GGUF checkpoint in other block types (the K-quants of a Q4_K_M / Q5_K_M / Q6_K
+  file: Q4_K, Q5_K, Q6_K, with Q8_0 / Q5_0 / Q5_1 where a row is not a multiple of 256) keeps the
+  file's own blocks as the twin (`twin="gguf"`, cpu_kernels.cpp's gguf_gemm): the loader hands them
+  over per module (`model.gguf_sources`: QuantShard row ranges, several block types per fused
+  projection), K-quant blocks as stored, 32-input blocks repacked four to a group
+  (`pack_gguf_x4`, a permutation). `dequantize_gguf_twin` reads any twin back: it equals gguf-py's
+  dequantisation of the file bit for bit (tests/test_kquant.py).
+
 The 4-bit grid (`min_max_4bit`, shared by both 4-bit twins) is rebuilt from the float weights by
 min-max per group of 32 along the input dimension. For a checkpoint that was 4-bit already (GGUF
 Q4_0/Q4_1: the same groups), that recovers the checkpoint's own levels; the only new error is the
@@ -29,8 +37,9 @@ rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebu
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +49,16 @@ from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 
 GROUP_SIZE = 32
-TWINS = ("int4", "q4_1", "q8_0")  # torch's int4 kernel; ours (cpu_kernels.cpp) for 4 and 8 bits
+# torch's int4 kernel; ours (cpu_kernels.cpp) for 4 and 8 bits, and from a GGUF's own blocks
+TWINS = ("int4", "q4_1", "q8_0", "gguf")
+
+# ---- GGUF blocks (llama.cpp's layouts; gguf-py's gguf/quants.py dequantises them) -------------------
+# name -> (ggml type id, inputs a block, bytes a block)
+GGUF_BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+               "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # read by the kernel as stored; the others repacked by pack_gguf_x4
+X4_HEADER = {"Q4_0": 8, "Q4_1": 16, "Q5_0": 24, "Q5_1": 32, "Q8_0": 8}  # bytes before a group's levels
+X4_BYTES = {"Q4_0": 72, "Q4_1": 80, "Q5_0": 88, "Q5_1": 96, "Q8_0": 136}  # bytes per group of 4 blocks
 
 
 def int4_kernel_available() -> bool:
@@ -118,6 +136,266 @@ def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
     return q.reshape(n, k).contiguous(), scales.contiguous()
 
 
+def _x4_positions() -> torch.Tensor:
+    """Position p of a group of 4 blocks -> index b * 32 + e in the group's 4 x 32 levels (block b,
+    input e): p holds input 8 * (p // 32) + p % 8 of block (p % 32) // 8 (cpu_kernels.cpp)."""
+    p = torch.arange(128)
+    return (p % 32) // 8 * 32 + 8 * (p // 32) + p % 8
+
+
+def _block_levels(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """[..., block bytes] uint8 blocks of a 32-input type -> [..., 32] levels as stored (uint8: 0..15 /
+    0..31, or Q8_0's int8 bits)."""
+    if qtype == "Q8_0":
+        return blocks[..., 2:34]
+    qs = blocks[..., -16:]
+    levels = torch.cat([qs & 0x0F, qs >> 4], -1)  # inputs 0-15 in the low nibbles, 16-31 in the high
+    if qtype in ("Q5_0", "Q5_1"):
+        at = 2 if qtype == "Q5_0" else 4
+        qh = blocks[..., at:at + 4].to(torch.int64)
+        word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+        bits = (word.unsqueeze(-1) >> torch.arange(32)) & 1
+        levels = levels | (bits.to(torch.uint8) << 4)
+    return levels
+
+
+def pack_gguf_x4(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """[rows, K/32 blocks] of a 32-input GGUF type (uint8 as stored) -> [rows, ceil(K/128) groups]
+    laid out for cpu_kernels.cpp's gguf_gemm: per group of 4 blocks, their d (and m) float16 bits as
+    stored, the Q5 types' high bits as 4 x u32 (word j bit i: bit 4 of position 32j + i), then the
+    levels in position order (`_x4_positions`): Q8_0's int8 as they are, the 4/5-bit types' low
+    nibbles paired as byte 32c + i = p[64c + i] | p[64c + 32 + i] << 4. Zero blocks pad the last
+    group. A permutation of the stored bytes: `unpack_gguf_x4` inverts it."""
+    _, block, size = GGUF_BLOCKS[qtype]
+    rows = data.shape[0]
+    if rows > 8192:  # a large LM head: in slices of rows, so its temporaries stay small
+        return torch.cat([pack_gguf_x4(data[r:r + 8192], qtype) for r in range(0, rows, 8192)])
+    nb = data.shape[1] // size
+    groups = -(-nb // 4)
+    blocks = torch.zeros(rows, groups * 4, size, dtype=torch.uint8)
+    blocks[:, :nb] = data.reshape(rows, nb, size)
+    blocks = blocks.reshape(rows, groups, 4, size)
+    head = blocks[..., 0:2].reshape(rows, groups, 8)
+    parts = [head] + ([blocks[..., 2:4].reshape(rows, groups, 8)] if qtype in ("Q4_1", "Q5_1") else [])
+    pos = _block_levels(blocks, qtype).reshape(rows, groups, 128)[..., _x4_positions()]
+    if qtype != "Q8_0":
+        if qtype in ("Q5_0", "Q5_1"):
+            bits = ((pos >> 4) & 1).reshape(rows, groups, 16, 8).to(torch.int32)
+            parts.append((bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8))
+        pos = pos & 0x0F
+        pos = pos.reshape(rows, groups, 2, 2, 32)
+        pos = pos[:, :, :, 0] | (pos[:, :, :, 1] << 4)
+    parts.append(pos.reshape(rows, groups, -1))
+    return torch.cat(parts, -1).reshape(rows, groups * X4_BYTES[qtype]).contiguous()
+
+
+def _x4_levels(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """[rows, groups, group bytes] -> [rows, groups, 4, 32] levels (uint8) in block order."""
+    rows, groups, _ = packed.shape
+    lv = packed[..., X4_HEADER[qtype]:]
+    if qtype == "Q8_0":
+        pos = lv
+    else:
+        lv = lv.reshape(rows, groups, 2, 1, 32)
+        pos = torch.cat([lv & 0x0F, lv >> 4], 3).reshape(rows, groups, 128)
+        if qtype in ("Q5_0", "Q5_1"):
+            at = 8 if qtype == "Q5_0" else 16
+            hb = packed[..., at:at + 16].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)
+            pos = pos | ((hb & 1).reshape(rows, groups, 128) << 4)
+    levels = torch.empty_like(pos)
+    levels[..., _x4_positions()] = pos
+    return levels.reshape(rows, groups, 4, 32)
+
+
+def unpack_gguf_x4(packed: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """pack_gguf_x4's inverse: the blocks as the file stores them, [rows, K/32 * block bytes] uint8."""
+    _, block, size = GGUF_BLOCKS[qtype]
+    rows = packed.shape[0]
+    g = packed.reshape(rows, -1, X4_BYTES[qtype])
+    groups = g.shape[1]
+    levels = _x4_levels(g, qtype)
+    parts = [g[..., 0:8].reshape(rows, groups, 4, 2)]
+    if qtype in ("Q4_1", "Q5_1"):
+        parts.append(g[..., 8:16].reshape(rows, groups, 4, 2))
+    if qtype == "Q8_0":
+        parts.append(levels)
+    else:
+        if qtype in ("Q5_0", "Q5_1"):
+            bits = ((levels >> 4) & 1).reshape(rows, groups, 4, 4, 8).to(torch.int32)
+            parts.append((bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8))
+        lo = levels & 0x0F
+        parts.append(lo[..., :16] | (lo[..., 16:] << 4))
+    blocks = torch.cat(parts, -1).reshape(rows, groups * 4, size)
+    return blocks[:, :in_features // block].reshape(rows, -1).contiguous()
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 (little-endian float16 bits) -> [...] float32, exactly."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _kquant_dequantize(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """[rows, K/256 * bytes] K-quant blocks -> [rows, K] float32, as gguf-py's dequantize computes
+    them (the same float32 operations: D = d * sc and M = dmin * m exact, then D * q - M)."""
+    size = GGUF_BLOCKS[qtype][2]
+    rows = data.shape[0]
+    b = data.reshape(rows, -1, size)
+    n = b.shape[1]
+    if qtype == "Q6_K":
+        ql, qh = b[..., :128].reshape(rows, n, 2, 1, 64), b[..., 128:192].reshape(rows, n, 2, 1, 32)
+        sc = b[..., 192:208].contiguous().view(torch.int8).float()
+        d = _f16(b[..., 208:210].unsqueeze(-2)).reshape(rows, n, 1)
+        lo = torch.cat([ql & 0x0F, ql >> 4], 3).reshape(rows, n, 8, 32)
+        hi = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3).reshape(rows, n, 8, 32)
+        q = (lo | (hi << 4)).to(torch.int8) - 32
+        return ((d * sc).reshape(rows, n, 16, 1) * q.reshape(rows, n, 16, 16).float()).reshape(rows, -1)
+    d, dmin = _f16(b[..., 0:2].unsqueeze(-2)), _f16(b[..., 2:4].unsqueeze(-2))
+    s = b[..., 4:16].reshape(rows, n, 3, 4)
+    sc = torch.cat([s[..., 0, :] & 0x3F, (s[..., 2, :] & 0x0F) | ((s[..., 0, :] >> 2) & 0x30)], -1).float()
+    mn = torch.cat([s[..., 1, :] & 0x3F, (s[..., 2, :] >> 4) | ((s[..., 1, :] >> 2) & 0x30)], -1).float()
+    qs = b[..., -128:].reshape(rows, n, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], 3).reshape(rows, n, 8, 32)
+    if qtype == "Q5_K":
+        qh = b[..., 16:48].reshape(rows, n, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)
+        q = q | ((qh & 1) << 4)
+    big_d = (d.reshape(rows, n, 1) * sc).unsqueeze(-1)
+    big_m = (dmin.reshape(rows, n, 1) * mn).unsqueeze(-1)
+    return (big_d * q.float() - big_m).reshape(rows, -1)
+
+
+def _x4_dequantize(packed: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """A pack_gguf_x4 shard -> [rows, K] float32, as gguf-py computes its blocks (d * (q - offset),
+    or d * q + m)."""
+    rows = packed.shape[0]
+    g = packed.reshape(rows, -1, X4_BYTES[qtype])
+    levels = _x4_levels(g, qtype)
+    d = _f16(g[..., 0:8].reshape(*g.shape[:2], 4, 1, 2))
+    if qtype == "Q8_0":
+        w = levels.contiguous().view(torch.int8).float() * d
+    elif qtype in ("Q4_1", "Q5_1"):
+        w = d * levels.float() + _f16(g[..., 8:16].reshape(*g.shape[:2], 4, 1, 2))
+    else:
+        w = d * (levels.to(torch.int16) - (8 if qtype == "Q4_0" else 16)).float()
+    return w.reshape(rows, -1)[:, :in_features]
+
+
+def shard_fields(shard: Any) -> tuple[int, int, int, str, Any]:
+    """(row_start, rows, cols, qtype, data) of a QuantShard (model/gguf_file.py; any object with
+    those fields: data [rows, bytes a row] uint8, a tensor or numpy array, as the file stores it)."""
+    return int(shard.row_start), int(shard.rows), int(shard.cols), str(shard.qtype), shard.data
+
+
+def _shard_bytes(data: Any) -> torch.Tensor:
+    """A shard's data as a uint8 tensor (a numpy array, maybe a read-only memory map, is copied)."""
+    if isinstance(data, torch.Tensor):
+        return data.view(torch.uint8)
+    import numpy as np
+    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+
+
+def gguf_row_bytes(qtype: str, in_features: int) -> int:
+    """Bytes a row of a twin's shard takes in gguf_gemm's layout (K-quants as stored, else pack_gguf_x4)."""
+    _, block, size = GGUF_BLOCKS[qtype]
+    return in_features // block * size if qtype in KQUANTS else -(-in_features // 128) * X4_BYTES[qtype]
+
+
+def gguf_twin_supported(shards: Sequence[Any] | None, out_features: int, in_features: int) -> bool:
+    """Whether gguf_gemm can run these shards as a (out_features x in_features) projection's twin:
+    every shard of a block type it reads, with this many inputs, and the shards' rows covering the
+    outputs in order, once."""
+    if not shards:
+        return False
+    row = 0
+    for s in sorted(shards, key=lambda s: int(s.row_start)):
+        start, rows, cols, qtype, data = shard_fields(s)
+        if qtype not in GGUF_BLOCKS or start != row or cols != in_features or in_features % GGUF_BLOCKS[qtype][1]:
+            return False
+        if tuple(data.shape) != (rows, in_features // GGUF_BLOCKS[qtype][1] * GGUF_BLOCKS[qtype][2]):
+            return False
+        row += rows
+    return row == out_features
+
+
+def pack_gguf_twin(shards: Sequence[Any], in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shards of one projection -> (buf uint8, meta [S, 4] int64: ggml type, rows, bytes a row,
+    offset), what gguf_gemm takes: K-quant rows as stored, 32-input blocks by pack_gguf_x4. A single
+    K-quant shard's tensor is used as it is (no copy)."""
+    parts, meta, offset = [], [], 0
+    for s in sorted(shards, key=lambda s: int(s.row_start)):
+        _, rows, _, qtype, data = shard_fields(s)
+        data = _shard_bytes(data)
+        packed = data.contiguous() if qtype in KQUANTS else pack_gguf_x4(data, qtype)
+        parts.append(packed.reshape(-1))
+        meta.append([GGUF_BLOCKS[qtype][0], rows, gguf_row_bytes(qtype, in_features), offset])
+        offset += packed.numel()
+    return parts[0] if len(parts) == 1 else torch.cat(parts), torch.tensor(meta, dtype=torch.int64)
+
+
+_GGUF_NAMES = {v[0]: k for k, v in GGUF_BLOCKS.items()}
+
+
+def dequantize_gguf_twin(buf: torch.Tensor, meta: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A GGUF twin's storage read back: [N, K] float32 equal to gguf-py's dequantisation of the
+    file's blocks, bit for bit (tests/test_kquant.py)."""
+    out = []
+    for t, rows, row_bytes, offset in meta.tolist():
+        qtype = _GGUF_NAMES[t]
+        data = buf[offset:offset + rows * row_bytes].reshape(rows, row_bytes)
+        out.append(_kquant_dequantize(data, qtype) if qtype in KQUANTS else _x4_dequantize(data, qtype, in_features))
+    return torch.cat(out)
+
+
+def gguf_twin_blocks(buf: torch.Tensor, meta: torch.Tensor, in_features: int) -> list[tuple[str, torch.Tensor]]:
+    """A GGUF twin's storage as the file's blocks again: (qtype, [rows, bytes a row] uint8) per shard."""
+    out = []
+    for t, rows, row_bytes, offset in meta.tolist():
+        qtype = _GGUF_NAMES[t]
+        data = buf[offset:offset + rows * row_bytes].reshape(rows, row_bytes)
+        out.append((qtype, data.clone() if qtype in KQUANTS else unpack_gguf_x4(data, qtype, in_features)))
+    return out
+
+
+def gguf_twin_spec(shards: Sequence[Any]) -> str:
+    """A twin's block types and rows, what its speed depends on: 'q4_k:1024+q6_k:256' (neighbouring
+    shards of one type merged). The kernel chooser times one twin per distinct (shape, spec)."""
+    merged: list[list] = []
+    for s in sorted(shards, key=lambda s: int(s.row_start)):
+        _, rows, _, qtype, _ = shard_fields(s)
+        if merged and merged[-1][0] == qtype:
+            merged[-1][1] += rows
+        else:
+            merged.append([qtype, rows])
+    return "+".join(f"{q.lower()}:{r}" for q, r in merged)
+
+
+def gguf_twin_name(spec: str) -> str:
+    """'q4_k:1024+q6_k:256' -> 'q4_k+q6_k': the block types, as the chooser's table names the twin."""
+    return "+".join(dict.fromkeys(part.split(":")[0] for part in spec.split("+")))
+
+
+class RandomShard:
+    """A QuantShard of random blocks (sane float16 scales): for timing a spec (kernel_choice.py)."""
+
+    def __init__(self, row_start: int, rows: int, cols: int, qtype: str, generator: torch.Generator | None = None):
+        _, block, size = GGUF_BLOCKS[qtype]
+        self.row_start, self.rows, self.cols, self.qtype = row_start, rows, cols, qtype
+        data = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8, generator=generator)
+        scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        for at in ((208,) if qtype == "Q6_K" else (0, 2) if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else (0,)):
+            data[..., at:at + 2] = scale
+        self.data = data.reshape(rows, -1)
+
+
+def random_shards(spec: str, in_features: int) -> list[RandomShard]:
+    """Random shards of a spec (gguf_twin_spec) for a projection of in_features inputs."""
+    out, row = [], 0
+    for part in spec.split("+"):
+        qtype, rows = part.split(":")
+        out.append(RandomShard(row, int(rows), in_features, qtype.upper()))
+        row += int(rows)
+    return out
+
+
 # our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight (on AMX tiles where the
 # CPU has them); a float32 copy of the weight (bf16 activations widened per call), for CPUs where bf16 is
 # slow; bf16 weight tiles (pack_bf16_f32) for our AVX2 float32 GEMM, for float32 engines (on CPUs
@@ -170,16 +448,20 @@ class CpuLinear(nn.Module):
     """A bf16 Linear with its weight laid out once for a fast kernel (`layout`: our tiled GEMM, which
     needs an even in_features and the CPU kernels, or oneDNN's prepacked weight), or a float32 one with
     its weight stored as bf16 for our AVX2 GEMM (`bf16w`: the output is float32), and optionally a
-    quantised twin (`twin`: one of TWINS) used when the step has at most `twin_max_tokens` rows.
+    quantised twin (`twin`: one of TWINS; "gguf" is built from `shards`, the checkpoint's own blocks)
+    used when the step has at most `twin_max_tokens` rows.
     `amx_min_rows` (tiled only): steps of at least that many rows run our GEMM on AMX tiles, from
     the same weight tiles, where bf16_gemm_amx_available; 0: never. Keeps no plain copy of a weight
     it owns alone."""
 
     def __init__(self, linear: nn.Linear, twin: str | None = None, twin_max_tokens: int = 0,
-                 keep_weight: bool = False, layout: str = "onednn", amx_min_rows: int = 0) -> None:
+                 keep_weight: bool = False, layout: str = "onednn", amx_min_rows: int = 0,
+                 shards: Sequence[Any] | None = None) -> None:
         super().__init__()
         if twin not in (None, *TWINS):
             raise ValueError(f"twin must be one of {TWINS} or None, got {twin!r}")
+        if (twin == "gguf") != (shards is not None):
+            raise ValueError("twin='gguf' takes the GGUF's blocks (shards), and shards only that twin")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         w = linear.weight.detach()
@@ -187,7 +469,16 @@ class CpuLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.twin = twin or ""
         self.twin_max_tokens = twin_max_tokens if twin else 0
-        if twin:
+        self.twin_spec = ""  # gguf: the shards' block types and rows (gguf_twin_spec)
+        if twin == "gguf":
+            if not gguf_twin_supported(shards, self.out_features, self.in_features):
+                raise ValueError(f"these GGUF shards cannot be the twin of a {self.out_features} x {self.in_features} "
+                                 f"projection: {[(*shard_fields(s)[:4], tuple(s.data.shape)) for s in shards]}")
+            self.twin_spec = gguf_twin_spec(shards)
+            buf, meta = pack_gguf_twin(shards, self.in_features)
+            self.register_buffer("twin_weight", buf, persistent=False)
+            self.register_buffer("twin_scales", meta, persistent=False)
+        elif twin:
             packed = {"int4": pack_int4, "q4_1": pack_q4_1, "q8_0": pack_q8_0}[twin](w)
             self.register_buffer("twin_weight", packed[0], persistent=False)
             self.register_buffer("twin_scales", packed[1], persistent=False)
@@ -223,6 +514,8 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), twin_weight, GROUP_SIZE, twin_scales)
         elif twin == "q4_1":
             y = load_cpu_kernels().q4_gemm(x, twin_weight, twin_scales, twin_mins)
+        elif twin == "gguf":
+            y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features)
         else:
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
     elif layout == "tiled":
@@ -253,19 +546,52 @@ def four_bit_twin(in_features: int, kernels: ModuleType | None, dtype: torch.dty
     return "int4" if in_features % GROUP_SIZE == 0 and dtype == torch.bfloat16 else None
 
 
+FOUR_BIT_BLOCKS = {"Q4_0", "Q4_1"}  # a GGUF of these keeps the min-max twins (pack_q4_1 recovers their levels)
+
+
+def gguf_twins_of(model: nn.Module) -> dict[str, tuple[str, list]]:
+    """Module name -> (spec, shards) of each projection and of the LM head whose GGUF blocks
+    gguf_gemm reads, from `model.gguf_sources` (module path -> QuantShard list, set by the loader for
+    a GGUF; a tied head takes the embedding's blocks). Empty when there are none, or when the
+    projections are all Q4_0 / Q4_1 (those files keep the min-max Q4_1 and Q8_0 twins, as before)."""
+    sources = getattr(model, "gguf_sources", None) or {}
+    proj_types = {str(s.qtype) for name, shards in sources.items() if name.startswith("layers.") for s in shards}
+    if not proj_types or proj_types <= FOUR_BIT_BLOCKS:
+        return {}
+    embed = getattr(model, "embed_tokens", None)
+    out = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if name.startswith("layers."):
+            shards = sources.get(name)
+        elif name == "lm_head":
+            tied = embed is not None and mod.weight is getattr(embed, "weight", None)
+            shards = sources.get("lm_head") or (sources.get("embed_tokens") if tied else None)
+        else:
+            continue
+        if gguf_twin_supported(shards, mod.out_features, mod.in_features):
+            out[name] = (gguf_twin_spec(shards), list(shards))
+    return out
+
+
 def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_tokens: int = 0,
                          q8_head_max_tokens: int = 0, kernels: ModuleType | None = None,
-                         plans: Mapping[tuple[str, int, int], tuple[str, int, int]] | None = None,
-                         dtype: torch.dtype = torch.bfloat16, amx_min_rows: int = 0) -> int:
+                         plans: Mapping[tuple, tuple[str, int, int]] | None = None,
+                         dtype: torch.dtype = torch.bfloat16, amx_min_rows: int = 0,
+                         gguf_twins: Mapping[str, Sequence[Any]] | None = None) -> int:
     """Swaps the decoder projections (4-bit twin if int4_max_tokens > 0) and the LM head (Q8_0 twin
     if q8_head_max_tokens > 0: 4 bits would round the logits; it keeps its weight, which it shares
     with the embedding) for CpuLinear in `layout` (a linear with an odd in_features takes oneDNN's).
     `kernels`: the loaded CPU kernels, or None. `amx_min_rows`: the tiled layout's AMX cut-over
     (CpuLinear). `plans`: (role "proj"/"head", out, in) -> (layout, twin's max tokens, AMX min rows),
     a measured choice per shape (platform/kernel_choice.py) that replaces `layout`, the twin
-    thresholds and the AMX cut-over for the shapes it names (a twin stays off where its figure is 0). Only
-    CPU linears of `dtype` are swapped: bf16, or float32 with a FLOAT32_LAYOUTS layout and no twin
-    but our Q4_1 one. Returns the number changed."""
+    thresholds and the AMX cut-over for the shapes it names (a twin stays off where its figure is 0;
+    a GGUF twin's shape is keyed (role, out, in, spec)). `gguf_twins`: module name -> the GGUF
+    shards its twin is built from (gguf_twins_of); when given, these twins replace the 4-bit and
+    Q8_0 ones (int4_max_tokens / q8_head_max_tokens: their cut-overs where not measured) and a
+    module it does not name gets none. Only CPU linears of `dtype` are swapped: bf16, or float32
+    with a FLOAT32_LAYOUTS layout and no twin but our Q4_1 one. Returns the number changed."""
     if dtype == torch.float32 and (layout not in FLOAT32_LAYOUTS or q8_head_max_tokens
                                    or any(p[0] not in FLOAT32_LAYOUTS for p in (plans or {}).values())):
         raise ValueError(f"a float32 model takes the layouts {', '.join(FLOAT32_LAYOUTS)} and no head twin")
@@ -279,6 +605,8 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
         raise RuntimeError("this torch has no CPU int4 kernel (_weight_int4pack_mm_for_cpu)")
     if q8_head_max_tokens and kernels is None:
         raise RuntimeError("a Q8_0 LM head needs iterserve's CPU kernels, which did not build (see the log)")
+    if gguf_twins and kernels is None:
+        raise RuntimeError("twins from GGUF blocks need iterserve's CPU kernels, which did not build (see the log)")
     changed = 0
     for name, mod in list(model.named_modules()):
         if not (isinstance(mod, nn.Linear) and mod.weight.dtype == dtype and mod.weight.device.type == "cpu"):
@@ -287,13 +615,21 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
         if role is None:
             continue
         lay, proj_max, head_max, amx = layout, int4_max_tokens, q8_head_max_tokens, amx_min_rows
-        plan = (plans or {}).get((role, mod.out_features, mod.in_features))
+        shards = (gguf_twins or {}).get(name)
+        spec = gguf_twin_spec(shards) if shards else ""
+        plan = (plans or {}).get((role, mod.out_features, mod.in_features, spec))
+        if plan is None and not spec:
+            plan = (plans or {}).get((role, mod.out_features, mod.in_features))
         if plan is not None:
             lay, amx = plan[0], plan[2]
             proj_max, head_max = plan[1] if int4_max_tokens else 0, plan[1] if q8_head_max_tokens else 0
         if lay == "tiled" and mod.in_features % 2:
             lay = "onednn"
-        if role == "proj":
+        if gguf_twins:  # the file's own blocks, or no twin
+            most = plan[1] if plan is not None else proj_max if role == "proj" else head_max
+            new = CpuLinear(mod, "gguf" if shards and most else None, most, keep_weight=role == "head", layout=lay,
+                            amx_min_rows=amx, shards=shards if shards and most else None)
+        elif role == "proj":
             twin = four_bit_twin(mod.in_features, kernels, dtype) if proj_max else None
             new = CpuLinear(mod, twin, proj_max, layout=lay, amx_min_rows=amx)
         else:

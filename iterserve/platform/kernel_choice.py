@@ -13,9 +13,10 @@ at the step sizes the engine will run (`batch_buckets`):
   every step on our AMX path (`AMX`), and the tiled layout's AMX cut-over (`amx_min_rows`) is the
   smallest bucket from which that path beat the AVX-512 one at every larger bucket: the tiled
   layout's time is then the better of the two at each bucket;
-- the quantised twins, when the model has them (4-bit for the projections, Q8_0 for the LM head):
-  each twin's cut-over (`twin_max_tokens`) is the largest bucket up to which it beat the chosen
-  layout at every bucket;
+- the quantised twins, when the model has them (4-bit for the projections, Q8_0 for the LM head;
+  for a GGUF of other block types, a twin from the file's own blocks, timed per distinct shape and
+  block layout, `spec`: random blocks of the same types and row ranges): each twin's cut-over
+  (`twin_max_tokens`) is the largest bucket up to which it beat the chosen layout at every bucket;
 - the decode attention backends (the C++ kernel, torch's SDPA).
 
 A layout is picked per shape by its time relative to the best at each bucket, summed over buckets
@@ -50,11 +51,13 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16w_gemm_vectorised, four_bit_twin,
-                                           prepack_available, tiled_gemm_amx, tiled_gemm_vectorised)
+                                           gguf_twin_name, prepack_available, random_shards, tiled_gemm_amx,
+                                           tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
 
-CHOICE_VERSION = 2  # bump when the meaning of a cached table changes (2: the tiled layout's AMX cut-over)
+CHOICE_VERSION = 3  # bump when the meaning of a cached table changes (2: the tiled layout's AMX cut-over;
+# 3: twins from GGUF blocks, keyed by their spec)
 AMX = "tiled+amx"  # the tiled layout with every step on our AMX path: timed to find its cut-over
 PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
 GIVE_UP = 2.5  # a layout this many times slower than the best at a step size is not timed further
@@ -162,7 +165,8 @@ class LinearChoice:
     amx_min_rows: int = 0  # tiled: rows from which the step runs on AMX tiles (0: never)
 
     def describe(self) -> str:
-        """'tiled+amx>=16 + q4_1<=4': the layout, its AMX cut-over, the twin's."""
+        """'tiled+amx>=16 + q4_1<=4' (or '+ q4_k<=4', a twin from GGUF blocks named by their types):
+        the layout, its AMX cut-over, the twin's."""
         return (self.layout + (f"+amx>={self.amx_min_rows}" if self.amx_min_rows else "")
                 + (f" + {self.twin}<={self.twin_max_tokens}" if self.twin_max_tokens else ""))
 
@@ -176,8 +180,9 @@ class KernelChoice:
     seconds: float = 0.0  # measuring time (0 when read from the cache)
     source: str = "measured"  # or "cache"
 
-    def plan(self, role: str, out_features: int, in_features: int) -> LinearChoice | None:
-        return self.linears.get(f"{role}:{out_features}x{in_features}")
+    def plan(self, role: str, out_features: int, in_features: int, spec: str = "") -> LinearChoice | None:
+        """The choice for a shape; `spec`: its GGUF twin's (cpu_linear.gguf_twin_spec), if it has one."""
+        return self.linears.get(linear_key(role, out_features, in_features, spec))
 
     def summary(self) -> dict[str, Any]:
         """The table for /v1/scheduler and benchmark JSON: per shape its layout, twin and AMX cut-overs."""
@@ -215,6 +220,18 @@ class KernelChoice:
         linears = {k: LinearChoice(**{**c, "ms": ints(c["ms"])}) for k, c in data["linears"].items()}
         return cls(buckets=data["buckets"], linears=linears, decode_attention=data["decode_attention"],
                    attention_ms=ints(data["attention_ms"]), seconds=0.0, source="cache")
+
+
+def linear_key(role: str, out_features: int, in_features: int, spec: str = "") -> str:
+    """'proj:1536x640', or with a GGUF twin 'proj:1536x640:q5_0:1280+q8_0:256' (its spec)."""
+    return f"{role}:{out_features}x{in_features}" + (f":{spec}" if spec else "")
+
+
+def parse_linear_key(key: str) -> tuple[str, int, int, str]:
+    """linear_key's inverse: (role, out_features, in_features, spec)."""
+    role, shape, *spec = key.split(":", 2)
+    n, k = shape.split("x")
+    return role, int(n), int(k), spec[0] if spec else ""
 
 
 def _cell(ms: float | None) -> str:
@@ -296,14 +313,18 @@ def amx_candidate(in_features: int, kernels: ModuleType | None) -> list[str]:
     return [AMX] if tiled_gemm_amx(kernels) and in_features % 32 == 0 else []
 
 
-def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None
+def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None, spec: str = ""
                       ) -> dict[str, Callable[[int], Callable[[], object]]]:
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
-    own overhead and the weights' memory traffic are in the figure."""
+    own overhead and the weights' memory traffic are in the figure. `spec`: the twin is one from
+    GGUF blocks of these types and row ranges (random blocks: only the layout matters for speed)."""
     mods = {name: [CpuLinear(lin, layout="tiled", amx_min_rows=1) if name == AMX else CpuLinear(lin, layout=name)
                    for lin in lins] for name in layouts}
-    if twin:
+    if twin and spec:
+        mods[twin] = [CpuLinear(lin, "gguf", 1 << 30, layout=layouts[0], shards=random_shards(spec, lin.in_features))
+                      for lin in lins]
+    elif twin:
         mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
 
     def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
@@ -335,7 +356,9 @@ def attention_candidates(backends: Mapping[str, AttentionBackend], num_heads: in
 @dataclass
 class ChoiceRequest:
     """What `choose_kernels` measures: the model's projection shapes, what may vary, and the step sizes."""
-    shapes: list[tuple[str, int, int]]  # (role, out_features, in_features), role "proj" or "head"
+    # (role, out_features, in_features[, spec]), role "proj" or "head"; spec: the shape's twin is one
+    # from GGUF blocks (cpu_linear.gguf_twin_spec), timed instead of four_bit's / q8_head's
+    shapes: list[tuple]
     buckets: list[int]
     dtype: torch.dtype
     layout: str | None = None  # forced layout (EngineConfig.bf16_gemm), or None: measured
@@ -345,14 +368,18 @@ class ChoiceRequest:
     amx: bool = False  # the tiled layout's AMX path may be timed (EngineConfig.cpu_amx)
 
 
-def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, int, int]]:
-    """The distinct (role, out, in) of the CPU linears of `dtype` optimize_cpu_linears will replace."""
-    seen: dict[tuple[str, int, int], None] = {}
+def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
+              specs: Mapping[str, str] | None = None) -> list[tuple]:
+    """The distinct (role, out, in) of the CPU linears of `dtype` optimize_cpu_linears will replace;
+    (role, out, in, spec) for a module `specs` (module name -> GGUF twin spec) names."""
+    seen: dict[tuple, None] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and mod.weight.dtype == dtype and mod.weight.device.type == "cpu":
             role = "head" if name == "lm_head" else "proj" if name.startswith("layers.") else None
             if role:
-                seen[role, mod.out_features, mod.in_features] = None
+                spec = (specs or {}).get(name, "")
+                seen[(role, mod.out_features, mod.in_features, spec) if spec else
+                     (role, mod.out_features, mod.in_features)] = None
     return list(seen)
 
 
@@ -373,19 +400,22 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     proj_buckets = sorted({*req.buckets, max(PREFILL_ROWS, *req.buckets)})
     linears: dict[str, LinearChoice] = {}
     with torch.inference_mode():
-        for role, n, k in req.shapes:
+        for role, n, k, *rest in req.shapes:
+            spec = rest[0] if rest else ""
             layouts = [req.layout] if req.layout else layout_candidates(k, kernels, req.dtype)
             if req.layout == "tiled" and k % 2:
                 layouts = ["onednn"]  # as optimize_cpu_linears does for an odd in_features
             if req.amx and "tiled" in layouts:  # (forced tiled too: its AMX cut-over is timed)
                 layouts = [*layouts, *amx_candidate(k, kernels)]
-            twin = (four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
+            twin = (gguf_twin_name(spec) if spec else
+                    four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
             buckets = proj_buckets if role == "proj" else req.buckets
             copies = num_copies(n, k)
             # AMX never gives up: it is slow at few rows and wins at many, past where it would be dropped
             give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
-            sec = measure(linear_candidates([_linear(n, k, req.dtype) for _ in range(copies)], layouts, twin), buckets,
+            lins = [_linear(n, k, req.dtype) for _ in range(copies)]
+            sec = measure(linear_candidates(lins, layouts, twin, *([spec] if spec else [])), buckets,
                           give_up=give_up or None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name not in (twin, AMX)}
@@ -394,8 +424,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                 base["tiled"] = {b: sec[AMX][b] if b >= amx_from else t for b, t in base["tiled"].items()}
             layout = pick_fastest(base)
             cut = twin_cutover(sec[twin], base[layout]) if twin else 0
-            linears[f"{role}:{n}x{k}"] = LinearChoice(role, layout, twin, cut, _ms(sec),
-                                                      amx_from if layout == "tiled" else 0)
+            linears[linear_key(role, n, k, spec)] = LinearChoice(role, layout, twin, cut, _ms(sec),
+                                                                 amx_from if layout == "tiled" else 0)
         attention, attn_ms = None, {}
         if len(attn_names) > 1:
             heads, kv_heads, head_dim, block_size = req.attention

@@ -1,0 +1,319 @@
+"""Twins from a GGUF's own blocks (platform/cpu_linear.py, cpu_kernels.cpp's gguf_gemm): Q4_K, Q5_K,
+Q6_K read as stored, Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1 repacked four blocks to a group.
+
+- Exactness: the twin's storage dequantises (`dequantize_gguf_twin`) to gguf-py's `dequantize` of
+  the blocks bit for bit, and converts back to the very bytes (`gguf_twin_blocks`). Blocks: random
+  bytes with finite float16 scales (every level, scale and min pattern; gguf-py quantises no
+  K-quant), and gguf-py's `quantize` for the types it writes.
+- Accuracy: against float64 x @ dequant(w).T. The kernel quantises each activation row to int16,
+  xq = round(x * 32767 / amax), so every input is off by at most amax / 65534; the integer sums are
+  exact, so the result is off by at most amax / 65534 * sum |c| (c: the part of each weight the
+  quantised input multiplies: the weight, less its block's min for the types with one, whose term
+  uses the float32 sum of x, not quantised) plus float32 accumulation (2^-20 of sum |w x| here) and, for bf16
+  activations, the output's rounding to bf16.
+- Wiring: gguf_twins_of picks the modules, optimize_cpu_linears builds their twins (a fused
+  projection with shards of different types), the engine times them (the table names the block
+  types) and runs them for small steps.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_linear import (GGUF_BLOCKS, KQUANTS, CpuLinear, dequantize_gguf_twin, gguf_twin_blocks,
+                                           gguf_twin_name, gguf_twin_spec, gguf_twins_of, optimize_cpu_linears,
+                                           pack_gguf_twin, prepack_available)
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the CPU kernels did not build here")
+
+TYPES = list(GGUF_BLOCKS)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+SCALES = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2)}  # float16 fields
+
+
+class Shard:
+    """What the loader hands over (model/gguf_file.py's QuantShard): a row range's blocks as stored."""
+
+    def __init__(self, row_start: int, qtype: str, data: np.ndarray, cols: int) -> None:
+        self.row_start, self.rows, self.cols, self.qtype, self.data = row_start, data.shape[0], cols, qtype, data
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0, any_scale: bool = False) -> np.ndarray:
+    """[rows, cols / block * bytes] uint8: random bytes, float16 fields set to finite values (any
+    finite bit pattern with any_scale, else 1e-4..3e-3: weights of a model's size)."""
+    rng = np.random.default_rng(seed)
+    _, block, size = GGUF_BLOCKS[qtype]
+    b = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in SCALES.get(qtype, (0,)):
+        if any_scale:
+            bits = rng.integers(0, 1 << 16, (rows, cols // block), dtype=np.uint16)
+            bits[(bits & 0x7C00) == 0x7C00] &= 0x3FFF  # no inf / nan
+            h = bits.view(np.float16)
+        else:
+            h = rng.uniform(1e-4, 3e-3, (rows, cols // block)).astype(np.float16)
+        b[..., at:at + 2] = h.view(np.uint8).reshape(rows, cols // block, 2)
+    return b.reshape(rows, -1)
+
+
+def dequant(qtype: str, data: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
+
+
+def dot_part(qtype: str, data: np.ndarray) -> np.ndarray:
+    """The weights the quantised activations multiply: dequantised with the mins zeroed."""
+    data = data.copy()
+    _, block, size = GGUF_BLOCKS[qtype]
+    b = data.reshape(data.shape[0], -1, size)
+    if qtype in ("Q4_K", "Q5_K", "Q4_1", "Q5_1"):
+        b[..., 2:4] = 0  # dmin / m
+    return dequant(qtype, data)
+
+
+def sizes(qtype: str) -> list[int]:
+    return [256, 768, 4096] if qtype in KQUANTS else [32, 96, 640, 4096]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_twin_storage_is_the_files_blocks_bit_for_bit(qtype):
+    """Odd row counts, K of one block up to 4096 (32-input types: K not a multiple of 128 too,
+    whose last group is padded), any finite float16 scale; and gguf-py's own quantisation."""
+    cases = [(k, random_blocks(qtype, 37, k, seed=k, any_scale=True)) for k in sizes(qtype)]
+    if qtype not in KQUANTS:
+        w = np.random.default_rng(1).standard_normal((21, 640)).astype(np.float32) * 0.05
+        cases.append((640, gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])))
+        cases.append((64, random_blocks(qtype, 8200, 64, seed=5, any_scale=True)))  # a head: packed in slices
+    for k, data in cases:
+        buf, meta = pack_gguf_twin([Shard(0, qtype, data, k)], k)
+        got = dequantize_gguf_twin(buf, meta, k).numpy()
+        want = dequant(qtype, data)
+        assert got.shape == want.shape == (data.shape[0], k)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qtype, k)
+        (back_type, back), = gguf_twin_blocks(buf, meta, k)
+        assert back_type == qtype and np.array_equal(back.numpy(), data), (qtype, k)
+        if qtype not in KQUANTS:  # a permutation: the same bytes, another order (plus zero padding)
+            assert buf.numel() == data.shape[0] * -(-k // 128) * 4 * GGUF_BLOCKS[qtype][2]
+
+
+def _check_gemm(kernels, x: torch.Tensor, buf, meta, n: int, w: np.ndarray, c: np.ndarray) -> None:
+    y = kernels.gguf_gemm(x, buf, meta, n).double()
+    xd = x.double()
+    ref = xd @ torch.from_numpy(w).double().t()
+    act = xd.abs().amax(1, keepdim=True) / 65534 * torch.from_numpy(np.abs(c)).double().sum(1)
+    acc = 2 ** -20 * (xd.abs() @ torch.from_numpy(np.abs(w)).double().t())
+    out = ref.abs() * 2 ** -8 if x.dtype == torch.bfloat16 else 0
+    excess = (y - ref).abs() - (act + acc + out + 1e-12)
+    assert excess.max().item() <= 0, (x.shape, excess.max().item())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemm_within_the_activation_quantisation_bound(qtype):
+    """Every row count 1..16 (the kernel's row blocks 8 / 4 / 2 / 1 and their remainders), odd N,
+    K from one block to 4096, float32 and bf16 activations."""
+    kernels = load_cpu_kernels()
+    torch.manual_seed(0)
+    for k in sizes(qtype):
+        data = random_blocks(qtype, 37, k, seed=k)
+        w, c = dequant(qtype, data), dot_part(qtype, data)
+        buf, meta = pack_gguf_twin([Shard(0, qtype, data, k)], k)
+        for rows in range(1, 17):
+            x = torch.randn(rows, k) * torch.rand(1, k) * 3  # uneven input magnitudes
+            _check_gemm(kernels, x, buf, meta, 37, w, c)
+        _check_gemm(kernels, torch.randn(5, k).bfloat16(), buf, meta, 37, w, c)
+        assert kernels.gguf_gemm(torch.zeros(0, k), buf, meta, 37).shape == (0, 37)
+
+
+def test_the_error_is_that_of_the_activations_alone():
+    """With activations already on the int16 grid (integers up to 32767 times one scale), the
+    kernel's sums are exact: what is left is float32 rounding."""
+    kernels = load_cpu_kernels()
+    for qtype in ("Q4_K", "Q6_K", "Q8_0", "Q5_1"):
+        data = random_blocks(qtype, 19, 512, seed=3)
+        buf, meta = pack_gguf_twin([Shard(0, qtype, data, 512)], 512)
+        xq = torch.randint(-32767, 32768, (3, 512)).float()
+        xq[:, 0] = 32767
+        x = xq * 2 ** -12
+        y = kernels.gguf_gemm(x, buf, meta, 19).double()
+        w = torch.from_numpy(dequant(qtype, data)).double()
+        ref = x.double() @ w.t()
+        assert ((y - ref).abs() <= 2 ** -19 * (x.double().abs() @ w.abs().t())).all(), qtype
+
+
+def test_fused_projection_with_shards_of_different_types():
+    """Q4_K_M's attention: q and k in Q4_K, v in Q6_K (and, where K is not a multiple of 256,
+    Q5_0 with a Q8_0 v): each row range is computed from its own blocks into its slice."""
+    kernels = load_cpu_kernels()
+    for k, types in ((512, ["Q4_K", "Q4_K", "Q6_K"]), (640, ["Q5_0", "Q5_0", "Q8_0"])):
+        rows = [40, 24, 24]
+        starts = np.cumsum([0] + rows[:-1])
+        shards = [Shard(int(s), t, random_blocks(t, r, k, seed=i), k)
+                  for i, (s, t, r) in enumerate(zip(starts, types, rows))]
+        n = sum(rows)
+        assert gguf_twin_spec(shards[::-1]) == f"{types[0].lower()}:64+{types[2].lower()}:24"
+        assert gguf_twin_name(gguf_twin_spec(shards)) == f"{types[0].lower()}+{types[2].lower()}"
+        buf, meta = pack_gguf_twin(shards[::-1], k)  # any order: sorted by row_start
+        w = np.concatenate([dequant(s.qtype, s.data) for s in shards])
+        c = np.concatenate([dot_part(s.qtype, s.data) for s in shards])
+        assert np.array_equal(dequantize_gguf_twin(buf, meta, k).numpy().view(np.uint32), w.view(np.uint32))
+        for m in (1, 3, 8, 11):
+            _check_gemm(kernels, torch.randn(m, k), buf, meta, n, w, c)
+        lin = nn.Linear(k, n, bias=False)
+        lin.weight.data = torch.from_numpy(w).bfloat16()
+        fast = CpuLinear(lin, "gguf", 4, shards=shards)
+        assert fast.twin_spec == gguf_twin_spec(shards)
+        x = torch.randn(4, k).bfloat16()  # at the cut-over: the twin
+        assert torch.equal(fast(x), kernels.gguf_gemm(x, buf, meta, n))
+        x = torch.randn(5, k).bfloat16()  # above: the bf16 weight, bit for bit
+        assert torch.equal(fast(x), CpuLinear(lin, layout=fast.layout)(x))
+    with pytest.raises(ValueError, match="shards"):  # a gap in the rows
+        CpuLinear(nn.Linear(512, 64), "gguf", 4, shards=[Shard(8, "Q4_K", random_blocks("Q4_K", 56, 512), 512)])
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        kernels.gguf_gemm(torch.randn(1, 256), buf, meta, n)
+
+
+def _tree(sources: dict, tied: bool = True) -> nn.Module:
+    model = nn.Module()
+    model.embed_tokens = nn.Embedding(96, 512)
+    layer = nn.Module()
+    layer.qkv_proj, layer.down_proj = nn.Linear(512, 64, bias=False), nn.Linear(512, 32, bias=False)
+    model.layers = nn.ModuleList([layer])
+    model.lm_head = nn.Linear(512, 96, bias=False)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.gguf_sources = sources
+    return model.bfloat16()
+
+
+def test_gguf_twins_of_picks_the_modules_the_kernel_reads():
+    def shard(t, rows, start=0, cols=512):
+        return Shard(start, t, random_blocks(t, rows, cols), cols)
+    f16 = Shard(0, "F16", np.zeros((32, 1024), np.uint8), 512)  # a block type gguf_gemm does not read
+    kquant = {"layers.0.qkv_proj": [shard("Q4_K", 48), shard("Q6_K", 16, 48)], "layers.0.down_proj": [f16],
+              "embed_tokens": [shard("Q6_K", 96)]}
+    twins = gguf_twins_of(_tree(kquant))
+    assert {n: s for n, (s, _) in twins.items()} == {"layers.0.qkv_proj": "q4_k:48+q6_k:16", "lm_head": "q6_k:96"}
+    assert "lm_head" not in gguf_twins_of(_tree(kquant, tied=False))  # an untied head needs blocks of its own
+    # a Q4_0 / Q4_1 file keeps the min-max twins; no sources: nothing changes
+    assert gguf_twins_of(_tree({"layers.0.qkv_proj": [shard("Q4_1", 64)], "embed_tokens": [shard("Q8_0", 96)]})) == {}
+    assert gguf_twins_of(_tree({})) == {}
+    model = _tree(kquant)
+    n = optimize_cpu_linears(model, "onednn" if prepack_available() else "float32", 4, 4, load_cpu_kernels(),
+                             gguf_twins={name: s for name, (_, s) in gguf_twins_of(model).items()})
+    assert n == 3
+    qkv, down, head = model.layers[0].qkv_proj, model.layers[0].down_proj, model.lm_head
+    assert (qkv.twin, qkv.twin_spec, qkv.twin_max_tokens) == ("gguf", "q4_k:48+q6_k:16", 4)
+    assert down.twin == "" and down.twin_max_tokens == 0  # F16: no twin (and no min-max 4-bit one)
+    assert head.twin == "gguf" and head.weight is model.embed_tokens.weight  # the head keeps the shared weight
+
+
+class _SourcesAdded:
+    """load_model as the engine calls it, with gguf_sources added: random K-quant blocks for every
+    projection (Q4_K, v rows and down in Q6_K, as Q4_K_M does) and Q8_0 for the tied head, and the
+    model's weights replaced by their dequantised values."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, *args, **kwargs):
+        model, cfg, tok, src = self.real(*args, **kwargs)
+        sources = {}
+        seed = 0
+        for name, mod in model.named_modules():
+            if not (isinstance(mod, nn.Linear) and name.startswith("layers.")):
+                continue
+            n, k = mod.out_features, mod.in_features
+            if name.endswith("qkv_proj"):
+                v = cfg.num_kv_heads * cfg.head_dim
+                parts = [("Q4_K", n - v), ("Q6_K", v)]
+            else:
+                parts = [("Q6_K" if name.endswith("down_proj") else "Q4_K", n)]
+            shards, start = [], 0
+            for qtype, rows in parts:
+                seed += 1
+                shards.append(Shard(start, qtype, random_blocks(qtype, rows, k, seed=seed), k))
+                start += rows
+            sources[name] = shards
+            mod.weight.data = torch.from_numpy(np.concatenate([dequant(s.qtype, s.data) for s in shards])
+                                               ).to(mod.weight.dtype)
+        emb = model.embed_tokens.weight
+        w = torch.randn(emb.shape, generator=torch.Generator().manual_seed(0)).numpy()  # large: peaked logits
+        blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+        emb.data = torch.from_numpy(dequant("Q8_0", blocks)).to(emb.dtype)
+        sources["embed_tokens"] = [Shard(0, "Q8_0", blocks, w.shape[1])]
+        model.gguf_sources = sources
+        return model, cfg, tok, src
+
+
+@pytest.fixture(scope="module")
+def kquant_model_dir(tmp_path_factory):
+    """A tiny Llama whose every in_features is a multiple of 256 (K-quant blocks), head tied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from iterserve.model.loader import load_tokenizer, resolve_model
+
+    folder = tmp_path_factory.mktemp("tiny-kquant")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    load_tokenizer(resolve_model("smollm2-135m")).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.skipif(not prepack_available(), reason="needs oneDNN bf16")
+def test_engine_runs_twins_of_the_files_blocks(kquant_model_dir, monkeypatch, tmp_path, caplog):
+    """quantization=auto with gguf_sources: every projection and the tied head get a twin from their
+    blocks, timed per block layout (the table and log line name the types), and single-row steps
+    run them: teacher-forced, their logits are as close to float32's (the file's values exactly) as
+    the bf16 weights' are, or closer (the bf16 path rounds every weight, the twin none)."""
+    import iterserve.engine as engine_mod
+    from iterserve.config import EngineConfig
+    from iterserve.engine import LLMEngine
+
+    monkeypatch.setattr(engine_mod, "load_model", _SourcesAdded(engine_mod.load_model))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = dict(model=str(kquant_model_dir), dtype="bfloat16", kv_cache_memory="16MiB", max_num_seqs=4)
+    with caplog.at_level(logging.INFO, logger="iterserve.platform"):
+        eng = LLMEngine(EngineConfig(**cfg, measure_kernels=True))
+    choice = eng.platform.kernel_choice
+    specs = eng.platform.gguf_twins  # module -> its twin's block layout
+    assert specs["lm_head"] == "q8_0:49152" and specs["layers.0.self_attn.qkv_proj"] == "q4_k:384+q6_k:128"
+    assert specs["layers.1.mlp.down_proj"] == "q6_k:256" and specs["layers.0.mlp.gate_up_proj"] == "q4_k:1024"
+    assert len(specs) == 9 and eng.platform.resolved()["gguf_twins"] == ["q4_k", "q4_k+q6_k", "q6_k", "q8_0"]
+    for name, mod in eng.model.named_modules():
+        if isinstance(mod, CpuLinear):  # each twin as timed for its shape and block layout (0: none)
+            plan = choice.plan("head" if name == "lm_head" else "proj", mod.out_features, mod.in_features, specs[name])
+            assert plan.twin == gguf_twin_name(specs[name]) and mod.twin_max_tokens == plan.twin_max_tokens, name
+            assert mod.twin == ("gguf" if plan.twin_max_tokens else "") and mod.twin_spec in ("", specs[name])
+    assert "q4_k+q6_k" in choice.table() and "of the GGUF's own blocks" in caplog.text
+    assert eng.model.gguf_sources == {}  # the twins hold the blocks: the loader's copies were let go
+    # unmeasured: the twins at the fixed cut-overs
+    fixed = LLMEngine(EngineConfig(**cfg, measure_kernels=False))
+    assert {m.twin_max_tokens for m in fixed.model.modules() if isinstance(m, CpuLinear)} == {4}
+    assert all(m.twin == "gguf" for m in fixed.model.modules() if isinstance(m, CpuLinear))
+    plain = LLMEngine(EngineConfig(**cfg, measure_kernels=False, quantization="none"))
+    assert all(m.twin == "" for m in plain.model.modules() if isinstance(m, CpuLinear))
+    ref = LLMEngine(EngineConfig(**{**cfg, "dtype": "float32"}, measure_kernels=False, quantization="none"))
+    ids = fixed.tokenizer("The capital of France is a city on the river Seine, and")["input_ids"]
+    want = _decode_logits(ref, ids)
+    twin, bf16 = _decode_logits(fixed, ids), _decode_logits(plain, ids)
+    err_twin, err_bf16 = (twin - want).abs().mean().item(), (bf16 - want).abs().mean().item()
+    top1 = (twin.argmax(-1) == want.argmax(-1)).float().mean().item()
+    print(f"decode logits vs float32: twins {err_twin:.4f}, bf16 weights {err_bf16:.4f}; twins' top-1 {top1:.2f}")
+    assert err_twin <= 1.1 * err_bf16 and top1 >= 0.75
+
+
+def _decode_logits(engine, ids: list[int], prompt: int = 6) -> torch.Tensor:
+    """Teacher-forced: `prompt` tokens as one prefill, then one token a step (the twins' size)."""
+    from model_utils import make_request, new_runner, run_step
+
+    runner = new_runner((engine.model, engine.model_config, engine.tokenizer), num_blocks=8)
+    req = make_request("seq", ids)
+    got = [run_step(runner, [(req, prompt)])[0]]
+    got += [run_step(runner, [(req, 1)])[0] for _ in range(len(ids) - prompt)]
+    return torch.stack(got[1:]).float()
