@@ -68,12 +68,14 @@ def parting(ours: dict, theirs: str) -> dict:
         if pos > common:
             index = i
             break
-    margin = None
+    margin, second = None, None
     if index < len(tops) and len(tops[index]) >= 2:
-        best = sorted(tops[index].values(), reverse=True)
-        margin = round(best[0] - best[1], 4)
+        ranked = sorted(tops[index].items(), key=lambda kv: kv[1], reverse=True)
+        margin = round(ranked[0][1] - ranked[1][1], 4)
+        start = sum(len(t) for t in tokens[:index])  # where the parting token starts in our text
+        second = theirs[start:].startswith(ranked[1][0])  # llama.cpp took our runner-up
     return {"equal": False, "common_chars": common, "token_index": index, "margin": margin,
-            "ours": text[common:common + 30], "theirs": theirs[common:common + 30]}
+            "theirs_is_our_second": second, "ours": text[common:common + 30], "theirs": theirs[common:common + 30]}
 
 
 def main() -> None:
@@ -97,14 +99,16 @@ def main() -> None:
     results = {}
     for flags in variants:
         with ServerProcess(["--model", str(args.gguf), *shlex.split(flags)], startup_timeout=600) as srv:
-            ours = completions(srv.base_url, args.gguf.stem, args.max_tokens, 2)
+            served = httpx.get(srv.base_url + "/v1/models").json()["data"][0]["id"]
+            ours = completions(srv.base_url, served, args.max_tokens, 2)
         rows = [parting(o, t) for o, t in zip(ours, theirs)]
         results[flags or "(defaults)"] = rows
         equal = sum(r["equal"] for r in rows)
         print(f"\niterserve {flags or '(defaults)'}: {equal}/{len(rows)} texts equal to llama.cpp's")
         for p, r in zip(PROMPTS, rows):
             if not r["equal"]:
-                print(f"  {p[:40]!r}: parts at token {r['token_index']} (our top-2 margin {r['margin']} nats): "
+                print(f"  {p[:40]!r}: parts at token {r['token_index']} (our top-2 margin {r['margin']} nats, "
+                      f"theirs our runner-up: {r['theirs_is_our_second']}): "
                       f"ours {r['ours']!r} vs {r['theirs']!r}")
     if args.out:
         args.out.write_text(json.dumps({"file": args.gguf.name, "max_tokens": args.max_tokens, "results": results,

@@ -96,7 +96,9 @@ def run_all(args: argparse.Namespace, report: Report) -> None:
 
 def vllm_bench(args: argparse.Namespace, install: PeerInstall, base_url: str, label: str) -> dict[str, Any]:
     """`vllm bench serve` against one running server, each setting as workload "vllm_bench:NAME"."""
-    vllm, tokenizer = install.home / "vvenv" / "bin" / "vllm", install.home / "model" / "smollm2-135m-hf"
+    # the tokenizer of the model being served: vLLM's folder (MODEL_DIR, as start_vllm.sh reads it)
+    tokenizer = Path(os.environ.get("MODEL_DIR") or install.home / "model" / "smollm2-135m-hf")
+    vllm = install.home / "vvenv" / "bin" / "vllm"
     out: dict[str, Any] = {}
     for setting in QUICK_SETTINGS if args.quick else SETTINGS:
         if not vllm.exists() or not tokenizer.exists():
