@@ -104,6 +104,32 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
 
+CDF_CHUNK = 1024  # vocabulary entries per chunk of sample_inverse_cdf's two-level search
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [n, vocab] (rows need not sum to 1), where the row's cumulative
+    mass first passes u [n] (uniform in [0, 1), float64) times its total: exact inverse-CDF
+    sampling with one random number per row. The exponential race (argmax of p / Exp(1)) drew one
+    per vocabulary entry: 87 ms for 16 rows of Gemma 3's 262k vocabulary, against 1-2 ms here
+    (Zen 5). Two levels keep float32's running sums short: the chunks' totals, accumulated in
+    float64, pick the chunk; a float32 cumulative sum inside that chunk alone picks the token. A
+    token of zero mass is never chosen."""
+    n, vocab = probs.shape
+    pad = -vocab % CDF_CHUNK
+    chunks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs.contiguous()).view(n, -1, CDF_CHUNK)
+    chunk_cdf = chunks.sum(-1).double().cumsum(-1)  # [n, vocab / chunk]: float32 sums of 1024, then float64
+    r = (u * chunk_cdf[:, -1]).unsqueeze(1)
+    ci = torch.searchsorted(chunk_cdf, r, right=True).clamp_(max=chunk_cdf.shape[1] - 1)  # [n, 1]
+    before = torch.where(ci > 0, chunk_cdf.gather(1, (ci - 1).clamp(min=0)), 0.0)
+    rows = torch.arange(n, device=probs.device)
+    inner = chunks[rows, ci.squeeze(1)].cumsum(-1)  # [n, chunk] float32
+    j = torch.searchsorted(inner, (r - before).to(inner.dtype), right=True).clamp_(max=CDF_CHUNK - 1)
+    token = (ci * CDF_CHUNK + j).squeeze(1).clamp_(max=vocab - 1)
+    # rounding at a chunk's or the row's end can land on an entry of zero mass: take the row's best
+    return torch.where(probs[rows, token] > 0, token, probs.argmax(dim=-1))
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
@@ -137,12 +163,12 @@ class Sampler:
             broken = ~torch.isfinite(probs).all(dim=-1)
             greedy_rows = greedy_rows | broken
             probs = probs.nan_to_num(0.0)
-            noise = torch.empty_like(probs).exponential_()
+            u = torch.rand(n, dtype=torch.float64, device=dev)
             for i, g in enumerate(generators):
                 if g is not None:
                     # drawn where the generator lives (CPU), so seeded rows also work on CUDA
-                    noise[i] = torch.empty(noise.shape[1], device=g.device).exponential_(generator=g)
-            sampled = (probs / noise).argmax(dim=-1)
+                    u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()
+            sampled = sample_inverse_cdf(probs, u)
             chosen = torch.where(greedy_rows, chosen, sampled)
 
         token_ids = chosen.tolist()

@@ -265,3 +265,20 @@ def test_penalties_are_bounded():
     for bad in (1e300, 1e-300, 0.0):
         with pytest.raises(ValueError, match="repetition_penalty"):
             SamplingParams(repetition_penalty=bad)
+
+
+def test_inverse_cdf_sampling_across_chunks_never_picks_zero_mass():
+    """The two-level search (sampling.sample_inverse_cdf) on a vocabulary of several chunks with a
+    ragged end: empirical frequencies match the distribution, zero-mass tokens are never drawn."""
+    from iterserve.sampling import CDF_CHUNK, sample_inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 3 * CDF_CHUNK + 17
+    probs = torch.zeros(vocab)
+    live = torch.tensor([0, 5, CDF_CHUNK - 1, CDF_CHUNK, 2 * CDF_CHUNK + 3, vocab - 1])
+    probs[live] = torch.tensor([0.05, 0.15, 0.2, 0.1, 0.3, 0.2])
+    n = 40000
+    drawn = sample_inverse_cdf(probs.expand(n, vocab), torch.rand(n, dtype=torch.float64, generator=g))
+    counts = torch.bincount(drawn, minlength=vocab).float() / n
+    assert counts.sum() == 1.0 and set(drawn.unique().tolist()) <= set(live.tolist())
+    assert (counts[live] - probs[live]).abs().max() < 0.01
