@@ -25,23 +25,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from model_utils import sequence_logits  # noqa: E402
 
+from gguf_vs_llamacpp import PROMPTS  # noqa: E402  (a sibling script: the same plain prompts)
+
 from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
 from iterserve.bench.summary import git_commit  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
-
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "The three primary colors are",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Water boils at a temperature of",
-    "The most important thing to remember when learning a new language is",
-    "In 1969, the first humans to walk on the Moon were",
-    "A recipe for pancakes: first,",
-    "The quick brown fox",
-    "Photosynthesis is the process by which",
-]
 
 
 @torch.inference_mode()
