@@ -23,7 +23,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf_convert import convert, mixed_quant
-from test_model_families import BASE, FAMILIES, WINDOW
+from test_model_families import FAMILIES, WINDOW, random_model
 
 from iterserve.config import ModelConfig
 from iterserve.llm import LLM
@@ -56,22 +56,6 @@ QUANTISED = {  # rows of 256 (Q4_K's block) where the mix wants Q4_K
                               "short_factor": [1.0 + 0.05 * i for i in range(24)],
                               "long_factor": [2.0 + 0.25 * i for i in range(24)]})),
 }
-
-
-def random_model(model_type: str, overrides: dict, seed: int = 0):
-    """test_model_families._save_family's model, in memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **{**BASE, **overrides})
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                continue
-            std = 1.0 if "embed" in name or "lm_head" in name else 0.05 if "o_proj" in name or "down_proj" in name else 0.25
-            p.normal_(0.0, std)
-    return model.eval()
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,6 @@ Q/K permutation, a synthetic GGUF Llama against transformers, the metadata cache
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from gguf_convert import llama3_rope_factors
 from model_utils import chat_ids, sequence_logits
 
 from iterserve.config import ModelConfig
@@ -260,24 +260,6 @@ _HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
                "post_attention_layernorm": "ffn_norm"}
-
-
-def llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
-    """convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors): llama3 scaling as divisors."""
-    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    out = []
-    for f in freqs:
-        wavelen = 2 * math.pi / f
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
 
 
 def write_llama_gguf(hf_model, path: Path) -> None:

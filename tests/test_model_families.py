@@ -56,7 +56,7 @@ FAMILIES = {
 }
 
 
-def _save_family(folder, model_type: str, overrides: dict, seed: int = 0) -> None:
+def random_model(model_type: str, overrides: dict, seed: int = 0):
     """Random weights, scaled up so that logits are peaked and greedy choices are not near-ties;
     the blocks' output projections smaller, so the residual stream is not all noise (with them at
     0.25, transformers' own bf16 agreed with its float32 on as few as 65% of greedy steps)."""
@@ -71,6 +71,12 @@ def _save_family(folder, model_type: str, overrides: dict, seed: int = 0) -> Non
                 continue
             std = 1.0 if "embed" in name or "lm_head" in name else 0.05 if "o_proj" in name or "down_proj" in name else 0.25
             p.normal_(0.0, std)
+    return model.eval()
+
+
+def _save_family(folder, model_type: str, overrides: dict, seed: int = 0) -> None:
+    """random_model saved as a Hugging Face folder with SmolLM2's tokenizer."""
+    model = random_model(model_type, overrides, seed)
     model.save_pretrained(folder, safe_serialization=True)
     load_tokenizer(resolve_model("smollm2-135m")).save_pretrained(folder)
 
