@@ -196,6 +196,9 @@ class EngineConfig:
     # or cls (pooling.py); None = the model folder's own sentence-transformers pooling config, else last
     pooling: Literal["last", "mean", "cls"] | None = None
     max_waiting: int | None = None  # queue bound; None = unbounded
+    # speculative decoding (spec/config.py; vLLM's --speculative-config JSON): None = off, except for
+    # requests that bring OpenAI's `prediction`, which are looked up with the ngram defaults
+    speculative_config: Any = None
     # misc
     log_scheduler: bool = False
     seed: int = 0
@@ -234,6 +237,15 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         parse_size(self.kv_cache_memory)
+        from iterserve.spec.config import SpeculativeConfig  # no torch: cheap at --help
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.batching == "static":
+            raise ValueError("speculative decoding plans a different number of tokens per row each step, which "
+                             "static batching's fixed batches do not do: drop --speculative-config or use "
+                             "--batching continuous")
+        if self.speculative_config is not None and self.batch_invariant:
+            raise ValueError("speculative decoding verifies drafts in multi-token rows, whose kernels differ from "
+                             "a single-token step's: --batch-invariant cannot hold with --speculative-config")
         if self.enable_prefix_caching and self.batching == "static":
             raise ValueError("prefix caching shares KV blocks between requests; static batching keeps "
                              "contiguous, unshared KV per sequence: drop --enable-prefix-caching or use "

@@ -34,6 +34,7 @@ from iterserve.pooling import finish as finish_pooling
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
 from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
+from iterserve.spec.controller import SpecController
 from iterserve.structured.manager import StructuredOutputConfig, StructuredOutputManager
 from iterserve.structured.params import StructuredOutputError
 
@@ -64,12 +65,23 @@ class StepRecord:
     prefill_kv_tokens: int = 0  # sum over prompt chunks of chunk length x context length
     decode_kv_shared_tokens: int = 0  # of decode_kv_tokens, those in blocks another row read too
     prefill_cached_kv_tokens: int = 0  # of prefill_kv_tokens, chunk length x tokens cached before it
+    # speculative decoding: rows that verified drafts, draft tokens verified, drafts accepted (each
+    # such row also yields one token of the target's own; decode_tokens counts every verified row
+    # position), and the seconds spent proposing the next step's drafts (inside `duration`)
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_propose_seconds: float = 0.0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # [i]: rows that accepted draft i
 
     def log_line(self) -> str:
         line = (f"step {self.step} | running {self.num_running} waiting {self.num_waiting} "
                 f"batch {self.batch_size}" + (f" (padding {self.num_padding})" if self.num_padding else "")
                 + f" | prefill {self.prefill_tokens} decode {self.decode_tokens} tok"
                 f" | kv {self.kv_used_blocks}/{self.kv_total_blocks} blocks | {self.duration * 1e3:.1f} ms")
+        if self.spec_num_drafts:
+            line += (f" | spec {self.spec_num_drafts} rows drafted {self.spec_draft_tokens}"
+                     f" accepted {self.spec_accepted_tokens}")
         for rid, cached in self.admitted:
             line += f" | admitted {rid} cached {cached} tok"
         for rid in self.preempted:
@@ -126,6 +138,7 @@ class LLMEngine:
             StructuredOutputConfig(any_whitespace=config.structured_outputs_any_whitespace,
                                    allow_additional_properties=config.structured_outputs_allow_additional_properties))
         self.pooling = self._resolve_pooling()
+        self.spec = SpecController(config.speculative_config, self._build_proposer())
         self._compiling: dict[str, tuple[Request, object]] = {}  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self.step_count = 0
@@ -135,6 +148,21 @@ class LLMEngine:
         self._ids = itertools.count()
         self._prefix_cache_seen = (0, 0)  # the scheduler's counters at the last StepRecord
         self.start_time = time.monotonic()
+
+    def _build_proposer(self):
+        """The drafting method of --speculative-config, or None."""
+        cfg = self.config.speculative_config
+        if cfg is None:
+            return None
+        if cfg.method == "ngram":
+            from iterserve.spec.ngram import NgramProposer
+            return NgramProposer.from_config(cfg)
+        if cfg.method == "suffix":
+            from iterserve.spec.suffix import SuffixProposer
+            return SuffixProposer.from_config(cfg)
+        from iterserve.spec.draft_model import DraftModelProposer
+        return DraftModelProposer.load(cfg, self.platform, self.model_config, self.config.block_size,
+                                       self.tokenizer, self.max_model_len)
 
     def _max_model_len(self, mcfg: ModelConfig) -> int:
         max_len = self.config.max_model_len or min(mcfg.max_position_embeddings, 4096)
@@ -186,7 +214,9 @@ class LLMEngine:
                 "max_model_len": self.max_model_len,
                 "max_input_len": self.max_input_len, "max_output_len": self.max_output_len,
                 "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching,
-                "model_load": getattr(self.model, "load_info", None)}
+                "model_load": getattr(self.model, "load_info", None),
+                "speculative_config": (dataclasses.asdict(self.config.speculative_config)
+                                       if self.config.speculative_config is not None else None)}
 
     # ---- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None,
@@ -266,7 +296,7 @@ class LLMEngine:
                 req.status = RequestStatus.FINISHED_ERROR
                 req.times.finished = time.monotonic()
                 self.requests.pop(rid, None)
-                out = self._output(req, [], None, finished=True)
+                out = self._output(req, [], [], finished=True)
                 out.error = str(e)
                 outputs.append(out)
                 continue
@@ -362,6 +392,8 @@ class LLMEngine:
         for res in results:
             req = res.scheduled.request
             req.num_computed_tokens += res.scheduled.num_tokens
+            if res.spec is not None:  # only the accepted drafts' KV counts; the rest is overwritten later
+                req.num_computed_tokens -= len(res.scheduled.spec_token_ids) - res.spec.num_accepted
             if res.prompt_logprobs:
                 req.prompt_logprobs.extend(res.prompt_logprobs)
             if res.pooled is not None:
@@ -378,30 +410,64 @@ class LLMEngine:
                 log.exception("processing the new token of %s failed; ending that request", req.request_id)
                 self.abort_request(req.request_id, RequestStatus.FINISHED_ERROR,
                                    f"internal error processing the output ({type(e).__name__}); the request was ended")
-        self._record(sched, duration, finished, now)
+        t1 = time.perf_counter()
+        self._after_verification(results)
+        propose_s = time.perf_counter() - t1
+        self._record(sched, duration + propose_s, finished, now, results, propose_s)
         if self._pending:  # requests ended by an error above: their final outputs go out with this step
             outputs.extend(self._pending)
             self._pending = []
         return outputs
 
     def _process_token(self, req: Request, res, now: float, outputs: list[RequestOutput], finished) -> None:
-        req.append_token(res.token_id, now)
-        if res.logprob is not None:
-            req.logprobs.append(res.logprob)
-        status = req.check_stop_token(self.max_model_len)
-        req.detokenize_step(self.tokenizer)
-        if req.check_stop_strings():
-            status = RequestStatus.FINISHED_STOPPED
+        """Appends the step's token (or a verified row's accepted drafts and the token after them)
+        one at a time, each checked against the stop conditions: what follows a stop is dropped."""
+        if res.spec is None:
+            tokens, lps = [res.token_id], [res.logprob]
+        else:
+            tokens, lps = res.spec.token_ids, res.spec_logprobs
+            req.spec_num_drafts += 1
+            req.spec_draft_tokens += len(res.scheduled.spec_token_ids)
+            req.spec_accepted_tokens += res.spec.num_accepted
+        status, n = None, 0
+        for tok, lp in zip(tokens, lps):
+            req.append_token(tok, now)
+            if lp is not None:
+                req.logprobs.append(lp)
+            n += 1
+            status = req.check_stop_token(self.max_model_len)
+            req.detokenize_step(self.tokenizer)
+            if req.check_stop_strings():
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                break
+        new = (tokens[:n], [lp for lp in lps[:n] if lp is not None])
         if status is None:
-            outputs.append(self._output(req, [res.token_id], res.logprob))
+            outputs.append(self._output(req, *new))
             return
         req.status = status
         released = self.scheduler.finish(req)
         if not any(r is req for r, _ in released):  # held by the scheduler (until its batch ends)
-            outputs.append(self._output(req, [res.token_id], res.logprob, finished=False))
+            outputs.append(self._output(req, *new, finished=False))
         else:
             req.times.finished = now
-        self._release(released, now, outputs, finished, new_tokens={req.request_id: res})
+        self._release(released, now, outputs, finished, new_tokens={req.request_id: new})
+
+    def _after_verification(self, results) -> None:
+        """Speculative decoding between steps: rows that verified drafts give back the blocks of
+        rejected ones, the controller learns what was accepted, and the next step's drafts are
+        proposed (their time counts in the step's)."""
+        spec = self.spec
+        if not spec.enabled and not any(r.scheduled.request.prediction_token_ids for r in results):
+            return
+        for res in results:
+            req = res.scheduled.request
+            if req.status is not RequestStatus.RUNNING or res.token_id is None:
+                continue
+            if res.spec is not None:
+                self.scheduler.trim_unverified(req)
+            spec.verified(req, len(res.scheduled.spec_token_ids), res.spec.num_accepted if res.spec else 0)
+        spec.propose(self.scheduler.running)
 
     def _finish_pooling(self, req: Request, now: float, outputs: list[RequestOutput], finished) -> None:
         lo, hi = req.pool_range
@@ -415,12 +481,12 @@ class LLMEngine:
             r.times.finished = r.times.finished or now
             if finished_ids is not None:
                 finished_ids.append((r.request_id, freed))
-            res = (new_tokens or {}).get(r.request_id)
-            toks = [res.token_id] if res is not None else []
-            outputs.append(self._output(r, toks, res.logprob if res is not None else None, finished=True))
+            toks, lps = (new_tokens or {}).get(r.request_id, ([], []))
+            outputs.append(self._output(r, toks, lps, finished=True))
             self.requests.pop(r.request_id, None)
+            self.spec.finished(r)
 
-    def _output(self, req: Request, new_ids: list[int], logprob, finished: bool = False) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], logprobs: list, finished: bool = False) -> RequestOutput:
         prompt_lps = None
         if (req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent
                 and len(req.prompt_logprobs) == req.num_prompt_tokens):
@@ -429,12 +495,15 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=new_ids, text_delta=req.take_text_delta(),
             finished=finished, finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            times=req.times, new_logprobs=[logprob] if logprob is not None else [],
+            times=req.times, new_logprobs=list(logprobs),
             output_text=req.output_text, error=req.error if finished else None,
             prompt_logprobs=prompt_lps, embedding=req.embedding if finished else None,
+            spec_num_drafts=req.spec_num_drafts, spec_draft_tokens=req.spec_draft_tokens,
+            spec_accepted_tokens=req.spec_accepted_tokens,
         )
 
-    def _record(self, sched: SchedulerOutput, duration: float, finished, now: float) -> None:
+    def _record(self, sched: SchedulerOutput, duration: float, finished, now: float, results=(),
+                propose_s: float = 0.0) -> None:
         self.step_count += 1
         usage = self.pool.usage()
         queries, hits = self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits
@@ -453,7 +522,18 @@ class LLMEngine:
             prefix_cache_hits=hits - prev_hits, decode_kv_tokens=decode_kv, prefill_kv_tokens=prefill_kv,
             decode_kv_shared_tokens=sched.shared_decode_kv(self.config.block_size),
             prefill_cached_kv_tokens=sched.cached_prefill_kv(),
+            spec_propose_seconds=propose_s,
         )
+        for res in results:
+            if res.spec is not None:
+                rec.spec_num_drafts += 1
+                rec.spec_draft_tokens += len(res.scheduled.spec_token_ids)
+                rec.spec_accepted_tokens += res.spec.num_accepted
+                if len(rec.spec_accepted_per_pos) < len(res.scheduled.spec_token_ids):
+                    rec.spec_accepted_per_pos.extend([0] * (len(res.scheduled.spec_token_ids)
+                                                            - len(rec.spec_accepted_per_pos)))
+                for i in range(res.spec.num_accepted):
+                    rec.spec_accepted_per_pos[i] += 1
         self.records.append(rec)
         if self.config.log_scheduler:
             sched_log.info(rec.log_line())

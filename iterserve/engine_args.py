@@ -141,6 +141,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Qwen3-Embedding's convention), mean (all tokens'), cls (the first token's). Default: "
                         "the model folder's own sentence-transformers config (modules.json, 1_Pooling/), "
                         "else last. The vector is L2-normalised")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's keys: method ngram (prompt lookup in the request's own "
+                        "tokens), suffix (a suffix index over them and recent requests' outputs) or draft_model "
+                        "(with \"model\": a smaller model of the same vocabulary); num_speculative_tokens (the most "
+                        "drafts a row verifies per step, default 4; each row adapts below it to its acceptance); "
+                        "prompt_lookup_min/max; disable_by_batch_size (no drafts above this many running "
+                        "requests, default 8; null: never off). Greedy output is unchanged and sampled output "
+                        "keeps its distribution (docs/speculative.md). Without it, a request's OpenAI "
+                        "`prediction` still drafts. Example: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     g.add_argument("--log-scheduler", action="store_true",
                    help="log one line per engine step: batch size, tokens, KV blocks, admitted requests "
                         "with their prefix-cache hit tokens, finished/preempted requests")

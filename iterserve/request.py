@@ -89,6 +89,14 @@ class Request:
         # parallel sampling (n > 1): a sibling waits for its leader's prompt to be cached, then
         # shares those blocks (only the last, partial block is computed again per sibling)
         self.prefix_leader: Request | None = None
+        # speculative decoding: the drafts the next step verifies (set between steps), the tokens the
+        # client predicted (OpenAI's `prediction`), and this request's running totals: verify rows
+        # with at least one draft, draft tokens verified, drafts accepted
+        self.spec_token_ids: list[int] = []
+        self.prediction_token_ids: list[int] | None = params.prediction_token_ids or None
+        self.spec_num_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         self.stop_reason: str | int | None = None
         self.error: str | None = None  # why it ended, for FINISHED_ERROR / FINISHED_SHUTDOWN
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
@@ -282,3 +290,7 @@ class RequestOutput:
     # prompt is computed: one entry per prompt token, the first None, each (logprob, rank, top)
     prompt_logprobs: list | None = None
     embedding: list[float] | None = None  # an embedding request's vector, in its final output
+    # speculative decoding, this request's totals so far: verify rows with drafts, drafts, accepted
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

@@ -26,9 +26,22 @@ from iterserve.config import ModelConfig
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.request import Request
 from iterserve.sampling import Sampler, SamplingParams
-from iterserve.structured.logits import TokenConstraints
+from iterserve.spec.verify import Verified, verify_drafts
+from iterserve.structured.grammar import RequestGrammar
+from iterserve.structured.logits import TokenConstraints, allocate_bitmask
 
 log = logging.getLogger("iterserve.runner")
+
+
+class _FixedMask:
+    """A grammar's mask computed ahead (at a draft's position), offered where TokenConstraints
+    expects a grammar."""
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self.words = words
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = self.words
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -43,7 +56,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # flat rows whose logits are sampled
-    sampled: list[int]  # index into sched.scheduled of each sampled row, in the same order
+    sampled: list[int]  # index into sched.scheduled of each sampled request, in the same order
     last_index: list[int]  # flat row of each scheduled request's last token this step
     # prompt logprobs: (index into sched.scheduled, flat rows, the prompt token each row predicts)
     prompt_rows: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
@@ -56,6 +69,10 @@ class StepResult:
     scheduled: ScheduledRequest
     token_id: int | None  # None: a prefill chunk that did not reach the end of the prompt
     logprob: tuple | None = None
+    # a row that verified drafts: how many were accepted and the tokens it yields (the accepted
+    # drafts, then one the target drew), each with its logprob entry (or None)
+    spec: Verified | None = None
+    spec_logprobs: list | None = None
     prompt_logprobs: list | None = None  # the next prompt tokens' (logprob, rank, top k), in order
     pooled: tuple[torch.Tensor, int] | None = None  # (float32 sum of hidden states, pooled up to)
 
@@ -114,7 +131,8 @@ class ModelRunner:
                 if pool_pos:
                     pooled_rows.append((i, [first + p - start for p in pool_pos], pool_pos.stop))
             if s.sample and not req.is_pooling:
-                logits_idx.append(len(tokens) - 1)
+                # a row verifying drafts is sampled at its last token and after each draft
+                logits_idx.extend(range(len(tokens) - 1 - len(s.spec_token_ids), len(tokens)))
                 sampled.append(i)
         dev = self.device
         decode = prefill = None
@@ -190,7 +208,7 @@ class ModelRunner:
             self._pool(inp, hidden, results)
         else:
             all_logits = self.compute_logits(inp, rows_idx)
-        num_sampled = len(inp.sampled)
+        num_sampled = len(inp.logits_indices)
         if extra:
             self._prompt_logprobs(inp, all_logits[num_sampled:], results)
         if num_sampled:
@@ -201,6 +219,9 @@ class ModelRunner:
                 results: list[StepResult]) -> None:
         sampled = inp.sampled
         rows = [sched.scheduled[i] for i in sampled]
+        if any(s.spec_token_ids for s in rows):
+            self._sample_with_drafts(rows, sampled, logits, results)
+            return
         reqs = [s.request for s in rows]
         live = [not s.padding for s in rows]  # static batching's padding rows are sampled, never used
         logits = self.constraints.apply(logits, [r.grammar if ok else None for r, ok in zip(reqs, live)],
@@ -215,6 +236,68 @@ class ModelRunner:
         for row, i in enumerate(sampled):
             results[i].token_id = sample.token_ids[row]
             results[i].logprob = sample.logprobs[row]
+
+    def _sample_with_drafts(self, rows: list[ScheduledRequest], sampled: list[int], logits: torch.Tensor,
+                            results: list[StepResult]) -> None:
+        """A step where some rows verify drafts: every logits row gets its own request's
+        constraints as they stand after the drafts before it (grammar state, penalties' history);
+        rows without drafts are sampled as always, the others verified (spec/verify.py)."""
+        grammars, biases, params, histories, plens, kept = [], [], [], [], [], []
+        for s in rows:
+            req, drafts = s.request, s.spec_token_ids
+            masks, n_ok = self._draft_masks(req.grammar, drafts) if req.grammar is not None and drafts \
+                else ([req.grammar] * (len(drafts) + 1), len(drafts))
+            kept.append(n_ok)
+            penal = req.params.has_penalties
+            for j in range(len(drafts) + 1):
+                grammars.append(masks[j])
+                biases.append(req.params.logit_bias)
+                params.append(req.params)
+                histories.append(req.all_token_ids + drafts[:j] if penal else [])
+                plens.append(req.num_prompt_tokens)
+        logits = self.constraints.apply(logits, grammars, biases)
+        raw = logits.float()
+        lo = 0
+        plain = [r for r, s in enumerate(rows) if not s.spec_token_ids]
+        starts = []
+        for s in rows:
+            starts.append(lo)
+            lo += len(s.spec_token_ids) + 1
+        if plain:
+            idx = [starts[r] for r in plain]
+            reqs = [rows[r].request for r in plain]
+            sample = self.sampler(raw[idx], [q.params for q in reqs], [histories[i] for i in idx],
+                                  [q.num_prompt_tokens for q in reqs], [q.generator for q in reqs])
+            for j, r in enumerate(plain):
+                results[sampled[r]].token_id = sample.token_ids[j]
+                results[sampled[r]].logprob = sample.logprobs[j]
+        for r, s in enumerate(rows):
+            if not s.spec_token_ids:
+                continue
+            req, a, k = s.request, starts[r], kept[r]
+            sl = slice(a, a + k + 1)
+            probs = self.sampler.target_probs(raw[sl], params[sl], histories[sl], plens[sl])
+            u = self.sampler.uniforms(k + 1, [req.generator] * (k + 1), raw.device)
+            v = verify_drafts(probs, s.spec_token_ids[:k], u[:k], u[k:])
+            lps = self.sampler.logprobs(raw[a:a + len(v.token_ids)], v.token_ids,
+                                        [req.params] * len(v.token_ids))
+            res = results[sampled[r]]
+            res.token_id, res.logprob, res.spec, res.spec_logprobs = v.token_ids[0], lps[0], v, lps
+
+    def _draft_masks(self, grammar: RequestGrammar, drafts: list[int]) -> tuple[list, int]:
+        """The grammar's mask at the row's last token and after each draft it allows, and how many
+        leading drafts it allows: a draft the grammar forbids, and all after it, are never
+        verified (so never accepted). The matcher is rolled back to where it was."""
+        bits = allocate_bitmask(len(drafts) + 1, self.cfg.vocab_size)
+        ok = grammar.valid_prefix(drafts)
+        grammar.fill_bitmask(bits, 0)
+        for j in range(ok):
+            grammar.accept_token(drafts[j])
+            grammar.fill_bitmask(bits, j + 1)
+        if ok:
+            grammar.rollback(ok)
+        masks = [_FixedMask(bits[min(j, ok)]) for j in range(len(drafts) + 1)]
+        return masks, ok
 
     PROMPT_LOGPROB_ROWS = 256  # log-softmax over this many prompt rows at a time (each row is a vocab)
 

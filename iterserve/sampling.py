@@ -1,8 +1,8 @@
 """Sampling parameters and the batched sampler.
 
 One tensor pipeline per step for the whole batch: penalties, temperature, top-k, top-p, min-p, then
-an exponential race (argmax of p / Exp(1) noise), which is exact sampling from p and lets requests
-with a seed draw their noise from their own generator while the rest share one draw.
+inverse-CDF sampling with one uniform per row, which lets requests with a seed draw from their own
+generator while the rest share one draw.
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # an embedding request: its prompt is computed and pooled, nothing is sampled (pooling.py)
     pooling: PoolingParams | None = None
+    # OpenAI's `prediction` as tokens: the text the output is expected to share much of, which
+    # speculative decoding drafts from (it never changes what is sampled, only how fast)
+    prediction_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +87,10 @@ class SamplingParams:
             bad(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         if self.pooling is not None and (self.structured_outputs is not None or self.prompt_logprobs is not None):
             bad("an embedding request (pooling) samples nothing: no structured outputs or prompt_logprobs")
+        if self.prediction_token_ids is not None and (
+                not isinstance(self.prediction_token_ids, list)
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction_token_ids)):
+            bad("prediction_token_ids must be a list of token ids (integers >= 0)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > 16:
@@ -146,43 +153,71 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  token_histories: list[list[int]], prompt_lens: list[int],
                  generators: list[torch.Generator | None]) -> SampleResult:
-        logits = logits.float()
-        raw = logits
-        n, dev = logits.shape[0], logits.device
+        raw = logits.float()
+        n, dev = raw.shape[0], raw.device
+        probs, greedy_rows, chosen = self._distributions(raw, params, token_histories, prompt_lens)
+        if probs is not None:
+            sampled = sample_inverse_cdf(probs, self.uniforms(n, generators, dev))
+            chosen = torch.where(greedy_rows, chosen, sampled)
+        token_ids = chosen.tolist()
+        return SampleResult(token_ids, self.logprobs(raw, token_ids, params))
+
+    def _distributions(self, raw: torch.Tensor, params: list[SamplingParams], token_histories: list[list[int]],
+                       prompt_lens: list[int]) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(the probabilities rows are sampled from, or None when every row is greedy; which rows
+        are greedy; each row's argmax after penalties)."""
+        logits = raw
+        dev = raw.device
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), params, token_histories, prompt_lens)
-
         temps = torch.tensor([p.temperature for p in params], device=dev)
         greedy_rows = temps < GREEDY_TEMPERATURE
         chosen = logits.argmax(dim=-1)
-        if not bool(greedy_rows.all()):
-            scaled = logits / torch.where(greedy_rows, 1.0, temps).unsqueeze(1)
-            scaled = self._apply_top_k_top_p_min_p(scaled, params)
-            probs = scaled.softmax(dim=-1)
-            # no NaN reaches the race: a row that is not a distribution (non-finite logits) is greedy
-            broken = ~torch.isfinite(probs).all(dim=-1)
-            greedy_rows = greedy_rows | broken
-            probs = probs.nan_to_num(0.0)
-            u = torch.rand(n, dtype=torch.float64, device=dev)
-            for i, g in enumerate(generators):
-                if g is not None:
-                    # drawn where the generator lives (CPU), so seeded rows also work on CUDA
-                    u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()
-            sampled = sample_inverse_cdf(probs, u)
-            chosen = torch.where(greedy_rows, chosen, sampled)
+        if bool(greedy_rows.all()):
+            return None, greedy_rows, chosen
+        scaled = logits / torch.where(greedy_rows, 1.0, temps).unsqueeze(1)
+        scaled = self._apply_top_k_top_p_min_p(scaled, params)
+        probs = scaled.softmax(dim=-1)
+        # no NaN reaches the sampling: a row that is not a distribution (non-finite logits) is greedy
+        broken = ~torch.isfinite(probs).all(dim=-1)
+        return probs.nan_to_num(0.0), greedy_rows | broken, chosen
 
-        token_ids = chosen.tolist()
+    def target_probs(self, logits: torch.Tensor, params: list[SamplingParams], token_histories: list[list[int]],
+                     prompt_lens: list[int]) -> torch.Tensor:
+        """What each row's token is drawn from, as probabilities [n, vocab] (float32): the same
+        penalties, temperature, top-k, top-p and min-p as __call__, a greedy row one-hot at its
+        argmax. Speculative decoding's acceptance rule (spec/verify.py) needs p itself."""
+        raw = logits.float()
+        probs, greedy_rows, chosen = self._distributions(raw, params, token_histories, prompt_lens)
+        one_hot = torch.zeros_like(raw).scatter_(1, chosen.unsqueeze(1), 1.0)
+        return one_hot if probs is None else torch.where(greedy_rows.unsqueeze(1), one_hot, probs)
+
+    @staticmethod
+    def uniforms(n: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row (float64): a row with its own generator (a request's seed)
+        draws from it, on the generator's device (CPU), so seeded rows also work on CUDA."""
+        u = torch.rand(n, dtype=torch.float64, device=device)
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()
+        return u
+
+    @staticmethod
+    def logprobs(raw: torch.Tensor, token_ids: list[int], params: list[SamplingParams]) -> list:
+        """Each row's chosen token's logprob and top k from the raw logits (OpenAI's logprobs are the
+        model's, before sampling's processing), for the rows that asked; None for the others."""
+        n = len(token_ids)
         logprobs: list = [None] * n
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
-            lp = raw[want].log_softmax(dim=-1)
+            lp = raw[want].float().log_softmax(dim=-1)
             k = max(params[i].logprobs for i in want)
             top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
             for row, i in enumerate(want):
                 kk = params[i].logprobs
                 top = [] if kk == 0 else list(zip(top_i[row, :kk].tolist(), top_v[row, :kk].tolist()))
                 logprobs[i] = (float(lp[row, token_ids[i]]), top)
-        return SampleResult(token_ids, logprobs)
+        return logprobs
 
     def _apply_penalties(self, logits: torch.Tensor, params: list[SamplingParams],
                          histories: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:

@@ -212,6 +212,10 @@ def print_table(result: RunResult, file: TextIO | None = None) -> None:
     if cache:
         rate = cache["hit_rate"]
         line("Prefix cache hit rate (tokens):", "-" if rate is None else f"{rate:.1%}")
+    spec = result.meta.get("spec_decode")
+    if spec and spec.get("num_drafts"):
+        line("Spec decode acceptance rate:", f"{spec['acceptance_rate']:.1%}")
+        line("Spec decode mean accepted length:", f"{spec['mean_accepted_length']:.2f}")
     later = result.meta.get("later_turns")
     if later and later["count"]:
         line("Later-turn TTFT p50 / p95 (ms):", f"{later['ttft_p50_ms']:.0f} / {later['ttft_p95_ms']:.0f}")
@@ -271,6 +275,50 @@ def prefix_cache_delta(before: dict[str, float] | None, after: dict[str, float] 
     queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
     return {"query_tokens": int(queries), "hit_tokens": int(hits),
             "hit_rate": hits / queries if queries > 0 else None}
+
+
+# ---------------------------------------------------------------- the server's speculative decoding
+
+# vLLM's spec-decode counters (iterserve exports the same under `iterserve:` too). One prefix is
+# read, iterserve's where present, so the twins are not counted twice.
+_SPEC_RE = re.compile(r"^([A-Za-z_]+):spec_decode_num_(drafts|draft_tokens|accepted_tokens)(?:_total)?"
+                      r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+def spec_decode_counters(text: str) -> dict[str, float] | None:
+    """num_drafts, draft_tokens, accepted_tokens from /metrics text; None when the server exports
+    no such counters (no speculative decoding there: llama.cpp, vLLM without a spec config)."""
+    by_prefix: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if m := _SPEC_RE.match(line.strip()):
+            found = by_prefix.setdefault(m[1], {})
+            found[m[2]] = found.get(m[2], 0.0) + float(m[3])
+    for prefix in ("iterserve", "vllm", *sorted(by_prefix)):
+        found = by_prefix.get(prefix, {})
+        if set(found) == {"drafts", "draft_tokens", "accepted_tokens"}:
+            return {"num_drafts": found["drafts"], "draft_tokens": found["draft_tokens"],
+                    "accepted_tokens": found["accepted_tokens"]}
+    return None
+
+
+async def metrics_text(http: httpx.AsyncClient) -> str:
+    """The server's /metrics text, "" when it has none."""
+    try:
+        resp = await http.get("/metrics", timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return ""
+    return resp.text if resp.status_code == 200 else ""
+
+
+def spec_decode_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """The run's own drafts and acceptances: acceptance_rate = accepted / draft tokens, and
+    mean_accepted_length = 1 + accepted / verify rows (tokens per verify row); None without counters."""
+    if before is None or after is None:
+        return None
+    rows, drafted, accepted = (int(after[k] - before[k]) for k in ("num_drafts", "draft_tokens", "accepted_tokens"))
+    return {"num_drafts": rows, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / rows if rows else None}
 
 
 # ---------------------------------------------------------------- the run
@@ -427,6 +475,7 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
                                  timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as http:
         model = await resolve_served_model(http, model)
         cache_before = await prefix_cache_counters(http)
+        spec_before = spec_decode_counters(await metrics_text(http))
         records = [RequestRecord(s.index, s.arrival_s, s.input_len, s.output_len) for s in specs]
         tasks: list[asyncio.Task[None]] = []
         bar = tqdm(total=len(specs), disable=not progress, unit="req", desc="bench")
@@ -455,12 +504,16 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], model: str | Non
         duration = time.perf_counter() - t0
         bar.close()
         cache_after = await prefix_cache_counters(http)
+        spec_after = spec_decode_counters(await metrics_text(http))
     for rec in records:
         if rec.sent_at_s is None:
             rec.error = "not sent: run timeout"
     result = RunResult(root, model, endpoint, duration, sorted(records, key=lambda r: r.index),
                        slo_list, started_at=t0)
     result.meta["prefix_cache"] = prefix_cache_delta(cache_before, cache_after)
+    spec = spec_decode_delta(spec_before, spec_after)
+    if spec is not None:  # absent, not null, for a server without the counters: its JSON is as before
+        result.meta["spec_decode"] = spec
     return result
 
 

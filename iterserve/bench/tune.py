@@ -8,6 +8,12 @@ throughput, goodput under the SLOs, latency, queue time and KV figures per confi
 config that meets the SLOs (or, when none does, the one that came closest: `rank_key`), and says why
 (the trade-offs in `explain`). A time budget bounds the
 whole sweep: configs left when it runs out are skipped, and said so.
+
+With --simulate and an acceptance probability (--spec-acceptance), num_speculative_tokens is one more
+dimension (--num-speculative-tokens 0,2,4: 0 = off): the simulator prices each verify row and draws
+its accepted drafts (sim/speculative.py), so the sweep shows where drafting pays (few running
+requests, spare compute) and where it only costs (a full batch); the finalists' real replays run
+with `--speculative-config`.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import json
 import math
 import random
 import shlex
@@ -36,6 +43,7 @@ from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prom
                                       workload_from_args)
 from iterserve.engine_args import add_engine_args, engine_config_from_args
 from iterserve.sim.profile import Profile
+from iterserve.spec.config import SpeculativeConfig
 
 DEFAULT_SLO = "e2e_p95=2s"  # the chat bot case's goal (docs/seed-case.md)
 WARMUP_TOKENS = 8
@@ -48,21 +56,36 @@ class GridPoint:
     max_num_seqs: int
     block_size: int
     max_num_batched_tokens: int | None = None
+    num_speculative_tokens: int | None = None  # None: not a dimension of this sweep; 0: speculation off
+    spec_method: str = "ngram"  # the proposer the finalists' real replays draft with
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """The point's --speculative-config (None when off or not swept)."""
+        if not self.num_speculative_tokens:
+            return None
+        return {"method": self.spec_method, "num_speculative_tokens": self.num_speculative_tokens}
 
     def server_flags(self) -> list[str]:
         flags = ["--max-num-seqs", str(self.max_num_seqs), "--block-size", str(self.block_size)]
         if self.max_num_batched_tokens is not None:
             flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        spec = self.speculative_config()
+        if spec is not None:
+            flags += ["--speculative-config", json.dumps(spec)]
         return flags
 
     def slug(self) -> str:
-        """For file names: seqs16_block16[_tok2048]."""
+        """For file names: seqs16_block16[_tok2048][_spec4]."""
         tok = f"_tok{self.max_num_batched_tokens}" if self.max_num_batched_tokens else ""
-        return f"seqs{self.max_num_seqs}_block{self.block_size}{tok}"
+        spec = f"_spec{self.num_speculative_tokens}" if self.num_speculative_tokens is not None else ""
+        return f"seqs{self.max_num_seqs}_block{self.block_size}{tok}{spec}"
 
     def label(self) -> str:
         text = f"seqs={self.max_num_seqs} block={self.block_size}"
-        return text + (f" tokens={self.max_num_batched_tokens}" if self.max_num_batched_tokens else "")
+        text += f" tokens={self.max_num_batched_tokens}" if self.max_num_batched_tokens else ""
+        if self.num_speculative_tokens is not None:
+            text += f" spec={self.num_speculative_tokens or 'off'}"
+        return text
 
 
 @dataclass
@@ -160,6 +183,17 @@ def parse_int_list(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------- one config
+
+def parse_spec_list(text: str) -> list[int]:
+    """--num-speculative-tokens: integers from 0 (speculation off) to 16."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v <= 16 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers from 0 (off) to 16, got {text!r}")
+    return values
+
 
 async def _collect_steps(base_url: str, out: list[dict[str, Any]], interval: float = 0.5) -> None:
     """Appends every new /v1/scheduler step record until cancelled (the server keeps a bounded ring)."""
@@ -308,16 +342,20 @@ def explain(results: Sequence[ConfigResult], best: ConfigResult | None, met: boo
 
 def markdown_table(results: Sequence[ConfigResult]) -> str:
     with_tokens = any(r.point.max_num_batched_tokens for r in results)
-    head = ["max-num-seqs", "block", *(["batched tok"] if with_tokens else []), "status", "out tok/s", "req/s",
+    with_spec = any(r.point.num_speculative_tokens is not None for r in results)
+    head = ["max-num-seqs", "block", *(["batched tok"] if with_tokens else []), *(["spec k"] if with_spec else []),
+            "status", "out tok/s", "req/s",
             "goodput", "e2e mean ms", "e2e p95 ms", "TTFT p95 ms", "queue mean ms", "KV mean", "KV peak",
             "frag", "preempt", "batch", "step ms", "load", "SLO"]
     rows = [head]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    order = lambda r: (r.point.max_num_seqs, r.point.block_size, r.point.max_num_batched_tokens or 0)  # noqa: E731
+    order = lambda r: (r.point.max_num_seqs, r.point.block_size, r.point.max_num_batched_tokens or 0,  # noqa: E731
+                       r.point.num_speculative_tokens or 0)
     for r in sorted(results, key=order):
         s = r.summary
         cells = [str(r.point.max_num_seqs), str(r.point.block_size),
-                 *([str(r.point.max_num_batched_tokens or "-")] if with_tokens else []), r.status]
+                 *([str(r.point.max_num_batched_tokens or "-")] if with_tokens else []),
+                 *([str(r.point.num_speculative_tokens or "off")] if with_spec else []), r.status]
         if r.status == "ok":
             cells += [f(s["output_throughput"]), f(s["request_throughput"], 2), f(s["goodput"], 2),
                       f(s["e2e_ms"]["mean"], 0), f(s["e2e_ms"]["p95"], 0), f(s["ttft_ms"]["p95"], 0),
@@ -427,9 +465,12 @@ def sweep(points: Sequence[GridPoint], model: str, server_args: Sequence[str], s
 # ---------------------------------------------------------------- in the simulator first (--simulate)
 
 def simulate_config(point: GridPoint, profile: Profile, server_args: Sequence[str], specs: Sequence[RequestSpec],
-                    slos: Sequence[Slo]) -> ConfigResult:
+                    slos: Sequence[Slo], spec_acceptance: float | None = None,
+                    spec_draft_fraction: float = 1.0) -> ConfigResult:
     """The config's replay in the capacity simulator (iterserve/sim): the engine's scheduler and
-    block pool, the profile's step times; a ConfigResult like a real replay's."""
+    block pool, the profile's step times; a ConfigResult like a real replay's. A point with
+    num_speculative_tokens drafts that many per decode row, accepted with `spec_acceptance` per token
+    (the rest of a --speculative-config in server_args, such as disable_by_batch_size, is kept)."""
     from iterserve.sim.simulator import simulate  # loads torch (through Request): only when asked for
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -437,8 +478,19 @@ def simulate_config(point: GridPoint, profile: Profile, server_args: Sequence[st
     overrides = {"max_num_seqs": point.max_num_seqs, "block_size": point.block_size}
     if point.max_num_batched_tokens is not None:
         overrides["max_num_batched_tokens"] = point.max_num_batched_tokens
-    config = engine_config_from_args(parser.parse_args(list(server_args)), **overrides)
-    run = simulate(specs, config, profile, slos=slos)
+    parsed = parser.parse_args(list(server_args))
+    config = engine_config_from_args(parsed, **overrides)
+    if point.num_speculative_tokens is not None:
+        base = config.speculative_config
+        spec = (None if not point.num_speculative_tokens else
+                dataclasses.replace(base, num_speculative_tokens=point.num_speculative_tokens)
+                if base is not None else SpeculativeConfig(**point.speculative_config()))
+        try:  # built again so that EngineConfig's checks (no static batching) hold for the point
+            config = engine_config_from_args(parsed, **overrides, speculative_config=spec)
+        except ValueError as e:
+            return ConfigResult(point, "failed", str(e))
+    run = simulate(specs, config, profile, slos=slos, spec_acceptance=spec_acceptance,
+                   spec_draft_fraction=spec_draft_fraction)
     return ConfigResult(point, "ok", "simulated", run.result.summary(), kv_stats(run.timelines[0].steps, point.block_size),
                         slo_met(run.result), run.stats["wall_s"])
 
@@ -518,6 +570,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--verify", type=int, default=3, metavar="N",
                    help="with --simulate: replay the N best simulated configs for real and choose the best of "
                         "them as measured (default 3; 0: none, the simulated best is the choice)")
+    s = p.add_argument_group("speculative decoding (with --simulate)")
+    s.add_argument("--num-speculative-tokens", dest="grid_spec", type=parse_spec_list, default=None, metavar="K,K,...",
+                   help="drafts per verify row to try, 0 = off (e.g. 0,2,4,8; needs --spec-acceptance)")
+    s.add_argument("--spec-acceptance", type=float, default=None, metavar="ALPHA",
+                   help="probability that each next draft token is accepted, 0..1 (measured: see `iterserve "
+                        "simulate --spec-from`)")
+    s.add_argument("--spec-draft-fraction", type=float, default=1.0, metavar="F",
+                   help="share of decode rows that draft at all (default 1)")
+    s.add_argument("--spec-method", choices=("ngram", "suffix"), default="ngram",
+                   help="the proposer of the verified finalists' real replays (default ngram)")
     p.add_argument("--no-progress", action="store_true")
     add_workload_args(p)
     p.set_defaults(func=cmd_tune)
@@ -544,8 +606,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ValueError("--budget-minutes must be > 0")
     specs = workload_from_args(args)
     _prompts_for(args.model, specs)
-    points = [GridPoint(s, b, t) for s, b, t in
-              itertools.product(args.grid_seqs, args.grid_blocks, args.grid_tokens or [None])]
+    grid_spec = getattr(args, "grid_spec", None)
+    if grid_spec is not None:
+        if not args.simulate or getattr(args, "spec_acceptance", None) is None:
+            raise ValueError("--num-speculative-tokens is a dimension of the simulated sweep: give --simulate and "
+                             "--spec-acceptance (a real sweep takes --speculative-config in --server-args)")
+        if any(not 0 <= k <= 16 for k in grid_spec):
+            raise ValueError("--num-speculative-tokens: values from 0 (off) to 16")
+    points = [GridPoint(s, b, t, k, getattr(args, "spec_method", "ngram")) for s, b, t, k in
+              itertools.product(args.grid_seqs, args.grid_blocks, args.grid_tokens or [None], grid_spec or [None])]
     if args.shuffle:
         random.Random(args.seed).shuffle(points)
     out = Path(args.out)
@@ -585,7 +654,9 @@ def cmd_tune_simulated(args: argparse.Namespace, points: Sequence[GridPoint], sp
     profile = Profile.load(args.simulate)
     server_args = shlex.split(args.server_args)
     t0 = time.perf_counter()
-    simulated = [simulate_config(p, profile, server_args, specs, slos) for p in points]
+    acceptance = getattr(args, "spec_acceptance", None)
+    simulated = [simulate_config(p, profile, server_args, specs, slos, acceptance,
+                                 getattr(args, "spec_draft_fraction", 1.0)) for p in points]
     print(f"tune: simulated {len(points)} configs in {time.perf_counter() - t0:.1f} s ({profile.describe()})",
           file=sys.stderr)
     table = markdown_table(simulated)
@@ -603,6 +674,11 @@ def cmd_tune_simulated(args: argparse.Namespace, points: Sequence[GridPoint], sp
     chosen, source = simulated_choice(simulated, measured)
     lines = [f"simulated best: {best_sim.point.label()} ({'meets' if met else 'misses'} the SLOs)"
              if best_sim else "no simulated configuration completed"]
+    if best_sim is not None and best_sim.point.num_speculative_tokens is not None:
+        k = best_sim.point.num_speculative_tokens
+        lines.append(f"speculative decoding: the simulator chose num_speculative_tokens={k}" + (
+            " (off: drafting did not pay on this workload)" if not k else
+            f" at acceptance {acceptance:g} per draft token") + "")
     if chosen is not None:
         lines.append(f"chosen: {chosen.point.label()} ({source}; "
                      f"{'meets' if chosen.slo_met else 'misses'} the SLOs"

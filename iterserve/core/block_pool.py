@@ -198,6 +198,28 @@ class BlockPool:
         if request_id in self.tables:
             self._tokens[request_id] = num_tokens
 
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Gives back the blocks at the end of the request's table beyond what num_tokens need
+        (speculative decoding's rejected drafts); returns how many. Those blocks were never
+        registered in the prefix cache (only blocks of computed tokens are), and are private."""
+        table = self.tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        del table[keep:]
+        for b in reversed(dropped):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] > 0:
+                self._shared_refs -= 1
+            elif b in self._block_hash:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
+        self._num_cached[request_id] = min(self._num_cached.get(request_id, 0), keep)
+        self._tokens[request_id] = min(self._tokens.get(request_id, 0), num_tokens)
+        return len(dropped)
+
     def free(self, request_id: str) -> int:
         """Releases the request's blocks, last first; returns how many it held. A block still held
         by another request stays; a cached one becomes evictable; any other one free. Freeing

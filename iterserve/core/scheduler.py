@@ -46,6 +46,9 @@ class ScheduledRequest:
     token_ids: list[int]  # the num_tokens input ids
     sample: bool  # the step reaches the request's last known token: sample the next one
     padding: bool = False  # static batching: a finished member still computed; its sample is dropped
+    # speculative decoding: draft tokens verified after the request's last token (token_ids ends
+    # with them); every position is sampled and the longest accepted run is kept (spec/verify.py)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -60,11 +63,16 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if s.num_tokens > 1)
+        return sum(s.num_tokens for s in self.scheduled if s.num_tokens > 1 and not s.spec_token_ids)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if s.num_tokens == 1)
+        """Tokens of decoding rows: one each, plus the drafts a speculating row verifies."""
+        return sum(s.num_tokens for s in self.scheduled if s.num_tokens == 1 or s.spec_token_ids)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return sum(len(s.spec_token_ids) for s in self.scheduled)
 
     @property
     def num_padding(self) -> int:
@@ -205,6 +213,11 @@ class SchedulerBase:
         self._cache_computed(req)  # what it computed stays reusable after it leaves
         return self.pool.free(req.request_id)
 
+    def trim_unverified(self, req: Request) -> int:
+        """After a step that verified drafts: gives back the blocks only rejected drafts used (the
+        request keeps what its verified tokens and the next one need); returns how many."""
+        return self.pool.truncate(req.request_id, req.num_computed_tokens + 1)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or bool(self.running)
 
@@ -230,9 +243,13 @@ class SchedulerBase:
         (time.monotonic()); None: only a new request or a finished step changes anything."""
         return None
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        """`n` more tokens of `req`, which already holds the blocks for them."""
+    def _scheduled(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        """`n` more tokens of `req`, which already holds the blocks for them; with drafts, its last
+        token and n - 1 drafts after it."""
         start = req.num_computed_tokens
+        if drafts:
+            return ScheduledRequest(req, n, start, self.pool.tables[req.request_id],
+                                    req.token_slice(start, 1) + drafts, sample=True, spec_token_ids=drafts)
         return ScheduledRequest(req, n, start, self.pool.tables[req.request_id], req.token_slice(start, n),
                                 sample=start + n == req.num_tokens)
 
@@ -259,6 +276,7 @@ class Scheduler(SchedulerBase):
         req.status = RequestStatus.PREEMPTED
         req.num_computed_before_preemption = req.num_computed_tokens
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.push(req)
@@ -284,7 +302,12 @@ class Scheduler(SchedulerBase):
             if req not in self.running:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n > 1:  # a prefill chunk shrinks to the free blocks rather than preempting
+            drafts: list[int] = []
+            if n == 1 and req.spec_token_ids:  # drafts take budget and free blocks, never preempt anyone
+                drafts = req.spec_token_ids[:max(0, min(budget, self._fit(req)) - 1)]
+                n += len(drafts)
+            req.spec_token_ids = []
+            if n > 1 and not drafts:  # a prefill chunk shrinks to the free blocks rather than preempting
                 n = min(n, self._fit(req))
                 while n < 1:
                     lower = [r for r in self.running if r.request_id not in scheduled_ids
@@ -303,7 +326,7 @@ class Scheduler(SchedulerBase):
                     break
             if req.status is RequestStatus.PREEMPTED:
                 continue
-            out.scheduled.append(self._scheduled(req, n))
+            out.scheduled.append(self._scheduled(req, n, drafts))
             scheduled_ids.add(req.request_id)
             budget -= n
 

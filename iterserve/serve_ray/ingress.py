@@ -77,10 +77,27 @@ def aggregate_scheduler(states: list[dict], router: str) -> dict:
         "prefix_cache": {"enabled": bool(_get(first, ("prefix_cache", "enabled"))), "queries": queries,
                          "hits": hits, "hit_rate": hits / queries if queries else None,
                          "cached_free_blocks": total("prefix_cache", "cached_free_blocks")},
+        "speculative": _aggregate_speculative(states),
         "config": {**first.get("config", {}), "replicas": len(states), "router": router},
         "steps": steps,
         "replicas": [{k: v for k, v in s.items() if k != "steps"} for s in states],
     }
+
+
+def _aggregate_speculative(states: list[dict]) -> dict:
+    """The replicas' speculative totals summed, their rates taken over the sums."""
+    specs = [s.get("speculative") or {} for s in states]
+    per_pos: list[int] = []
+    for sp in specs:
+        for i, n in enumerate(sp.get("accepted_per_pos") or []):
+            per_pos.extend([0] * (i + 1 - len(per_pos)))
+            per_pos[i] += n
+    drafts, draft_tokens, accepted = (sum(sp.get(k) or 0 for sp in specs)
+                                      for k in ("num_drafts", "draft_tokens", "accepted_tokens"))
+    return {"config": specs[0].get("config") if specs else None, "num_drafts": drafts,
+            "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None, "accepted_per_pos": per_pos}
 
 
 def _get(d: dict, path: tuple[str, ...]):

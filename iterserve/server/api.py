@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 
 import anyio
 from fastapi import FastAPI, Path, Query, Request
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from iterserve.engine import StepRecord
 from iterserve.request import RequestOutput, RequestRejected
-from iterserve.server.async_engine import AsyncEngine
+from iterserve.server.async_engine import AsyncEngine, SpecTotals
 from iterserve.server.dashboard import PAGE_PATHS, SchedulerStream, StreamConfig, add_dashboard, engine_info
 from iterserve.server.engine_ticks import EngineTicks
 from iterserve.server.metrics import ServerMetrics
@@ -73,6 +74,9 @@ def step_dict(rec: StepRecord, start_time: float) -> dict:
             "decode_kv_tokens": rec.decode_kv_tokens, "prefill_kv_tokens": rec.prefill_kv_tokens,
             "decode_kv_shared_tokens": rec.decode_kv_shared_tokens,
             "prefill_cached_kv_tokens": rec.prefill_cached_kv_tokens,
+            "spec_num_drafts": rec.spec_num_drafts, "spec_draft_tokens": rec.spec_draft_tokens,
+            "spec_accepted_tokens": rec.spec_accepted_tokens, "spec_propose_seconds": rec.spec_propose_seconds,
+            "spec_accepted_per_pos": list(rec.spec_accepted_per_pos),
             "admitted": [{"request_id": rid, "cached_tokens": n} for rid, n in rec.admitted]}
 
 
@@ -116,8 +120,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 
 def scheduler_state(engine: AsyncEngine, info: dict, since_step: int | None = None) -> dict:
-    """What /v1/scheduler answers: the live batch, KV cache, prefix cache, configuration (`info`)
-    and recent steps."""
+    """What /v1/scheduler answers: the live batch, KV cache, prefix cache, speculative decoding (its
+    config, None when off, and totals since start), configuration (`info`) and recent steps."""
     llm = engine.engine
     state, cfg = engine.state, llm.config
     kv = state.kv
@@ -131,9 +135,17 @@ def scheduler_state(engine: AsyncEngine, info: dict, since_step: int | None = No
         "prefix_cache": {"enabled": llm.pool.enable_caching, "queries": state.prefix_cache_queries,
                          "hits": state.prefix_cache_hits, "hit_rate": state.prefix_cache_hit_rate,
                          "cached_free_blocks": kv.cached_free_blocks},
+        "speculative": speculative_state(cfg.speculative_config, state.spec),
         "config": info,
         "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
     }
+
+
+def speculative_state(config, totals: SpecTotals) -> dict:
+    """/v1/scheduler's `speculative` section: the server's config (None: off, though a request's own
+    `prediction` can still draft) and the totals (acceptance_rate = accepted / draft tokens,
+    mean_accepted_length = 1 + accepted / verify rows with drafts: tokens per verify row)."""
+    return {"config": asdict(config) if config is not None else None, **totals.to_dict()}
 
 
 def build_api(serving: OpenAIServing, settings: ServerSettings, count_rejected: Callable[[int], None],

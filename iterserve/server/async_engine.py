@@ -53,9 +53,49 @@ class EngineState:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (vLLM's name)
     prefix_cache_hits: int = 0  # of those, tokens found cached
 
+    spec: "SpecTotals" = field(default_factory=lambda: SpecTotals())  # speculative decoding since start
+
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+
+
+@dataclass(frozen=True)
+class SpecTotals:
+    """Speculative decoding's running totals, summed from the step records (the scheduler keeps
+    none: a step's verify rows are all the record says). num_drafts: verify rows with at least one
+    draft; draft_tokens: drafts verified; accepted_tokens: drafts accepted; accepted_per_pos[i]: rows
+    that accepted their draft at position i (vLLM's per-position counter)."""
+
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def add(self, rec: StepRecord) -> "SpecTotals":
+        """These totals with one more step's; self when the step verified no draft (the usual case)."""
+        if not rec.spec_num_drafts and not rec.spec_draft_tokens:
+            return self
+        per_pos = list(self.accepted_per_pos) + [0] * (len(rec.spec_accepted_per_pos) - len(self.accepted_per_pos))
+        for i, n in enumerate(rec.spec_accepted_per_pos):
+            per_pos[i] += n
+        return SpecTotals(self.num_drafts + rec.spec_num_drafts, self.draft_tokens + rec.spec_draft_tokens,
+                          self.accepted_tokens + rec.spec_accepted_tokens, tuple(per_pos))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafts accepted per draft verified (vLLM's "draft acceptance rate"); None before any."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify row yields on average: its accepted drafts plus the target's own token."""
+        return 1 + self.accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def to_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length, "accepted_per_pos": list(self.accepted_per_pos)}
 
 
 class RequestStream:
@@ -156,6 +196,7 @@ class AsyncEngine:
         self._progressed = False
         self._lock = threading.Lock()  # guards steps and busy
         self.steps: deque[StepRecord] = deque(maxlen=self.history)
+        self.spec = SpecTotals()  # engine thread: summed in _on_step, published with the state
         self.busy = BusyWindow(self.busy_window_s, self.engine.start_time)
         self.shutting_down = False  # loop-side view, for fast 503s
         self.dead_reason: str | None = None  # set once, by the engine thread, when it stops serving for good
@@ -480,12 +521,13 @@ class AsyncEngine:
                            num_preemptions_total=sched.num_preemptions_total,
                            num_recomputed_tokens=sched.num_recomputed_tokens,
                            prefix_cache_queries=sched.prefix_cache_queries,
-                           prefix_cache_hits=sched.prefix_cache_hits)
+                           prefix_cache_hits=sched.prefix_cache_hits, spec=self.spec)
 
     def _on_step(self, rec: StepRecord) -> None:
         with self._lock:
             self.steps.append(rec)
             self.busy.add(rec.start, rec.duration)
+        self.spec = self.spec.add(rec)
         for fn in self.step_listeners:
             fn(rec)
 

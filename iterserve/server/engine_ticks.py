@@ -24,7 +24,7 @@ from iterserve.server.async_engine import AsyncEngine
 # How the counts of several ticks combine into one (serve_ray/dashboard_feed.merge_ticks): the keys
 # aggregate_steps sums, and those it takes the maximum of. Every other key is a state: the latest wins.
 SUM_KEYS = ("steps", "busy_s", "seqs_prefill", "seqs_decode", "seqs_padding", "prefill_tokens", "decode_tokens",
-            "preempted", "finished")
+            "preempted", "finished", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
 MAX_KEYS = ("batch_max", "waiting_max")
 
 
@@ -39,14 +39,16 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 def aggregate_steps(steps: list[StepRecord]) -> dict:
     """One tick's steps as sums and maxima. Sequences per step split three ways: a prefill row
     (a prompt chunk), a decode row and a padding row (static batching's finished members);
-    decode_tokens counts padding rows, as the engine reports them."""
+    decode_tokens counts padding rows, as the engine reports them. A speculative verify row counts
+    once among the decode rows although decode_tokens holds each of its positions (its drafts plus
+    one); the spec_* sums are the drafts verified and accepted (the page's acceptance rate)."""
     if not steps:
         return {"steps": 0}
     return {
         "steps": len(steps), "first_step": steps[0].step, "last_step": steps[-1].step,
         "busy_s": sum(s.duration for s in steps),
-        "seqs_prefill": sum(s.batch_size - s.decode_tokens for s in steps),
-        "seqs_decode": sum(s.decode_tokens - s.num_padding for s in steps),
+        "seqs_prefill": sum(s.batch_size - s.decode_tokens + s.spec_draft_tokens for s in steps),
+        "seqs_decode": sum(s.decode_tokens - s.spec_draft_tokens - s.num_padding for s in steps),
         "seqs_padding": sum(s.num_padding for s in steps),
         "batch_max": max(s.batch_size for s in steps),
         "prefill_tokens": sum(s.prefill_tokens for s in steps),
@@ -54,6 +56,9 @@ def aggregate_steps(steps: list[StepRecord]) -> dict:
         "waiting_max": max(s.num_waiting for s in steps),
         "preempted": sum(len(s.preempted) for s in steps),
         "finished": sum(len(s.finished) for s in steps),
+        "spec_drafts": sum(s.spec_num_drafts for s in steps),
+        "spec_draft_tokens": sum(s.spec_draft_tokens for s in steps),
+        "spec_accepted_tokens": sum(s.spec_accepted_tokens for s in steps),
     }
 
 

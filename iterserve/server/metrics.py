@@ -12,6 +12,14 @@ Outcomes are counted apart: `request_success_total{finished_reason}` for stop / 
 client went away), `request_failure_total{reason}` for error (the engine failed the request) and
 shutdown (the server stopped before it finished), `request_rejected_total{status_code}` for
 requests refused before admission.
+
+Speculative decoding is counted as vLLM counts it, from the step records: verify rows with drafts
+(`spec_decode_num_drafts`), drafts verified and accepted, and acceptances per draft position (the
+acceptance rate is accepted / draft tokens, the mean accepted length 1 + accepted / drafts). The
+series exist whether or not the server was started with a speculative config, since a request's
+own `prediction` can draft without one; they stay at zero when nothing drafts. Per finished request
+that drafted, `request_spec_acceptance_rate` observes its own accepted / draft tokens, which shows
+whether a few requests (repetitive code edits) or all of them gain.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0)
+RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 FAILURE_REASONS = ("error", "shutdown")
 REJECTION_STATUSES = (400, 401, 404, 413, 503)  # shown at zero from the start; others appear when seen
@@ -111,6 +120,20 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS, True)
         self.batch_size = histogram("batch_size", "Sequences computed per engine step.", BATCH_BUCKETS)
         self.step_time = histogram("step_duration_seconds", "Wall time of one engine step.", TPOT_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verify rows with at least one "
+                                   "draft token.", True)
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens "
+                                         "verified.", True)
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
+                                     "accepted.", True)
+        self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: verify rows "
+                                    "that accepted their draft at this position (0 = the first draft).", True,
+                                    ("position",))
+        self.spec_request_rate = histogram("request_spec_acceptance_rate", "Per finished request that drafted: "
+                                           "its draft tokens accepted / verified.", RATE_BUCKETS)
+        spec = getattr(engine.engine.config, "speculative_config", None)
+        for pos in range(spec.num_speculative_tokens if spec is not None else 0):  # at zero from the start
+            self.spec_per_pos.labels(model_name, str(pos))
         for reason in FAILURE_REASONS:  # present at zero, so that a dashboard can tell "none" from "unknown"
             self.failure.labels(model_name, reason)
         for status in REJECTION_STATUSES:
@@ -128,6 +151,13 @@ class ServerMetrics:
         if rec.prefix_cache_queries:
             self.prefix_cache_queries.inc(rec.prefix_cache_queries)
             self.prefix_cache_hits.inc(rec.prefix_cache_hits)
+        if rec.spec_num_drafts:
+            self.spec_drafts.inc(rec.spec_num_drafts)
+            self.spec_draft_tokens.inc(rec.spec_draft_tokens)
+            self.spec_accepted.inc(rec.spec_accepted_tokens)
+            for pos, n in enumerate(rec.spec_accepted_per_pos):
+                if n:
+                    self.spec_per_pos.labels(self.model_name, str(pos)).inc(n)
 
     def on_step_failure(self) -> None:
         self.step_failures.inc()
@@ -144,6 +174,8 @@ class ServerMetrics:
             self.success.labels(self.model_name, reason).inc()
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
+        if out.spec_draft_tokens:
+            self.spec_request_rate.observe(out.spec_accepted_tokens / out.spec_draft_tokens)
         for hist, value in ((self.ttft, t.ttft), (self.e2e, t.e2e), (self.queue, t.queue_time)):
             if value is not None:
                 hist.observe(value)

@@ -76,6 +76,22 @@ class StructuredOutputsBody(StrictModel):
     json_object: bool | None = None
 
 
+class PredictionText(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(StrictModel):
+    """OpenAI's predicted output: text the answer is expected to share much of (the file being
+    edited); drafts for speculative decoding come from it, and the answer is the model's own."""
+    type: Literal["content"]
+    content: str | Annotated[list[PredictionText], Field(max_length=MAX_CONTENT_PARTS)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class GenerationRequest(StrictModel):
     """Fields both generation endpoints share; None means "the default". Extra fields are kept (not
     validated) so that UNSUPPORTED_FIELDS can refuse the ones OpenAI defines and iterserve does not
@@ -114,6 +130,7 @@ class GenerationRequest(StrictModel):
     guided_grammar: str | None = Field(None, description="extension (vLLM, older name)")
     prompt_logprobs: Int | None = Field(None, ge=0, le=20, description="extension (vLLM): each prompt token's "
                                         "logprob (the first null) and the top k at its position")
+    prediction: Prediction | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -322,7 +339,6 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
     Unsupported("best_of", lambda v: v in (None, 1), "only 1; n > 1 returns every sample"),
     Unsupported("audio", _off),
     Unsupported("modalities", lambda v: v in (None, ["text"]), "only [\"text\"]"),
-    Unsupported("prediction", _off),
     Unsupported("web_search_options", _off),
     # vLLM's older structured-output knobs (the constraints themselves are implemented)
     Unsupported("guided_whitespace_pattern", _off),

@@ -169,9 +169,16 @@ class OpenAIServing:
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
                                   structured_outputs=structured, logit_bias=self.logit_bias(body),
-                                  prompt_logprobs=prompt_logprobs, **given)
+                                  prompt_logprobs=prompt_logprobs, prediction_token_ids=self.prediction(body),
+                                  **given)
         except ValueError as e:
             raise APIError(str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
+
+    def prediction(self, body: GenerationRequest) -> list[int] | None:
+        """OpenAI's `prediction`, as tokens: speculative decoding drafts from it (spec/controller.py)."""
+        if body.prediction is None or not body.prediction.text:
+            return None
+        return self.llm.tokenizer.encode(body.prediction.text, add_special_tokens=False)
 
     def logit_bias(self, body: GenerationRequest) -> dict[int, float] | None:
         if not body.logit_bias:

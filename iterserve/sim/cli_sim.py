@@ -143,7 +143,35 @@ def add_profile_parser(sub: Any) -> None:
 # ---------------------------------------------------------------- simulate
 
 def sim_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    k = getattr(args, "spec_tokens", None)
+    if k is not None and "speculative_config" not in overrides:  # --spec-tokens: k of the config (ngram by default)
+        base = dict(getattr(args, "speculative_config", None) or {}) if not isinstance(
+            getattr(args, "speculative_config", None), str) else json.loads(args.speculative_config)
+        overrides["speculative_config"] = {**base, "num_speculative_tokens": k} if k else None
     return engine_config_from_args(args, model=getattr(args, "model", None) or "simulated", **overrides)
+
+
+def spec_acceptance(args: argparse.Namespace) -> float | None:
+    """--spec-acceptance, or alpha measured from a saved /v1/scheduler answer (--spec-from): its
+    `speculative` totals' acceptance rate inverted at their drafts per verify row."""
+    from iterserve.sim.speculative import alpha_from_totals
+
+    alpha, path = getattr(args, "spec_acceptance", None), getattr(args, "spec_from", None)
+    if path is None:
+        return alpha
+    if alpha is not None:
+        raise ValueError("give --spec-acceptance or --spec-from, not both")
+    data = json.loads(Path(path).read_text())
+    totals = data.get("speculative") or {}
+    alpha = alpha_from_totals(int(totals.get("num_drafts") or 0), int(totals.get("draft_tokens") or 0),
+                              int(totals.get("accepted_tokens") or 0))
+    if alpha is None:
+        raise ValueError(f"{path}: no speculative totals with drafts (save a /v1/scheduler answer of a server that "
+                         "ran with --speculative-config)")
+    print(f"simulate: acceptance {alpha:.3f} per draft token, from {path}'s measured rate "
+          f"{totals['accepted_tokens'] / totals['draft_tokens']:.1%} at "
+          f"{totals['draft_tokens'] / totals['num_drafts']:.2f} drafts per verify row", file=sys.stderr)
+    return alpha
 
 
 def prompt_framing(model: str) -> ConversationFraming:
@@ -186,9 +214,15 @@ def run_sim(args: argparse.Namespace, profile: Profile, specs: Workload | Sequen
     streaming = getattr(args, "streaming_summary", False) or (big and not records)
     run = simulate(specs, config, profile, replicas or args.replicas, args.router, keep_steps=not (big or streaming),
                    keep_itl=not big, slos=slos or [], sample_replicas=getattr(args, "sample_replicas", None),
-                   conversations=conversations or [], streaming_summary=streaming)
-    run.result.meta.update(workload=describe_workload(args), engine=config.__dict__, profile=profile.describe(),
+                   conversations=conversations or [], streaming_summary=streaming,
+                   spec_acceptance=spec_acceptance(args) if config.speculative_config is not None else None,
+                   spec_draft_fraction=getattr(args, "spec_draft_fraction", 1.0))
+    engine = {**config.__dict__, "speculative_config": dataclasses.asdict(config.speculative_config)
+              if config.speculative_config is not None else None}
+    run.result.meta.update(workload=describe_workload(args), engine=engine, profile=profile.describe(),
                            estimate=profile.estimate)
+    if run.stats.get("speculative"):  # what `bench serve` reads off a real server's counters
+        run.result.meta["spec_decode"] = run.stats["speculative"]
     return run
 
 
@@ -260,6 +294,15 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
                    help="how arrivals are spread over replicas (default round-robin)")
     p.add_argument("--slo", action="extend", nargs="+", default=[], metavar="SPEC",
                    help="e.g. ttft=500ms e2e_p95=2s; goodput counts requests meeting all")
+    s = p.add_argument_group("speculative decoding (sim/speculative.py)")
+    s.add_argument("--spec-tokens", type=int, default=None, metavar="K",
+                   help="drafts per verify row (0: off); the method is --speculative-config's, else ngram")
+    s.add_argument("--spec-acceptance", type=float, default=None, metavar="ALPHA",
+                   help="probability that each next draft token is accepted (0..1): needed with speculation")
+    s.add_argument("--spec-from", metavar="SCHEDULER.json",
+                   help="measure ALPHA from a saved /v1/scheduler answer's speculative totals instead")
+    s.add_argument("--spec-draft-fraction", type=float, default=1.0, metavar="F",
+                   help="share of decode rows that draft at all (prompt lookup misses some; default 1)")
     add_engine_args(p)
     add_workload_args(p)
 

@@ -16,9 +16,18 @@ term after it was sent; a step that admits requests starts its forward pass thei
 later; after each forward pass the engine spends the gap term before it can schedule again; the
 client sees the first token and the response's end the first-token / finish terms after the step
 that sampled them. Times in the report are the client's (from the request's send time).
+
+Speculative decoding (`spec_acceptance` with a config's `speculative_config`, sim/speculative.py):
+between steps each running request about to decode gets drafts (`Request.spec_token_ids`, none
+above disable_by_batch_size running requests), which the real scheduler fits to the step's budget
+and free blocks as it does the engine's; a verify row of drafts + 1 tokens is priced by the step
+model like a prompt chunk of that length over its context; at the step's end the row keeps its
+accepted drafts' KV, emits accepted + 1 tokens at once and gives back the rejected drafts' blocks,
+as the engine does. Without a speculative config nothing changes.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -45,6 +54,7 @@ from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile
 from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
 from iterserve.sim.router import ROUTERS, Router
+from iterserve.sim.speculative import SpecPolicy
 from iterserve.sim.step_model import step_features
 
 SchedulerFactory = Callable[[EngineConfig, BlockPool, int], SchedulerBase]
@@ -67,8 +77,10 @@ class SimEngine:
     """One engine replica: the real scheduler over a real block pool, on a simulated clock."""
 
     def __init__(self, config: EngineConfig, profile: Profile, index: int = 0,
-                 make_scheduler: SchedulerFactory = build_scheduler, keep_steps: bool = True) -> None:
+                 make_scheduler: SchedulerFactory = build_scheduler, keep_steps: bool = True,
+                 spec: SpecPolicy | None = None) -> None:
         self.config = config
+        self.spec = spec  # speculative decoding's drafting and acceptance; None: off
         self.index = index
         self.step_model = profile.step_model
         self.overhead = profile.overhead
@@ -87,6 +99,7 @@ class SimEngine:
         self.busy_s = 0.0
         self.batch_seq_s = 0.0  # sum of batch size x step time (for the mean batch)
         self.num_preempted = 0
+        self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
 
     # the engine's own request checks, on this replica's limits
     check_limits = LLMEngine.check_limits
@@ -124,6 +137,23 @@ class SimEngine:
         self.num_preempted += len(sched.preempted)
         return self.run_end + oh.gap(len(sched.scheduled))
 
+    def _propose(self) -> None:
+        """Between steps, as the engine's proposer: drafts for each running request whose next step
+        is a decode (within its remaining max_tokens and max_model_len); none when more requests run
+        than disable_by_batch_size. The scheduler fits them to the step's budget and free blocks."""
+        spec = self.spec
+        assert spec is not None
+        running = self.scheduler.running
+        if not spec.active(len(running)):
+            return
+        for req in running:
+            if req.num_tokens - req.num_computed_tokens != 1 or not req.num_output_tokens:
+                continue
+            room = min(req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+            d = spec.drafts(room)
+            if d:
+                req.spec_token_ids = [0] * d
+
     def end_step(self) -> list[Request]:
         """Applies the step in flight as `LLMEngine.step` does, at its forward pass's end; returns
         the requests released."""
@@ -131,20 +161,42 @@ class SimEngine:
         now = self.run_end
         assert sched is not None
         released: list[Request] = []
+        num_drafts = draft_tokens = accepted_step = 0
+        verified: list[Request] = []
         for s in sched.scheduled:
             req = s.request
+            new_tokens = 1
             req.num_computed_tokens += s.num_tokens
+            d = len(s.spec_token_ids)
+            if d and self.spec is not None:  # a verify row keeps the KV of its last token and its accepted drafts
+                m = self.spec.accepted(d)
+                req.num_computed_tokens -= d - m
+                new_tokens += m
+                num_drafts, draft_tokens, accepted_step = num_drafts + 1, draft_tokens + d, accepted_step + m
+                verified.append(req)
             if not s.sample or req.is_finished:  # mid-prompt chunk, or a member held after it stopped
                 continue
-            req.append_token(0, now)
-            status = req.check_stop_token(self.max_model_len)
+            status = None
+            for _ in range(new_tokens):
+                req.append_token(0, now)
+                status = req.check_stop_token(self.max_model_len)
+                if status is not None:
+                    break
             if status is None:
                 continue
             req.status = status
             for r, _ in self.scheduler.finish(req):
                 r.times.finished = now
                 released.append(r)
+        if self.spec is not None:
+            for req in verified:  # the rejected drafts' blocks go back, as the engine's trim
+                if not req.is_finished:
+                    self.scheduler.trim_unverified(req)
+            self._propose()
         duration = now - self.step_start
+        self.spec_num_drafts += num_drafts
+        self.spec_draft_tokens += draft_tokens
+        self.spec_accepted_tokens += accepted_step
         self.num_steps += 1
         self.busy_s += duration
         batch = len(sched.scheduled)
@@ -152,13 +204,17 @@ class SimEngine:
         if self.keep_steps:
             padding = sched.num_padding
             usage = self.pool.usage()
-            self.steps.append({
+            rec = {
                 "step": self.num_steps, "t": self.step_start, "t_run": self.step_start, "duration": duration,
                 "batch_size": batch, "num_padding": padding, "num_running": self.scheduler.num_running,
                 "num_waiting": self.scheduler.num_waiting, "prefill_tokens": sched.num_prefill_tokens,
                 "decode_tokens": sched.num_decode_tokens, "kv_used_blocks": usage.used_blocks,
                 "kv_total_blocks": usage.total_blocks, "kv_tokens": usage.tokens_stored,
-                "num_preempted": len(sched.preempted), "num_finished": len(released)})
+                "num_preempted": len(sched.preempted), "num_finished": len(released)}
+            if self.spec is not None:
+                rec.update(spec_num_drafts=num_drafts, spec_draft_tokens=draft_tokens,
+                           spec_accepted_tokens=accepted_step)
+            self.steps.append(rec)
         return released
 
     def timeline(self) -> Timeline:
@@ -282,11 +338,26 @@ def sweep_lag(oh: ServerOverhead, config: EngineConfig, max_model_len: int) -> f
     return max(arrival, 0.0) + max(gap, 0.0) + max(-oh.finish_s, 0.0)
 
 
+def spec_stats(engines: Sequence[SimEngine]) -> dict[str, Any]:
+    """The simulated replicas' speculative totals, in /v1/scheduler's `speculative` terms."""
+    spec = engines[0].spec
+    assert spec is not None
+    rows = sum(e.spec_num_drafts for e in engines)
+    drafted = sum(e.spec_draft_tokens for e in engines)
+    accepted = sum(e.spec_accepted_tokens for e in engines)
+    return {"num_speculative_tokens": spec.num_speculative_tokens, "acceptance": spec.acceptance,
+            "draft_fraction": spec.draft_fraction, "disable_by_batch_size": spec.disable_by_batch_size,
+            "num_drafts": rows, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / rows if rows else None}
+
+
 def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profile, replicas: int = 1,
              router: str | Router = "round-robin", make_scheduler: SchedulerFactory = build_scheduler,
              keep_steps: bool = True, keep_itl: bool = True, slos: Sequence = (),
              sample_replicas: int | None = None, conversations: Sequence[ConversationPlan] = (),
-             streaming_summary: bool = False, relative_error: float = DEFAULT_RELATIVE_ERROR) -> SimRun:
+             streaming_summary: bool = False, relative_error: float = DEFAULT_RELATIVE_ERROR,
+             spec_acceptance: float | None = None, spec_draft_fraction: float = 1.0) -> SimRun:
     """Runs the workload through `replicas` simulated engines; deterministic for the same inputs.
 
     specs: a list (sorted here), or an iterable in send order (a lazy `bench.workload.Workload`),
@@ -306,9 +377,24 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
     sample_replicas=k (round-robin only) simulates just the first k replicas with exactly the
     requests round-robin sends them: round-robin never looks at the replicas' state, so their
     results are exact, and the rest, fed the same kind of traffic, behave alike. This is how a
-    large fleet's traffic fits in minutes: the cost is per simulated request."""
+    large fleet's traffic fits in minutes: the cost is per simulated request.
+
+    spec_acceptance: with `config.speculative_config`, the per-token acceptance probability alpha of
+    its drafts (sim/speculative.py; `alpha_from_totals` turns a server's measured totals into one),
+    and spec_draft_fraction the share of decode rows that draft at all. A speculative config needs
+    it: the simulator cannot guess how often drafts are right."""
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
+    spec_cfg = getattr(config, "speculative_config", None)
+    if spec_cfg is not None and spec_acceptance is None:
+        raise ValueError("a speculative config needs an acceptance probability to simulate (spec_acceptance, "
+                         "--spec-acceptance): the share of drafts the workload's text lets through")
+
+    def spec_policy(index: int) -> SpecPolicy | None:
+        if spec_cfg is None:
+            return None
+        return SpecPolicy(spec_cfg.num_speculative_tokens, float(spec_acceptance), spec_cfg.disable_by_batch_size,
+                          spec_draft_fraction, seed=config.seed * 1_000_003 + index)
     if isinstance(router, str):
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
@@ -342,7 +428,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
     order = arrivals()
     if sample_replicas is not None:
         router, replicas = ROUTERS["round-robin"](), sample_replicas
-    engines = [SimEngine(config, profile, i, make_scheduler, keep_steps) for i in range(replicas)]
+    engines = [SimEngine(config, profile, i, make_scheduler, keep_steps, spec_policy(i)) for i in range(replicas)]
     params_for: dict[int, SamplingParams] = {}  # one SamplingParams per output length (they are immutable here)
     spec_of: dict[str, RequestSpec] = {}
     records: list[RequestRecord] = []
@@ -458,6 +544,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         "prefix_cache_queries": sum(e.scheduler.prefix_cache_queries for e in engines),
         "prefix_cache_hits": sum(e.scheduler.prefix_cache_hits for e in engines),
         "num_kv_blocks": engines[0].pool.num_blocks,
+        "speculative": spec_stats(engines) if spec_cfg is not None else None,
         "profile": profile.describe(), "estimate": profile.estimate,
     }
     result: RunResult | StreamingResult

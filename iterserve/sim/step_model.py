@@ -72,20 +72,28 @@ class StepFeatures:
 
 def step_features(sched: SchedulerOutput, block_size: int) -> StepFeatures:
     """Each row attends to its `start` cached tokens plus its `n` new ones (a static padding row's
-    start is kept inside its reservation, as the runner computes it). `block_size`: the KV cache's,
+    start is kept inside its reservation, as the runner computes it). A speculative verify row
+    (its last token and its drafts) is priced as a prompt chunk of that many tokens: its positions
+    count as prefill tokens, its attention (multi-token: attended_kv's second number) likewise. `block_size`: the KV cache's,
     to count the tokens of shared blocks."""
     decode_kv, prefill_kv = sched.attended_kv()
-    return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens, decode_kv, prefill_kv / 1e3,
+    verify = sum(s.num_tokens for s in sched.scheduled if getattr(s, "spec_token_ids", None))
+    return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens + verify, decode_kv,
+                        prefill_kv / 1e3,
                         sched.shared_decode_kv(block_size), sched.cached_prefill_kv() / 1e3)
 
 
 def record_features(step: dict[str, Any]) -> StepFeatures | None:
     """The same features from a server's step record (`/v1/scheduler`), or None from a server that
-    does not report what attention read."""
+    does not report what attention read. A speculative verify row (drafts + 1 positions, which the
+    record counts among decode_tokens) is priced as step_features prices it: a short prompt chunk,
+    so its positions move to prefill_tokens here; its attention is in prefill_kv_tokens already
+    (SchedulerOutput.attended_kv puts every multi-token row there)."""
     if "decode_kv_tokens" not in step:
         return None
+    verify = int(step.get("spec_draft_tokens", 0)) + int(step.get("spec_num_drafts", 0))
     prefill = int(step["prefill_tokens"])
-    return StepFeatures(int(step["batch_size"]), prefill + int(step["decode_tokens"]), prefill,
+    return StepFeatures(int(step["batch_size"]), prefill + int(step["decode_tokens"]), prefill + verify,
                         int(step["decode_kv_tokens"]), int(step["prefill_kv_tokens"]) / 1e3,
                         int(step.get("decode_kv_shared_tokens", 0)), int(step.get("prefill_cached_kv_tokens", 0)) / 1e3)
 

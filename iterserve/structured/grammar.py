@@ -22,6 +22,11 @@ class RequestGrammar:
             self.num_accepted += 1
         return ok
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens the grammar would accept, without changing its state (a
+        forbidden token given to accept_token puts the matcher in an error state)."""
+        return self.matcher.validate_tokens(token_ids)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the mask into row `row` of a CPU int32 bitmask, through a numpy view of the same
         memory (llguidance.torch would do the same, but importing it imports torch.compile's

@@ -389,6 +389,25 @@ function drawEngine(e) {
     q(e, "busy-now").textContent = Math.round(last.busy_fraction * 100) + "%";
     q(e, "kv-now").textContent = `${last.kv_used} / ${last.kv_total} blocks, ${last.kv_tokens} tokens`;
   }
+  drawSpec(e);
+}
+
+// Speculative decoding over the ticks kept (the charts' window): shown once anything drafted, so a
+// server that never speculates keeps its page as it was.
+function drawSpec(e) {
+  let rows = 0, drafted = 0, accepted = 0;
+  for (const t of e.series) {
+    rows += t.spec_drafts || 0;
+    drafted += t.spec_draft_tokens || 0;
+    accepted += t.spec_accepted_tokens || 0;
+  }
+  const line = q(e, "spec");
+  line.hidden = drafted === 0;
+  if (!drafted) return;
+  q(e, "spec-drafted").textContent = drafted;
+  q(e, "spec-accepted").textContent = accepted;
+  q(e, "spec-rate").textContent = Math.round(100 * accepted / drafted) + "%";
+  q(e, "spec-length").textContent = (1 + accepted / rows).toFixed(2);
 }
 
 function fmtS(v) { return v === null || v === undefined ? "–" : v < 1 ? `${Math.round(v * 1000)} ms` : `${v.toFixed(2)} s`; }
