@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,10 @@ class Request:
         # parallel sampling (n > 1): a sibling waits for its leader's prompt to be cached, then
         # shares those blocks (only the last, partial block is computed again per sibling)
         self.prefix_leader: Request | None = None
+        # LoRA: the adapter it runs under (None: the base model), and what its block hashes carry
+        # besides the tokens (the adapter's identity: the same prompt under another adapter has other KV)
+        self.lora_name: str | None = params.lora_name
+        self.cache_key: Hashable | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None  # why it ended, for FINISHED_ERROR / FINISHED_SHUTDOWN
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())

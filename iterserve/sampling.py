@@ -44,6 +44,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # an embedding request: its prompt is computed and pooled, nothing is sampled (pooling.py)
     pooling: PoolingParams | None = None
+    # the LoRA adapter the request runs under (lora/; the server takes it from `model`); None: the base
+    # model. It travels with the params, as pooling does, so every path to the engine carries it
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
