@@ -212,18 +212,23 @@ def test_config_refuses_what_lora_does_not_run_with():
 
 
 def test_no_adapter_rows_no_lora_batch(tiny_model_dir, adapters):
-    """A step without adapter rows hands the model no LoRA batch: the hooks return at once."""
+    """A step without adapter rows hands the model no LoRA batch (the hooks return at once); a long
+    step gathers each slot's rows, a decode-sized one takes the masked path."""
     from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
     from iterserve.request import Request
 
     llm = lora_llm(tiny_model_dir, adapters)
-    runner = llm.engine.runner
-    base = Request("r0", PROMPTS[0], params(None))
-    sched = SchedulerOutput([ScheduledRequest(base, len(PROMPTS[0]), 0, [0, 1], PROMPTS[0], sample=True)])
+    runner, lora = llm.engine.runner, llm.engine.lora
+    p = PROMPTS[2]
+    sched = SchedulerOutput([ScheduledRequest(Request("r0", p, params(None)), len(p), 0, [0, 1, 2], p, sample=True)])
     assert runner.prepare(sched).lora is None
-    llm.engine.lora.ensure_resident("attn4", set())
-    with_lora = Request("r1", PROMPTS[0], params("attn4"))
-    sched.scheduled.append(ScheduledRequest(with_lora, len(PROMPTS[0]), 0, [2, 3], PROMPTS[0], sample=True))
+    lora.ensure_resident("attn4", set())
+    sched.scheduled.append(ScheduledRequest(Request("r1", p, params("attn4")), len(p), 0, [3, 4, 5], p, sample=True))
     batch = runner.prepare(sched).lora
-    assert [s for s, _ in batch.groups] == [llm.engine.lora.slot("attn4")]
-    assert batch.groups[0][1].tolist() == list(range(len(PROMPTS[0]), 2 * len(PROMPTS[0])))
+    assert [s for s, _ in batch.groups] == [lora.slot("attn4")] and not batch.masks
+    assert batch.groups[0][1].tolist() == list(range(len(p), 2 * len(p)))
+    decode = SchedulerOutput([ScheduledRequest(Request(f"d{i}", p, params(n)), 1, 5, [i], [7], sample=True)
+                              for i, n in enumerate([None, "attn4", None])])
+    batch = runner.prepare(decode).lora
+    assert not batch.groups and batch.masks[3].shape == (3, 4 * 3 * 16)
+    assert batch.masks[3].sum(dim=1).tolist() == [0, 3 * 16, 0]

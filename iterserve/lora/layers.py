@@ -2,8 +2,9 @@
 
 Each targeted projection y = x W^T (whatever kernel computes it: oneDNN, our tiled GEMM, a 4-bit
 twin) gets scaling * (x A^T) B^T added for the rows of each slot in use: the rows are gathered per
-slot, go through two small matmuls, and are added back in place (index_add_). A step where every
-row carries one slot skips the gather. Rows without an adapter cost nothing, and a step with no
+slot, go through two small matmuls, and are added back in place (index_add_); a decode-sized step
+takes one masked matmul pair over all slots instead (LoRABatch). A step where every row carries
+one slot skips the gather. Rows without an adapter cost nothing, and a step with no
 adapter rows takes the exact same path as an engine without LoRA: the runner then sets no LoRA
 batch, and the hook returns at once.
 
@@ -25,13 +26,25 @@ from iterserve.lora.adapter import FUSED
 from iterserve.lora.manager import LoRAManager, SlotWeights
 
 
+DENSE_MAX_ROWS = 32  # steps of at most this many rows take the masked path (decode steps); more: gathered
+
+
 @dataclass
 class LoRABatch:
-    """One step's rows by slot: (slot, flat row indices, or None for every row of the step)."""
+    """One step's adapter rows, in the form `apply` takes.
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    Two ways to add the deltas, chosen per step by its row count. Gathered (prefill-sized steps):
+    per slot in use, gather its rows, two small matmuls, index_add_ back: no wasted arithmetic,
+    ~4 ops per slot per projection. Masked (decode-sized steps, <= DENSE_MAX_ROWS rows): every row
+    through every slot's A at once ([T, slots * S * R]), a 0/1 mask keeps each row's own slot
+    (none for base rows), one matmul with the stacked B: 4 ops per projection whatever the number
+    of slots. A decode step is bound by reading the adapters' weights, which both read once; the
+    masked path's extra arithmetic is rank-sized, and it saves the per-slot op overheads that
+    dominate a small step (measured: benchmarks/lora_throughput.py)."""
+
+    groups: list[tuple[int, torch.Tensor | None]]  # gathered: (slot, flat rows, or None for all rows)
+    masks: dict[int, torch.Tensor]  # masked: S (projections of a fused module) -> [T, slots * S * R] 0/1
     modules: dict[tuple[int, str], SlotWeights]
-    rank: int
 
     @classmethod
     def build(cls, row_slots: Sequence[int], manager: LoRAManager, device: torch.device) -> "LoRABatch | None":
@@ -43,23 +56,29 @@ class LoRABatch:
         if not by_slot:
             return None
         if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(row_slots):
-            return cls([(next(iter(by_slot)), None)], manager.modules, manager.max_rank)
+            return cls([(next(iter(by_slot)), None)], {}, manager.modules)
+        if len(row_slots) <= DENSE_MAX_ROWS:
+            slots = torch.tensor(row_slots, device=device)
+            masks = {}
+            for width in {len(p) for p in FUSED.values()}:  # S: projections per fused module
+                col_slot = torch.arange(manager.max_loras, device=device).repeat_interleave(width * manager.max_rank)
+                masks[width] = (slots[:, None] == col_slot[None, :]).to(manager.dtype)
+            return cls([], masks, manager.modules)
         groups = [(s, torch.tensor(rows, dtype=torch.long, device=device)) for s, rows in sorted(by_slot.items())]
-        return cls(groups, manager.modules, manager.max_rank)
+        return cls(groups, {}, manager.modules)
 
     def apply(self, key: tuple[int, str], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.modules[key]
-        r = self.rank
+        if self.masks:
+            h = x.to(w.a.dtype) @ w.a.flatten(0, 1).t()  # [T, slots * S * R]
+            h.mul_(self.masks[len(w.out_slices)])  # each row keeps its own slot's columns
+            out.add_((h @ w.b.flatten(0, 1)).to(out.dtype))
+            return out
         for slot, rows in self.groups:
             if not w.active[slot]:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
-            h = xs.to(w.a.dtype) @ w.a[slot].t()  # [n, S * R]
-            if len(w.b) == 1:
-                d = h @ w.b[0][slot].t()
-            else:
-                d = torch.cat([h[:, i * r:(i + 1) * r] @ b[slot].t() for i, b in enumerate(w.b)], dim=1)
-            d = d.to(out.dtype)
+            d = ((xs.to(w.a.dtype) @ w.a[slot].t()) @ w.b[slot]).to(out.dtype)
             if rows is None:
                 out.add_(d)
             else:

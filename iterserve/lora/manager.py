@@ -35,11 +35,13 @@ class LoRAInUse(LoRAError):
 @dataclass
 class SlotWeights:
     """One fused module of one layer, for every slot: A [slots, S * R, in] (the S projections' A
-    stacked), B[s] [slots, out_s, R] (scaled), and which slots' adapters target this module at all."""
+    stacked), B [slots, S * R, out] (transposed, scaled, block-diagonal: projection s's R rows feed
+    only its own output columns), and which slots' adapters target this module at all."""
 
     a: torch.Tensor
-    b: list[torch.Tensor]
+    b: torch.Tensor
     active: list[bool]
+    out_slices: list[tuple[int, int]]  # output columns of each of the S projections
 
 
 @dataclass
@@ -74,9 +76,11 @@ class LoRAManager:
         for layer in range(model_cfg.num_layers):
             for fused, projs in FUSED.items():
                 in_f = shapes[projs[0]][1]
+                outs = [shapes[p][0] for p in projs]
+                bounds = [sum(outs[:i]) for i in range(len(outs) + 1)]
                 a = torch.zeros(max_loras, len(projs) * r, in_f, dtype=dtype, device=self.device)
-                b = [torch.zeros(max_loras, shapes[p][0], r, dtype=dtype, device=self.device) for p in projs]
-                self.modules[(layer, fused)] = SlotWeights(a, b, [False] * max_loras)
+                b = torch.zeros(max_loras, len(projs) * r, bounds[-1], dtype=dtype, device=self.device)
+                self.modules[(layer, fused)] = SlotWeights(a, b, [False] * max_loras, list(zip(bounds, bounds[1:])))
 
     # ---- the registry -----------------------------------------------------------------------------
     def load(self, name: str, path: str) -> LoRAAdapter:
@@ -165,14 +169,14 @@ class LoRAManager:
         r, rank = self.max_rank, adapter.rank
         for w in self.modules.values():
             w.a[slot].zero_()
-            for b in w.b:
-                b[slot].zero_()
+            w.b[slot].zero_()
             w.active[slot] = False
         for (layer, proj), (a, b) in adapter.weights.items():
             fused, s = TARGETS[proj]
             w = self.modules[(layer, fused)]
+            lo, hi = w.out_slices[s]
             w.a[slot, s * r:s * r + rank].copy_(a)
-            w.b[s][slot, :, :rank].copy_(b * adapter.scaling)
+            w.b[slot, s * r:s * r + rank, lo:hi].copy_((b * adapter.scaling).t())
             w.active[slot] = True
 
     def info(self) -> dict:
