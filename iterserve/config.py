@@ -199,6 +199,16 @@ class EngineConfig:
     # speculative decoding (spec/config.py; vLLM's --speculative-config JSON): None = off, except for
     # requests that bring OpenAI's `prediction`, which are looked up with the ngram defaults
     speculative_config: Any = None
+    # LoRA adapters (lora/): many adapters on the one base model, their rows batched in every step.
+    # lora_modules: name -> PEFT adapter folder, loaded (and checked) at start-up; max_loras: adapters
+    # resident at once (the slots a step's rows can use); max_lora_rank: the largest rank accepted
+    # (slots are sized for it); max_cpu_loras: adapters kept loaded in CPU memory, resident or not
+    # (None: max(max_loras, the start-up adapters)); the rest are read again from their folder
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # misc
     log_scheduler: bool = False
     seed: int = 0
@@ -246,10 +256,30 @@ class EngineConfig:
         if self.speculative_config is not None and self.batch_invariant:
             raise ValueError("speculative decoding verifies drafts in multi-token rows, whose kernels differ from "
                              "a single-token step's: --batch-invariant cannot hold with --speculative-config")
+        self._check_lora()
         if self.enable_prefix_caching and self.batching == "static":
             raise ValueError("prefix caching shares KV blocks between requests; static batching keeps "
                              "contiguous, unshared KV per sequence: drop --enable-prefix-caching or use "
                              "--batching continuous")
+
+    def _check_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                             "a resident adapter is also kept in CPU memory")
+        clash = {"--batching static (its fixed batches would hold adapter slots for their whole run)":
+                 self.batching == "static",
+                 "--compile (the adapters' per-step row groups would recompile the graph)": self.compile,
+                 "--batch-invariant (the adapters' grouped matmuls change with the step's rows)":
+                 self.batch_invariant}
+        bad = [name for name, on in clash.items() if on]
+        if bad:
+            raise ValueError(f"--enable-lora does not work with {'; '.join(bad)}")
 
     @property
     def max_seqs_per_step(self) -> int:

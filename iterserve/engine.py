@@ -26,6 +26,9 @@ from iterserve.config import EngineConfig, ModelConfig
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
+from iterserve.lora.adapter import LoRAAdapter, LoRAError
+from iterserve.lora.layers import install_lora_hooks
+from iterserve.lora.manager import LoRAInUse, LoRAManager
 from iterserve.model.loader import ModelNotFound, load_model, model_config, resolve_model
 from iterserve.platform.base import kv_bytes_per_block, user_cache_dir
 from iterserve.platform.selector import get_platform
@@ -126,6 +129,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.prefix_caching)
         self.scheduler: SchedulerBase = build_scheduler(config, self.pool, self.max_model_len)
         self.runner = self._new_runner(num_blocks)
+        self.lora = self._init_lora()
         if config.compile:
             self._compile_model()
         fits = num_blocks // self.pool.blocks_for(self.max_model_len)
@@ -163,6 +167,44 @@ class LLMEngine:
         from iterserve.spec.draft_model import DraftModelProposer
         return DraftModelProposer.load(cfg, self.platform, self.model_config, self.config.block_size,
                                        self.tokenizer, self.max_model_len)
+
+    def _init_lora(self) -> LoRAManager | None:
+        """--enable-lora: the adapter slots, the projections' hooks (installed once per model: they
+        read the step's LoRA batch, so engines sharing a model share them) and --lora-modules."""
+        cfg = self.config
+        if not cfg.enable_lora:
+            return None
+        lora = LoRAManager(self.model_config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
+                           self.device, self.dtype)
+        if getattr(self.model, "_lora_hooks", None) is None:
+            self.model._lora_hooks = install_lora_hooks(self.model)
+        for name, path in cfg.lora_modules.items():
+            try:
+                lora.add(lora.load(name, path))
+            except LoRAError as e:
+                raise ValueError(f"--lora-modules {name}: {e}") from None
+        self.scheduler.lora = self.runner.lora = lora
+        log.info("LoRA: %d adapter(s) (%s), %d resident slot(s) of rank %d", len(lora.names()),
+                 ", ".join(lora.names()) or "none yet", cfg.max_loras, cfg.max_lora_rank)
+        return lora
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Registers an adapter read and checked by `self.lora.load` (which may run off the engine
+        thread); call it on the engine thread. LoRAError when the name is taken."""
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled on this server (--enable-lora)")
+        self.lora.add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads an adapter; LoRAInUse while a request (waiting, running or compiling its grammar)
+        runs under it, LoRAError when there is no such adapter. Call it on the engine thread."""
+        if self.lora is None or name not in self.lora:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
+        users = [rid for rid, r in self.requests.items() if r.lora_name == name and not r.is_finished]
+        if users:
+            raise LoRAInUse(f"LoRA adapter {name!r} is in use by {len(users)} request(s): unload it when they "
+                            "have finished")
+        self.lora.remove(name)
 
     def _max_model_len(self, mcfg: ModelConfig) -> int:
         max_len = self.config.max_model_len or min(mcfg.max_position_embeddings, 4096)
@@ -214,6 +256,7 @@ class LLMEngine:
                 "max_model_len": self.max_model_len,
                 "max_input_len": self.max_input_len, "max_output_len": self.max_output_len,
                 "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching,
+                "lora": self.lora.info() if self.lora is not None else None,
                 "model_load": getattr(self.model, "load_info", None),
                 "speculative_config": (dataclasses.asdict(self.config.speculative_config)
                                        if self.config.speculative_config is not None else None)}
@@ -262,6 +305,11 @@ class LLMEngine:
         req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                       priority=priority, arrival_time=arrival_time, prompt=prompt)
         req.prefix_leader = self.requests.get(prefix_leader) if prefix_leader else None
+        if req.lora_name is not None:
+            if self.lora is None or req.lora_name not in self.lora:
+                raise RequestRejected(f"model {req.lora_name!r} does not exist"
+                                      + ("" if self.lora is not None else " (LoRA is not enabled)"), status_code=404)
+            req.cache_key = self.lora.cache_key(req.lora_name)
         need = self.scheduler.max_blocks_per_request(req)
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has "
@@ -271,6 +319,9 @@ class LLMEngine:
             raise RequestRejected(f"logit_bias: token id {bad[0]} is outside the vocabulary "
                                   f"(0..{self.model_config.vocab_size - 1})")
         self.requests[request_id] = req
+        if req.lora_name is not None:
+            self.lora.stats.requests[req.lora_name] += 1
+            self.lora.stats.prompt_tokens[req.lora_name] += req.num_prompt_tokens
         if params.structured_outputs is not None:
             future = self.structured.compile(params.structured_outputs)
             if not future.done():  # the step goes on; the request joins the scheduler when it is ready
@@ -432,6 +483,8 @@ class LLMEngine:
         status, n = None, 0
         for tok, lp in zip(tokens, lps):
             req.append_token(tok, now)
+            if req.lora_name is not None:
+                self.lora.stats.generation_tokens[req.lora_name] += 1
             if lp is not None:
                 req.logprobs.append(lp)
             n += 1

@@ -40,6 +40,21 @@ ENGINE_ENV_HELP = (
     "--no-measure-kernels (a flag given wins).")
 
 
+class _LoRAModules(argparse.Action):
+    """--lora-modules name=path ... -> {name: path} (EngineConfig.lora_modules)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        out: dict[str, str] = {}
+        for item in values:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                parser.error(f"{option_string} takes NAME=PATH items, got {item!r}")
+            if name in out:
+                parser.error(f"{option_string} names {name!r} twice")
+            out[name] = path
+        setattr(namespace, self.dest, out)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.epilog = f"{p.epilog} {ENGINE_ENV_HELP}" if p.epilog else ENGINE_ENV_HELP
     d = EngineConfig()
@@ -150,6 +165,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "requests, default 8; null: never off). Greedy output is unchanged and sampled output "
                         "keeps its distribution (docs/speculative.md). Without it, a request's OpenAI "
                         "`prediction` still drafts. Example: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+    lo = p.add_argument_group("LoRA adapters (docs/server.md)")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters on the base model: a request names its adapter in 'model', and one "
+                         "step batches rows of many adapters (and of the base model) together. Continuous "
+                         "batching only; not with --compile or --batch-invariant")
+    lo.add_argument("--lora-modules", nargs="+", action=_LoRAModules, default=d.lora_modules, metavar="NAME=PATH",
+                    help="adapters to load at start-up: PEFT adapter folders (adapter_config.json + "
+                         "adapter_model.safetensors), each served under NAME. One that does not fit the base "
+                         "model (rank, targets, shapes) stops the start-up; more can be added while serving "
+                         "with POST /v1/load_lora_adapter")
+    lo.add_argument("--max-loras", type=int, default=d.max_loras,
+                    help="adapters resident at once, i.e. used by the running requests of one step (default 1). "
+                         "A request whose adapter is not resident waits for a slot, as it waits for KV blocks; "
+                         "a slot whose adapter no running request uses is reloaded, least recently used first")
+    lo.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                    help="the largest adapter rank accepted; every slot is sized (and every adapter padded) to "
+                         f"it, so a lower one costs less per adapter row (default {d.max_lora_rank})")
+    lo.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                    help="adapters kept loaded in CPU memory, resident or not (at least --max-loras); the least "
+                         "recently used beyond it are read again from their folder when next needed (default: "
+                         "all those given with --lora-modules, at least --max-loras)")
     g.add_argument("--log-scheduler", action="store_true",
                    help="log one line per engine step: batch size, tokens, KV blocks, admitted requests "
                         "with their prefix-cache hit tokens, finished/preempted requests")
@@ -185,6 +221,8 @@ def engine_flags_from_args(args: argparse.Namespace) -> list[str]:
             words.append(action.option_strings[0] if value else action.option_strings[1])
         elif isinstance(action, argparse._StoreTrueAction):
             words.append(action.option_strings[0])
+        elif isinstance(value, dict):
+            words += [action.option_strings[0], *(f"{k}={v}" for k, v in value.items())]
         elif value is not None:
             words += [action.option_strings[0], str(value)]
     return words

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,10 @@ class Request:
         self.spec_num_drafts = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        # LoRA: the adapter it runs under (None: the base model), and what its block hashes carry
+        # besides the tokens (the adapter's identity: the same prompt under another adapter has other KV)
+        self.lora_name: str | None = params.lora_name
+        self.cache_key: Hashable | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None  # why it ended, for FINISHED_ERROR / FINISHED_SHUTDOWN
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from iterserve.attention.forward_context import forward_context
 from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.config import ModelConfig
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from iterserve.lora.layers import LoRABatch
 from iterserve.request import Request
 from iterserve.sampling import Sampler, SamplingParams
 from iterserve.spec.verify import Verified, verify_drafts
@@ -62,6 +64,7 @@ class StepInputs:
     prompt_rows: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     # pooling: (index into sched.scheduled, flat rows, the prompt position pooled up to after them)
     pooled_rows: list[tuple[int, list[int], int]] = field(default_factory=list)
+    lora: Any = None  # lora.layers.LoRABatch: the rows of each adapter slot; None when no row has one
 
 
 @dataclass
@@ -91,6 +94,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size)
         self.constraints = TokenConstraints(cfg.vocab_size)
+        self.lora = None  # lora.manager.LoRAManager with --enable-lora (the engine sets it)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Lays the step out as the attention expects: single-token rows first, then prefill
@@ -106,9 +110,15 @@ class ModelRunner:
         prompt_rows: list[tuple[int, list[int], list[int]]] = []
         pooled_rows: list[tuple[int, list[int], int]] = []
         dec_tables, dec_ctx, pre_tables, pre_q, pre_ctx = [], [], [], [], []
+        row_slots: list[int] | None = None
+        if self.lora is not None and any(sched.scheduled[i].request.lora_name for i in rows):
+            row_slots = []
         for i in rows:
             s = sched.scheduled[i]
             n, start, table = s.num_tokens, s.start, s.block_table
+            if row_slots is not None:
+                name = s.request.lora_name
+                row_slots.extend([self.lora.slot(name) if name else -1] * n)
             tokens.extend(s.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -154,17 +164,18 @@ class ModelRunner:
             last_index=last_index,
             prompt_rows=prompt_rows,
             pooled_rows=pooled_rows,
+            lora=LoRABatch.build(row_slots, self.lora, dev) if row_slots is not None else None,
         )
 
     @contextmanager
-    def step_context(self, meta: AttentionMetadata) -> Iterator[None]:
-        """The forward context every layer's attention reads (attention/forward_context.py)."""
-        with forward_context(meta, self.kv_caches, self.attention):
+    def step_context(self, meta: AttentionMetadata, lora: Any = None) -> Iterator[None]:
+        """The forward context every layer's attention (and LoRA hook) reads (attention/forward_context.py)."""
+        with forward_context(meta, self.kv_caches, self.attention, lora):
             yield
 
     def compute_logits(self, inp: StepInputs, logits_indices: torch.Tensor) -> torch.Tensor:
         """Runs the model on a prepared step; logits [len(logits_indices), vocab]."""
-        with self.step_context(inp.meta):
+        with self.step_context(inp.meta, inp.lora):
             return self.model(inp.input_ids, inp.positions, logits_indices)
 
     @torch.inference_mode()
@@ -202,7 +213,7 @@ class ModelRunner:
         if inp.pooled_rows:
             hidden_idx = torch.tensor([r for _, rows, _ in inp.pooled_rows for r in rows], dtype=torch.long,
                                       device=self.device)
-            with self.step_context(inp.meta):
+            with self.step_context(inp.meta, inp.lora):
                 all_logits, hidden = self.model.forward_with_hidden(inp.input_ids, inp.positions, rows_idx,
                                                                     hidden_idx)
             self._pool(inp, hidden, results)

@@ -47,6 +47,9 @@ class SamplingParams:
     # OpenAI's `prediction` as tokens: the text the output is expected to share much of, which
     # speculative decoding drafts from (it never changes what is sampled, only how fast)
     prediction_token_ids: list[int] | None = None
+    # the LoRA adapter the request runs under (lora/; the server takes it from `model`); None: the base
+    # model. It travels with the params, as pooling does, so every path to the engine carries it
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

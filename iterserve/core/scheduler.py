@@ -177,6 +177,7 @@ class SchedulerBase:
         self.num_recomputed_tokens = 0  # tokens computed again after a preemption (cache misses)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admissions (vLLM's name)
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        self.lora = None  # lora.manager.LoRAManager with --enable-lora (the engine sets it): adapter slots
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -200,7 +201,7 @@ class SchedulerBase:
     def _update_block_hashes(self, req: Request) -> list[bytes]:
         """Extends the request's hash chain over its full blocks (prompt and generated tokens)."""
         if self.pool.enable_caching and len(req.block_hashes) < req.num_tokens // self.pool.block_size:
-            req.block_hashes = hash_block_chain(req.all_token_ids, self.pool.block_size,
+            req.block_hashes = hash_block_chain(req.all_token_ids, self.pool.block_size, extra_key=req.cache_key,
                                                 parent_hashes=req.block_hashes)
         return req.block_hashes
 
@@ -341,13 +342,24 @@ class Scheduler(SchedulerBase):
         return (self.pool.enable_caching and lead is not None and lead.status is RequestStatus.RUNNING
                 and lead.num_computed_tokens < lead.num_prompt_tokens)
 
+    def _lora_slot_ready(self, req: Request) -> bool:
+        """Makes the request's adapter resident (a free slot, or the least recently used one no
+        running request uses); False when every slot is in use: it waits, as it waits for blocks."""
+        busy = {r.lora_name for r in self.running if r.lora_name}
+        return self.lora.ensure_resident(req.lora_name, busy)
+
     def _admit(self, now: float, budget: int, out: SchedulerOutput) -> None:
         cfg, bs = self.config, self.pool.block_size
+        slot_blocked = False  # an adapter request ahead waits for a slot: no adapter request passes it
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
             if self._waits_for_leader(req):
                 continue
+            if req.lora_name is not None and self.lora is not None:
+                if slot_blocked or not self._lora_slot_ready(req):
+                    slot_blocked = True
+                    continue  # base-model requests behind it still go: they need no slot
             hashes = self._update_block_hashes(req)
             cached = self.pool.find_cached_prefix(hashes[: req.max_cached_tokens() // bs])
             num_cached = len(cached) * bs

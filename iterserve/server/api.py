@@ -23,7 +23,7 @@ import anyio
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,8 +36,8 @@ from iterserve.server.metrics import ServerMetrics
 from iterserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware,
                                          RejectionCounterMiddleware, error_response)
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       EmbeddingRequest, ResponsesRequest, TokenizeRequest, error_body,
-                                       validation_message)
+                                       EmbeddingRequest, LoadLoRAAdapterRequest, ResponsesRequest, TokenizeRequest,
+                                       UnloadLoRAAdapterRequest, error_body, validation_message)
 from iterserve.server.serving import OpenAIServing, ServerSettings, message_chars
 
 access_log = logging.getLogger("iterserve.access")
@@ -137,6 +137,7 @@ def scheduler_state(engine: AsyncEngine, info: dict, since_step: int | None = No
                          "cached_free_blocks": kv.cached_free_blocks},
         "speculative": speculative_state(cfg.speculative_config, state.spec),
         "config": info,
+        "lora": llm.lora.info() if getattr(llm, "lora", None) is not None else None,
         "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
     }
 
@@ -226,9 +227,23 @@ def build_api(serving: OpenAIServing, settings: ServerSettings, count_rejected: 
     # ---- the rest ---------------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": created,
-                                            "owned_by": "iterserve", "root": model_name(llm.config.model),
-                                            "max_model_len": llm.max_model_len}]}
+        base = {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "iterserve",
+                "root": model_name(llm.config.model), "parent": None, "max_model_len": llm.max_model_len}
+        lora = serving.lora
+        adapters = [{**base, "id": name, "root": name, "parent": settings.served_model_name}
+                    for name in (lora.names() if lora is not None else [])]
+        return {"object": "list", "data": [base, *adapters]}
+
+    # ---- LoRA adapters (vLLM's endpoints and answers; behind the API key like every route) -------------
+    @app.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        await serving.load_lora_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses={**ERROR_RESPONSES, 409: {"description": "adapter in use"}})
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        await serving.unload_lora_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):

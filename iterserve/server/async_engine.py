@@ -27,11 +27,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from iterserve.core.block_pool import BlockUsage
 from iterserve.engine import LLMEngine, StepRecord
 from iterserve.request import RequestOutput, RequestRejected, RequestStatus, RequestTimes
 from iterserve.sampling import SamplingParams
+
+T = TypeVar("T")
 
 log = logging.getLogger("iterserve.server")
 
@@ -334,6 +337,25 @@ class AsyncEngine:
         """Runs `fn` on the engine thread before its next step, waking it if idle: the one place
         where the engine's own structures (e.g. the block tables) can be read consistently."""
         self._submit(_Call(fn))
+
+    async def run_in_engine_thread(self, fn: Callable[[], T]) -> T:
+        """Runs `fn` on the engine thread between steps and returns its result (or raises its
+        exception) here: for changes to the engine's own structures (LoRA adapters)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def call() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as e:  # noqa: BLE001 - handed back to the caller
+                result, error = None, e
+            loop.call_soon_threadsafe(lambda: fut.done() or (fut.set_exception(error) if error is not None
+                                                              else fut.set_result(result)))
+
+        if not self.alive:
+            raise RequestRejected(self.health() or "the engine is not running", status_code=503)
+        self.call_in_engine_thread(call)
+        return await fut
 
     def _submit(self, cmd) -> None:
         with self._cond:

@@ -185,6 +185,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--responses-store-ttl must be > 0")
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1KiB")
+    if getattr(args, "enable_lora", False) and args.replicas is not None:
+        raise ValueError("--enable-lora is not available with --replicas yet: the ingress cannot load, unload or "
+                         "route adapters")
     if isinstance(args.allowed_hosts, str):
         args.allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     if args.allowed_hosts is None:

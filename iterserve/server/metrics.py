@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from iterserve.engine import StepRecord
 from iterserve.request import RequestOutput
 from iterserve.server.async_engine import AsyncEngine
+from iterserve.server.lora_metrics import LoRACollector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -138,6 +139,8 @@ class ServerMetrics:
             self.failure.labels(model_name, reason)
         for status in REJECTION_STATUSES:
             self.rejected.labels(model_name, str(status))
+        if getattr(engine.engine, "lora", None) is not None:  # --enable-lora: per adapter series
+            reg.register(LoRACollector(engine.engine, model_name, vllm_names))
         engine.step_listeners.append(self.on_step)
         engine.finish_listeners.append(self.on_finish)
         engine.failure_listeners.append(self.on_step_failure)

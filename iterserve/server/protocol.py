@@ -305,6 +305,17 @@ class ResponsesRequest(StrictModel):
                                  description="extension: lower runs first under --scheduling-policy priority")
 
 
+class LoadLoRAAdapterRequest(StrictModel):
+    """vLLM's /v1/load_lora_adapter body: a PEFT adapter folder on the server's machine, and the
+    name requests will give as `model`."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None

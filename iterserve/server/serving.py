@@ -29,6 +29,8 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from iterserve.lora.adapter import LoRAError
+from iterserve.lora.manager import LoRAInUse
 from iterserve.pooling import PoolingParams
 from iterserve.request import RequestOutput, RequestRejected, RequestTimes
 from iterserve.sampling import SamplingParams
@@ -150,9 +152,61 @@ class OpenAIServing:
 
     # ---- validation ---------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.served_model_name:
+        if name is not None and name != self.settings.served_model_name and self.lora_name(name) is None:
             raise APIError(f"model {name!r} does not exist; this server serves "
-                           f"{self.settings.served_model_name!r}", 404, param="model", code="model_not_found")
+                           f"{self.settings.served_model_name!r}" + self._adapters_phrase(), 404, param="model",
+                           code="model_not_found")
+
+    # ---- LoRA adapters (lora/): a request names its adapter in `model`, as in vLLM ------------------
+    @property
+    def lora(self):
+        """The engine's LoRAManager, or None (LoRA off, or the Ray ingress, whose replicas hold it)."""
+        return getattr(self.llm, "lora", None)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names, or None for the base model."""
+        lora = self.lora
+        if model is None or model == self.settings.served_model_name or lora is None:
+            return None
+        return model if model in lora else None
+
+    def _adapters_phrase(self) -> str:
+        names = self.lora.names() if self.lora is not None else []
+        return f" and the LoRA adapters {', '.join(repr(n) for n in names)}" if names else ""
+
+    def _lora_enabled(self):
+        if self.lora is None or not hasattr(self.engine, "run_in_engine_thread"):
+            raise APIError("LoRA adapters are not enabled on this server (start it with --enable-lora; "
+                           "not available with --replicas)", 400, code="lora_not_enabled")
+        return self.lora
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Reads and checks the adapter off the engine thread, then registers it on it: a bad adapter
+        is a 400 and changes nothing."""
+        lora = self._lora_enabled()
+        if name == self.settings.served_model_name:
+            raise APIError(f"{name!r} is the base model's name", param="lora_name")
+        if name in lora:
+            raise APIError(f"a LoRA adapter named {name!r} is already loaded: unload it first", param="lora_name")
+        try:
+            adapter = await asyncio.to_thread(lora.load, name, path)
+            await self.engine.run_in_engine_thread(lambda: self.llm.add_lora(adapter))
+        except LoRAError as e:
+            raise APIError(f"LoRA adapter {name!r} cannot be loaded: {e}", param="lora_path",
+                           code="invalid_lora_adapter") from None
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Refused with 409 while a request (waiting or running) runs under the adapter."""
+        lora = self._lora_enabled()
+        if name not in lora:
+            raise APIError(f"no LoRA adapter named {name!r} is loaded", 404, param="lora_name",
+                           code="lora_not_found")
+        try:
+            await self.engine.run_in_engine_thread(lambda: self.llm.remove_lora(name))
+        except LoRAInUse as e:
+            raise APIError(str(e), 409, param="lora_name", code="lora_in_use") from None
+        except LoRAError as e:
+            raise APIError(str(e), 404, param="lora_name", code="lora_not_found") from None
 
     @staticmethod
     def check_supported(body: GenerationRequest) -> None:
@@ -170,6 +224,7 @@ class OpenAIServing:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
                                   structured_outputs=structured, logit_bias=self.logit_bias(body),
                                   prompt_logprobs=prompt_logprobs, prediction_token_ids=self.prediction(body),
+                                  lora_name=self.lora_name(body.model),
                                   **given)
         except ValueError as e:
             raise APIError(str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
@@ -300,7 +355,8 @@ class OpenAIServing:
             if why is not None:
                 raise APIError(why, param="dimensions")
         prompts = await self._embedding_prompts(body.input)
-        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(dimensions=body.dimensions))
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(dimensions=body.dimensions),
+                                lora_name=self.lora_name(body.model))
         vocab = self.llm.model_config.vocab_size
         for i, ids in enumerate(prompts):
             where = "input" if len(prompts) == 1 else f"input[{i}]"
@@ -382,6 +438,8 @@ class OpenAIServing:
     async def _generate(self, fmt: "_Format | ResponsesFormat", body: GenerationRequest, http: Request,
                         ids: list[int], params: SamplingParams, arrival: float):
         request_id = fmt.new_id()
+        if params.lora_name is not None and hasattr(fmt, "model"):  # answers name the adapter, as vLLM's
+            fmt.model = params.lora_name
         streams = await self._add_choices(request_id, ids, params, body.n or 1, body.priority or 0, arrival)
         http.state.admitted = True  # from here on an error is a failure, not a rejection (metrics)
         if body.stream:

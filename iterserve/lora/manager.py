@@ -1,0 +1,190 @@
+"""Which adapters the server knows, which are loaded in CPU memory, and which sit in the few resident
+slots that a step's rows can use.
+
+Three tiers, as in vLLM: registered (a name and a folder, checked when registered), CPU-loaded (a
+bounded LRU of float32 weights, --max-cpu-loras; an adapter that falls out is read again from its
+folder when next needed) and resident (--max-loras slots of stacked, padded tensors on the model's
+device, in its dtype). A slot holds its adapter's A and B for every layer and targeted module, B
+already multiplied by the adapter's scaling and both padded with zeros to --max-lora-rank, so one
+step can use any mix of slots with the same tensors.
+
+The scheduler asks `ensure_resident(name, busy)` when it admits a request: the adapter's slot, a
+free one, or the least recently used slot whose adapter no running request uses (`busy`); when none
+is left the request waits, as it waits for KV blocks. Adapters are only ever loaded into slots on
+the engine thread, between steps.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from iterserve.config import ModelConfig
+from iterserve.lora.adapter import FUSED, TARGETS, LoRAAdapter, LoRAError, load_adapter, projection_shapes
+
+log = logging.getLogger("iterserve.lora")
+
+
+class LoRAInUse(LoRAError):
+    """An unload refused because requests still run under the adapter (the server answers 409)."""
+
+
+@dataclass
+class SlotWeights:
+    """One fused module of one layer, for every slot: A [slots, S * R, in] (the S projections' A
+    stacked), B [slots, S * R, out] (transposed, scaled, block-diagonal: projection s's R rows feed
+    only its own output columns), and which slots' adapters target this module at all."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    active: list[bool]
+    out_slices: list[tuple[int, int]]  # output columns of each of the S projections
+
+
+@dataclass
+class LoRAStats:
+    """Counters for metrics and records, per adapter name."""
+
+    loads: int = 0  # adapters copied into a slot
+    cpu_loads: int = 0  # adapters read from their folder (registration and re-reads)
+    requests: Counter = field(default_factory=Counter)
+    prompt_tokens: Counter = field(default_factory=Counter)
+    generation_tokens: Counter = field(default_factory=Counter)
+
+
+class LoRAManager:
+    def __init__(self, model_cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int | None,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        self.model_cfg = model_cfg
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.device, self.dtype = torch.device(device), dtype
+        self._paths: dict[str, str] = {}
+        self._uid: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
+        self.slots: list[str | None] = [None] * max_loras
+        self._slot_of: dict[str, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
+        self.stats = LoRAStats()
+        shapes = projection_shapes(model_cfg)
+        r = max_rank
+        self.modules: dict[tuple[int, str], SlotWeights] = {}
+        for layer in range(model_cfg.num_layers):
+            for fused, projs in FUSED.items():
+                in_f = shapes[projs[0]][1]
+                outs = [shapes[p][0] for p in projs]
+                bounds = [sum(outs[:i]) for i in range(len(outs) + 1)]
+                a = torch.zeros(max_loras, len(projs) * r, in_f, dtype=dtype, device=self.device)
+                b = torch.zeros(max_loras, len(projs) * r, bounds[-1], dtype=dtype, device=self.device)
+                self.modules[(layer, fused)] = SlotWeights(a, b, [False] * max_loras, list(zip(bounds, bounds[1:])))
+
+    # ---- the registry -----------------------------------------------------------------------------
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Reads and checks an adapter (no state changes): safe off the engine thread."""
+        return load_adapter(name, path, self.model_cfg, self.max_rank)
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Registers a checked adapter under its name; LoRAError when the name is taken."""
+        if adapter.name in self._paths:
+            raise LoRAError(f"an adapter named {adapter.name!r} is already loaded: unload it first")
+        self._paths[adapter.name] = adapter.path
+        self._uid[adapter.name] = next(self._ids)
+        self.stats.cpu_loads += 1
+        self._keep_in_cpu(adapter)
+
+    def remove(self, name: str) -> None:
+        """Forgets an adapter (the caller made sure no request uses it); frees its slot."""
+        self._paths.pop(name)
+        self._uid.pop(name)
+        self._cpu.pop(name, None)
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self.slots[slot] = None
+            self._lru.pop(slot)
+            for w in self.modules.values():
+                w.active[slot] = False
+
+    def names(self) -> list[str]:
+        return list(self._paths)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._paths
+
+    def cache_key(self, name: str) -> tuple[str, str, int]:
+        """What the prefix cache's block hashes carry for a request under this adapter: the same
+        tokens under another adapter (or the same name loaded again) have other KV."""
+        return ("lora", name, self._uid[name])
+
+    def _keep_in_cpu(self, adapter: LoRAAdapter) -> None:
+        self._cpu[adapter.name] = adapter
+        self._cpu.move_to_end(adapter.name)
+        limit = self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, len(self._paths))
+        while len(self._cpu) > limit:
+            self._cpu.popitem(last=False)
+
+    def _weights(self, name: str) -> LoRAAdapter:
+        adapter = self._cpu.get(name)
+        if adapter is None:  # dropped from the CPU cache: read its folder again
+            adapter = self.load(name, self._paths[name])
+            self.stats.cpu_loads += 1
+        self._keep_in_cpu(adapter)
+        return adapter
+
+    # ---- resident slots -----------------------------------------------------------------------------
+    @property
+    def resident(self) -> list[str]:
+        return [n for n in self.slots if n is not None]
+
+    def slot(self, name: str) -> int:
+        return self._slot_of[name]
+
+    def ensure_resident(self, name: str, busy: set[str]) -> bool:
+        """Makes `name` resident (loading it into a free slot or the least recently used slot whose
+        adapter is not in `busy`) and marks it used now; False when every slot is busy."""
+        slot = self._slot_of.get(name)
+        if slot is None:
+            free = [i for i, n in enumerate(self.slots) if n is None]
+            evictable = [i for i in self._lru if self.slots[i] not in busy]
+            if not free and not evictable:
+                return False
+            slot = free[0] if free else evictable[0]
+            old = self.slots[slot]
+            if old is not None:
+                del self._slot_of[old]
+                log.info("LoRA adapter %s leaves slot %d for %s", old, slot, name)
+            self._fill(slot, self._weights(name))
+            self.slots[slot], self._slot_of[name] = name, slot
+            self.stats.loads += 1
+        self._lru[slot] = None
+        self._lru.move_to_end(slot)
+        return True
+
+    @torch.no_grad()
+    def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copies an adapter into a slot: every module zeroed, then its A and scaled B padded to R."""
+        r, rank = self.max_rank, adapter.rank
+        for w in self.modules.values():
+            w.a[slot].zero_()
+            w.b[slot].zero_()
+            w.active[slot] = False
+        for (layer, proj), (a, b) in adapter.weights.items():
+            fused, s = TARGETS[proj]
+            w = self.modules[(layer, fused)]
+            lo, hi = w.out_slices[s]
+            w.a[slot, s * r:s * r + rank].copy_(a)
+            w.b[slot, s * r:s * r + rank, lo:hi].copy_((b * adapter.scaling).t())
+            w.active[slot] = True
+
+    def info(self) -> dict:
+        """For /v1/scheduler and records."""
+        return {"max_loras": self.max_loras, "max_lora_rank": self.max_rank, "max_cpu_loras": self.max_cpu_loras,
+                "adapters": self.names(), "resident": [{"slot": i, "name": n} for i, n in enumerate(self.slots)],
+                "cpu_loaded": list(self._cpu), "loads_total": self.stats.loads,
+                "cpu_loads_total": self.stats.cpu_loads,
+                "requests_total": dict(self.stats.requests),
+                "prompt_tokens_total": dict(self.stats.prompt_tokens),
+                "generation_tokens_total": dict(self.stats.generation_tokens)}
