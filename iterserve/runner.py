@@ -282,16 +282,25 @@ class ModelRunner:
             for j, r in enumerate(plain):
                 results[sampled[r]].token_id = sample.token_ids[j]
                 results[sampled[r]].logprob = sample.logprobs[j]
+        argmax: list[int] | None = None
         for r, s in enumerate(rows):
             if not s.spec_token_ids:
                 continue
             req, a, k = s.request, starts[r], kept[r]
-            sl = slice(a, a + k + 1)
-            probs = self.sampler.target_probs(raw[sl], params[sl], histories[sl], plens[sl])
-            u = self.sampler.uniforms(k + 1, [req.generator] * (k + 1), raw.device)
-            v = verify_drafts(probs, s.spec_token_ids[:k], u[:k], u[k:])
+            drafts = s.spec_token_ids[:k]
+            if req.params.greedy and not req.params.has_penalties:
+                # p is one-hot at the argmax: the rule is "accept while the draft is the argmax"
+                argmax = raw.argmax(dim=-1).tolist() if argmax is None else argmax
+                n_ok = next((j for j in range(k) if argmax[a + j] != drafts[j]), k)
+                v = Verified(n_ok, drafts[:n_ok] + [argmax[a + n_ok]])
+            else:
+                sl = slice(a, a + k + 1)
+                probs = self.sampler.target_probs(raw[sl], params[sl], histories[sl], plens[sl])
+                u = self.sampler.uniforms(k + 1, [req.generator] * (k + 1), raw.device)
+                v = verify_drafts(probs, drafts, u[:k], u[k:])
             lps = self.sampler.logprobs(raw[a:a + len(v.token_ids)], v.token_ids,
-                                        [req.params] * len(v.token_ids))
+                                        [req.params] * len(v.token_ids)) \
+                if req.params.logprobs is not None else [None] * len(v.token_ids)
             res = results[sampled[r]]
             res.token_id, res.logprob, res.spec, res.spec_logprobs = v.token_ids[0], lps[0], v, lps
 

@@ -9,8 +9,9 @@ whose estimate falls so low that no k pays stops drafting and tries one draft ag
 PROBE_AFTER steps. Above `disable_by_batch_size` running requests nobody drafts: the step is then
 compute-bound, and a draft row's compute is better spent on other rows.
 
-A request that brings OpenAI's `prediction` is looked up in it first (its opening tokens before
-any output, then the n-gram of its latest tokens), with or without a server-wide method.
+A request that brings OpenAI's `prediction` drafts with or without a server-wide method: the
+ngram and suffix proposers look it up beside the request's own tokens; a server with no method, or
+a draft model, looks it up with the ngram proposer first (spec/ngram.py).
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 
 from iterserve.request import Request
 from iterserve.spec.config import SpeculativeConfig
-from iterserve.spec.ngram import NgramIndex
+from iterserve.spec.ngram import NgramProposer
 from iterserve.spec.proposer import Proposer
 
-# Step time of one more verified token in a row, relative to a one-token row's (CPU, small models,
-# where a step reads all the weights once whatever its few rows): docs/benchmarks.md's spec section
-EXTRA_TOKEN_COST = 0.1
+# Step time of one more verified token in a row, relative to a one-token row's: SmolLM2 alone on
+# Zen 5, a step of 1 + k tokens took 1 + 0.12 k times a one-token step's (docs/speculative.md)
+EXTRA_TOKEN_COST = 0.12
 PRIOR_ACCEPTANCE = 0.6  # a new request's per-token acceptance estimate
 EMA_WEIGHT = 0.3  # weight of the latest verification in the estimate
 PROBE_AFTER = 16  # steps a row that stopped drafting waits before trying one draft again
@@ -44,7 +45,6 @@ class _RowState:
     accepted: float = PRIOR_ACCEPTANCE  # exponential averages of accepted drafts and of trials
     trials: float = 1.0
     idle_steps: int = 0
-    prediction: NgramIndex | None = None
 
     @property
     def acceptance(self) -> float:
@@ -55,6 +55,9 @@ class SpecController:
     def __init__(self, config: SpeculativeConfig | None, proposer: Proposer | None) -> None:
         self.config = config or SpeculativeConfig()  # prediction-only servers: the ngram defaults
         self.proposer = proposer if config is not None else None
+        # requests with a prediction, where the method does not read it
+        self.predictor = NgramProposer.from_config(self.config) \
+            if config is None or config.method == "draft_model" else None
         self._rows: dict[str, _RowState] = {}
 
     @property
@@ -66,9 +69,6 @@ class SpecController:
         st = self._rows.get(req.request_id)
         if st is None:
             st = self._rows[req.request_id] = _RowState()
-            if req.prediction_token_ids:
-                st.prediction = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-                st.prediction.extend(req.prediction_token_ids)
         return st
 
     def num_drafts(self, req: Request) -> int:
@@ -89,31 +89,25 @@ class SpecController:
         if limit is not None and len(running) > limit:
             return
         items: list[tuple[Request, int]] = []
+        predicted: list[tuple[Request, int]] = []
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1 or req.is_pooling or req.is_finished:
                 continue
-            if self.proposer is None and not req.prediction_token_ids:
+            by_prediction = self.predictor is not None and bool(req.prediction_token_ids)
+            if self.proposer is None and not by_prediction:
                 continue
             k = self.num_drafts(req)
-            if k == 0:
-                continue
-            drafts = self._from_prediction(req, k) if req.prediction_token_ids else []
-            if drafts:
-                req.spec_token_ids = drafts
-            elif self.proposer is not None:
-                items.append((req, k))
+            if k:
+                (predicted if by_prediction else items).append((req, k))
+        if predicted:
+            for (req, k), drafts in zip(predicted, self.predictor.propose(predicted)):
+                if drafts:
+                    req.spec_token_ids = list(drafts[:k])
+                elif self.proposer is not None:  # a draft model guesses where the prediction has nothing
+                    items.append((req, k))
         if items:
             for (req, k), drafts in zip(items, self.proposer.propose(items)):
                 req.spec_token_ids = list(drafts[:k])
-
-    def _from_prediction(self, req: Request, k: int) -> list[int]:
-        """While the output is the prediction's opening, what follows it there; else the prediction
-        looked up with the output's latest n-gram (an edit moved the two apart)."""
-        st, pred, out = self._state(req), req.prediction_token_ids, req.output_token_ids
-        n = len(out)
-        if n < len(pred) and pred[:n] == out:
-            return list(pred[n:n + k])
-        return list(st.prediction.lookup(out[-self.config.prompt_lookup_max:], k))
 
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """A step appended tokens to req, after verifying num_drafts drafts (0: it had none)."""
@@ -123,11 +117,18 @@ class SpecController:
             st.accepted = (1 - EMA_WEIGHT) * st.accepted + EMA_WEIGHT * num_accepted
             st.trials = (1 - EMA_WEIGHT) * st.trials + EMA_WEIGHT * trials
             st.idle_steps = 0
-        if self.proposer is not None:
-            self.proposer.verified(req)
+        for p in self._proposers(req):
+            p.verified(req)
 
     def finished(self, req: Request) -> None:
         self._rows.pop(req.request_id, None)
-        if self.proposer is not None:
-            self.proposer.finished(req)
+        for p in self._proposers(req):
+            p.finished(req)
+
+    def _proposers(self, req: Request) -> list[Proposer]:
+        """Those that may hold state for req: the method's, and the predictor for a prediction."""
+        out = [self.proposer] if self.proposer is not None else []
+        if self.predictor is not None and req.prediction_token_ids:
+            out.append(self.predictor)
+        return out
 

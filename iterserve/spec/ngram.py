@@ -85,8 +85,9 @@ class _NgramState:
 
 class NgramProposer(Proposer):
     """Prompt lookup in the request's own prompt + output, and in the client's `prediction`
-    (OpenAI's predicted outputs) when it sent one. The longer match wins; on equal length the
-    prediction (the client's own statement of what comes next) does."""
+    (OpenAI's predicted outputs) when it sent one. While the output is the prediction's opening,
+    the prediction's next tokens are the draft; after that the longer match wins, and on equal
+    length the prediction (the client's own statement of what comes next) does."""
 
     def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -112,6 +113,10 @@ class NgramProposer(Proposer):
         for req, k in items:
             st = self._get(req)
             tail = req.token_slice(max(0, req.num_tokens - self.max_n), min(self.max_n, req.num_tokens))
+            pred, done = req.prediction_token_ids, req.num_output_tokens
+            if pred and done < len(pred) and pred[:done] == req.output_token_ids:
+                out.append(list(pred[done:done + k]))  # the output so far is the prediction's opening
+                continue
             n, draft = st.context.match(tail, k)
             if st.prediction is not None:
                 pn, pdraft = st.prediction.match(tail, k)
