@@ -142,7 +142,8 @@ class LLMEngine:
             StructuredOutputConfig(any_whitespace=config.structured_outputs_any_whitespace,
                                    allow_additional_properties=config.structured_outputs_allow_additional_properties))
         self.pooling = self._resolve_pooling()
-        self.spec = SpecController(config.speculative_config, self._build_proposer())
+        self.spec = SpecController(config.speculative_config, self._build_proposer(),
+                                   predictions=config.batching == "continuous")
         self._compiling: dict[str, tuple[Request, object]] = {}  # waiting for their grammar
         self.requests: dict[str, Request] = {}
         self.step_count = 0
@@ -511,7 +512,8 @@ class LLMEngine:
         rejected ones, the controller learns what was accepted, and the next step's drafts are
         proposed (their time counts in the step's)."""
         spec = self.spec
-        if not spec.enabled and not any(r.scheduled.request.prediction_token_ids for r in results):
+        if not spec.enabled and (spec.predictor is None
+                                 or not any(r.scheduled.request.prediction_token_ids for r in results)):
             return
         for res in results:
             req = res.scheduled.request

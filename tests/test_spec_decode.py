@@ -184,6 +184,28 @@ def test_n4_siblings_and_stop_strings(smol32, baseline):
     assert got["spec"][2] > 0
 
 
+def test_logprobs_of_accepted_tokens(smol32, baseline):
+    """Each accepted draft and the token after it carry the logprob (and top 2) they carry
+    without speculation: the same positions' logits, from one verify row instead of one step each."""
+    def logprobs(pred):
+        e = engine_for(smol32)
+        add(e, "l", copy_messages(1), greedy(24, logprobs=2, prediction_token_ids=pred))
+        out = []
+        while e.has_unfinished_requests():
+            for o in e.step():
+                out += o.new_logprobs
+                if o.finished:
+                    spec = o.spec_accepted_tokens
+        return out, spec
+
+    ref, _ = logprobs(None)
+    got, accepted = logprobs(baseline[("copy", 1)]["tokens"])
+    assert accepted > 0 and len(got) == len(ref) == 24
+    for (lp, top), (rlp, rtop) in zip(got, ref):
+        assert lp == pytest.approx(rlp, abs=2e-3)
+        assert [t for t, _ in top] == [t for t, _ in rtop]
+
+
 def test_structured_outputs_never_accept_a_forbidden_draft(smol32):
     from iterserve.structured.params import StructuredOutputsParams
 

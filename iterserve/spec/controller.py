@@ -52,12 +52,15 @@ class _RowState:
 
 
 class SpecController:
-    def __init__(self, config: SpeculativeConfig | None, proposer: Proposer | None) -> None:
+    def __init__(self, config: SpeculativeConfig | None, proposer: Proposer | None,
+                 predictions: bool = True) -> None:
+        """predictions: whether requests' `prediction` drafts without a method (not under static
+        batching, whose fixed batches plan one token per row: there it is a hint left unused)."""
         self.config = config or SpeculativeConfig()  # prediction-only servers: the ngram defaults
         self.proposer = proposer if config is not None else None
         # requests with a prediction, where the method does not read it
         self.predictor = NgramProposer.from_config(self.config) \
-            if config is None or config.method == "draft_model" else None
+            if predictions and (config is None or config.method == "draft_model") else None
         self._rows: dict[str, _RowState] = {}
 
     @property
