@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from iterserve.bench.launcher import wait_healthy
 from iterserve.bench.machine import figures_line, machine_figures
 from iterserve.bench.summary import git_commit
 
@@ -90,18 +91,6 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return dict(spent)
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{base} not healthy after {timeout:.0f} s")
 
 
 def run_one(name: str, flags: list[str], workload: str, args, out_dir: Path) -> dict:

@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from iterserve.bench.common import markdown_table, one_line  # noqa: E402
-from iterserve.bench.launcher import ServerProcess, free_port  # noqa: E402
+from iterserve.bench.launcher import ServerProcess, free_port, wait_healthy  # noqa: E402
 from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
 from iterserve.bench.peers import PEER_ENV_DEFAULTS  # noqa: E402
 from iterserve.bench.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
@@ -285,18 +285,7 @@ def llama_server(binary: Path, gguf: Path, extra: list[str], log_path: Path, thr
                                  "--alias", "smollm2", *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}: see {log_path}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not healthy within {timeout_s:.0f} s")
-            time.sleep(0.3)
+        wait_healthy(url, proc, timeout_s, f"llama-server (log: {log_path})")
         yield url
     finally:
         if proc.poll() is None:

@@ -177,6 +177,7 @@ class LLMEngine:
             return None
         lora = LoRAManager(self.model_config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
                            self.device, self.dtype)
+        lora.kernels = getattr(self.platform, "kernels", None)  # CPU platform: its C++ kernels, if loaded
         if getattr(self.model, "_lora_hooks", None) is None:
             self.model._lora_hooks = install_lora_hooks(self.model)
         for name, path in cfg.lora_modules.items():

@@ -12,6 +12,22 @@ from pathlib import Path
 import httpx
 
 
+def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float, name: str = "the server") -> None:
+    """Returns once `base_url`/health answers 200; RuntimeError when proc exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}")
+        try:
+            if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not become healthy within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,19 +64,13 @@ class ServerProcess:
             out = subprocess.DEVNULL
         self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT if self._log_file else subprocess.PIPE,
                                      env=self.env, text=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self._tail()
-                raise RuntimeError(f"iterserve serve exited with code {self.proc.returncode}: {err}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"iterserve serve did not become healthy within {self.startup_timeout:.0f} s")
+        try:
+            wait_healthy(self.base_url, self.proc, self.startup_timeout, "iterserve serve")
+        except RuntimeError as e:
+            exited = self.proc.poll() is not None
+            self.stop()
+            raise RuntimeError(f"{e}: {self._tail()}" if exited else str(e)) from None
+        return self
 
     def _tail(self) -> str:
         if self.log_path and self.log_path.exists():

@@ -23,8 +23,9 @@ class BenchSetting:
     name: str
     input_len: int
     output_len: int
-    rate: float  # requests/s (Poisson)
+    rate: float  # requests/s (Poisson); inf: all at once
     num_prompts: int
+    max_concurrency: int | None = None  # most requests in flight (the client's --max-concurrency)
 
 
 SETTINGS = (BenchSetting("random_128_64_4rps", 128, 64, 4.0, 32),  # issue 16's setting
@@ -47,7 +48,9 @@ def command(vllm: Path, base_url: str, model: str, tokenizer: Path, s: BenchSett
             "--random-input-len", str(s.input_len), "--random-output-len", str(s.output_len),
             "--num-prompts", str(s.num_prompts), "--request-rate", str(s.rate), "--ignore-eos", "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
-            "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{s.name}.json"]
+            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+            "--result-filename", f"{s.name}.json",
+            *(["--max-concurrency", str(s.max_concurrency)] if s.max_concurrency else [])]
 
 
 def run_bench(vllm: Path, base_url: str, tokenizer: Path, s: BenchSetting, out_dir: Path,

@@ -42,6 +42,10 @@ class SlotWeights:
     b: torch.Tensor
     active: list[bool]
     out_slices: list[tuple[int, int]]  # output columns of each of the S projections
+    bounds: list[int] = field(default_factory=list)  # the same as S+1 offsets, 0 .. out (lora_sgmv's form)
+
+    def __post_init__(self) -> None:
+        self.bounds = [lo for lo, _ in self.out_slices] + [self.out_slices[-1][1]]
 
 
 @dataclass
@@ -62,6 +66,9 @@ class LoRAManager:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max_cpu_loras
         self.device, self.dtype = torch.device(device), dtype
+        # the C++ kernels' module where the CPU platform loaded them (the engine sets it): then every
+        # step's deltas go through its lora_sgmv (layers.py); None: the torch paths
+        self.kernels = None
         self._paths: dict[str, str] = {}
         self._uid: dict[str, int] = {}
         self._ids = itertools.count(1)
