@@ -39,6 +39,10 @@ from iterserve.sim.step_model import errors_line
 if TYPE_CHECKING:
     from iterserve.sim.simulator import SimRun
 
+# what an adapter row adds to a step (sim/lora.py): SmolLM2-135M, rank 16, 16-row decode steps on Zen 5
+# (docs/server.md's LoRA section); another model or host: measure with benchmarks/lora_throughput.py
+LORA_TOKEN_COST_US = 1300.0
+LORA_ADAPTER_COST_US = 0.0
 RECORDS_LIMIT = 200_000  # above this many requests, results keep no per-step or per-token detail, and
 # `simulate` keeps a streaming summary instead of per-request records (unless --compare-out, which plots them)
 
@@ -204,6 +208,15 @@ def sim_workload(args: argparse.Namespace, model: str = "") -> tuple[Workload | 
     return workload_stream_from_args(args), []
 
 
+def lora_policy(args: argparse.Namespace):
+    """--lora-adapters N (and its costs), or None."""
+    n = getattr(args, "lora_adapters", None)
+    if not n:
+        return None
+    from iterserve.sim.lora import LoRAPolicy
+    return LoRAPolicy(n, args.lora_fraction, args.lora_token_cost_us * 1e-6, args.lora_adapter_cost_us * 1e-6)
+
+
 def run_sim(args: argparse.Namespace, profile: Profile, specs: Workload | Sequence[RequestSpec], config: EngineConfig,
             replicas: int | None = None, slos: list | None = None, conversations: list | None = None,
             records: bool = False) -> SimRun:
@@ -216,7 +229,7 @@ def run_sim(args: argparse.Namespace, profile: Profile, specs: Workload | Sequen
                    keep_itl=not big, slos=slos or [], sample_replicas=getattr(args, "sample_replicas", None),
                    conversations=conversations or [], streaming_summary=streaming,
                    spec_acceptance=spec_acceptance(args) if config.speculative_config is not None else None,
-                   spec_draft_fraction=getattr(args, "spec_draft_fraction", 1.0))
+                   spec_draft_fraction=getattr(args, "spec_draft_fraction", 1.0), lora=lora_policy(args))
     engine = {**config.__dict__, "speculative_config": dataclasses.asdict(config.speculative_config)
               if config.speculative_config is not None else None}
     run.result.meta.update(workload=describe_workload(args), engine=engine, profile=profile.describe(),
@@ -303,6 +316,17 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
                    help="measure ALPHA from a saved /v1/scheduler answer's speculative totals instead")
     s.add_argument("--spec-draft-fraction", type=float, default=1.0, metavar="F",
                    help="share of decode rows that draft at all (prompt lookup misses some; default 1)")
+    lo = p.add_argument_group("LoRA adapters (sim/lora.py)")
+    lo.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                    help="spread the requests over N adapters (0: none), resident in --max-loras slots by the "
+                         "engine's rule: a request whose adapter has no slot waits")
+    lo.add_argument("--lora-fraction", type=float, default=1.0, metavar="F",
+                    help="share of requests that carry an adapter (default 1; the rest use the base model)")
+    lo.add_argument("--lora-token-cost-us", type=float, default=LORA_TOKEN_COST_US, metavar="US",
+                    help="microseconds an adapter row adds to a step per token (default: SmolLM2, rank 16, "
+                         "measured on Zen 5: docs/server.md; benchmarks/lora_throughput.py prints a host's)")
+    lo.add_argument("--lora-adapter-cost-us", type=float, default=LORA_ADAPTER_COST_US, metavar="US",
+                    help="microseconds each distinct adapter in a step adds (default: as above)")
     add_engine_args(p)
     add_workload_args(p)
 

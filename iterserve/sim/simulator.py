@@ -54,6 +54,7 @@ from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile
 from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
 from iterserve.sim.router import ROUTERS, Router
+from iterserve.sim.lora import LoRAPolicy, SimResidency
 from iterserve.sim.speculative import SpecPolicy
 from iterserve.sim.step_model import step_features
 
@@ -78,9 +79,10 @@ class SimEngine:
 
     def __init__(self, config: EngineConfig, profile: Profile, index: int = 0,
                  make_scheduler: SchedulerFactory = build_scheduler, keep_steps: bool = True,
-                 spec: SpecPolicy | None = None) -> None:
+                 spec: SpecPolicy | None = None, lora: LoRAPolicy | None = None) -> None:
         self.config = config
         self.spec = spec  # speculative decoding's drafting and acceptance; None: off
+        self.lora = lora  # adapters: which requests carry one, their rows' price; None: off
         self.index = index
         self.step_model = profile.step_model
         self.overhead = profile.overhead
@@ -89,6 +91,9 @@ class SimEngine:
         self.max_output_len = config.max_output_len or self.max_model_len
         self.pool = BlockPool(profile.num_kv_blocks(config), config.block_size, enable_caching=config.prefix_caching)
         self.scheduler = make_scheduler(config, self.pool, self.max_model_len)
+        if lora is not None:  # the engine's residency rule over --max-loras slots, without weights
+            from iterserve.lora.slots import SlotTable
+            self.scheduler.lora = SimResidency(SlotTable(config.max_loras))
         self.in_flight: SchedulerOutput | None = None
         self.step_start = 0.0  # the forward pass's start (after admissions)
         self.run_end = 0.0  # and end (the engine's bookkeeping gap follows)
@@ -119,6 +124,9 @@ class SimEngine:
         if cfg.max_waiting is not None and self.scheduler.num_waiting >= cfg.max_waiting:
             raise RequestRejected(f"the waiting queue is full ({cfg.max_waiting} requests): retry later", 503)
         req = Request(f"r{spec.index}", ids, params, arrival_time=spec.arrival_s if at is None else at)
+        if self.lora is not None:  # as the engine sets them from the request's `model`
+            req.lora_name = self.lora.adapter_of(spec.index)
+            req.cache_key = req.lora_name
         need = self.scheduler.max_blocks_per_request(req)
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has {self.pool.num_blocks}")
@@ -133,6 +141,8 @@ class SimEngine:
         oh = self.overhead
         self.step_start = now + oh.admit_s * len(sched.admitted)
         self.run_end = self.step_start + self.step_model.predict(step_features(sched, self.config.block_size))
+        if self.lora is not None:
+            self.run_end += self.lora.price(sched)
         self.in_flight = sched
         self.num_preempted += len(sched.preempted)
         return self.run_end + oh.gap(len(sched.scheduled))
@@ -357,7 +367,8 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
              keep_steps: bool = True, keep_itl: bool = True, slos: Sequence = (),
              sample_replicas: int | None = None, conversations: Sequence[ConversationPlan] = (),
              streaming_summary: bool = False, relative_error: float = DEFAULT_RELATIVE_ERROR,
-             spec_acceptance: float | None = None, spec_draft_fraction: float = 1.0) -> SimRun:
+             spec_acceptance: float | None = None, spec_draft_fraction: float = 1.0,
+             lora: LoRAPolicy | None = None) -> SimRun:
     """Runs the workload through `replicas` simulated engines; deterministic for the same inputs.
 
     specs: a list (sorted here), or an iterable in send order (a lazy `bench.workload.Workload`),
@@ -382,7 +393,10 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
     spec_acceptance: with `config.speculative_config`, the per-token acceptance probability alpha of
     its drafts (sim/speculative.py; `alpha_from_totals` turns a server's measured totals into one),
     and spec_draft_fraction the share of decode rows that draft at all. A speculative config needs
-    it: the simulator cannot guess how often drafts are right."""
+    it: the simulator cannot guess how often drafts are right.
+
+    lora: requests under LoRA adapters (sim/lora.py): which carry one, what their rows add to a
+    step, and residency in config.max_loras slots by the engine's own rule."""
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
     spec_cfg = getattr(config, "speculative_config", None)
@@ -428,7 +442,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
     order = arrivals()
     if sample_replicas is not None:
         router, replicas = ROUTERS["round-robin"](), sample_replicas
-    engines = [SimEngine(config, profile, i, make_scheduler, keep_steps, spec_policy(i)) for i in range(replicas)]
+    engines = [SimEngine(config, profile, i, make_scheduler, keep_steps, spec_policy(i), lora) for i in range(replicas)]
     params_for: dict[int, SamplingParams] = {}  # one SamplingParams per output length (they are immutable here)
     spec_of: dict[str, RequestSpec] = {}
     records: list[RequestRecord] = []
@@ -545,6 +559,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         "prefix_cache_hits": sum(e.scheduler.prefix_cache_hits for e in engines),
         "num_kv_blocks": engines[0].pool.num_blocks,
         "speculative": spec_stats(engines) if spec_cfg is not None else None,
+        "lora_loads": sum(e.scheduler.lora.loads for e in engines) if lora is not None else None,
         "profile": profile.describe(), "estimate": profile.estimate,
     }
     result: RunResult | StreamingResult
