@@ -432,7 +432,10 @@ class LLMEngine:
                 self._admit_compiled(outputs)
             now = time.monotonic()
             sched = self.scheduler.schedule(now)
-            if sched.is_empty:
+            for req, why in sched.failed:  # ended alone: the step goes on without it
+                req.status, req.error = RequestStatus.FINISHED_ERROR, why
+                self._release([(req, 0)], now, outputs, finished_ids=None)
+            if not sched.scheduled:
                 return outputs
             t0 = time.perf_counter()
             results = self.runner.execute(sched)

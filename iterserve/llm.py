@@ -24,6 +24,7 @@ class CompletionResult:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: per prompt token, the first None
     embedding: list[float] | None = None  # SamplingParams.pooling: the normalised vector
+    error: str | None = None  # why it ended, when the engine failed it (finish_reason "error")
 
 
 class LLM:
@@ -61,7 +62,8 @@ class LLM:
                     done[out.request_id] = CompletionResult(
                         r.request_id, r.output_text, list(r.output_token_ids), r.finish_reason,
                         r.num_prompt_tokens, r.num_output_tokens, r.times, r.logprobs,
-                        r.prompt_logprobs if r.params.prompt_logprobs is not None else None, r.embedding)
+                        r.prompt_logprobs if r.params.prompt_logprobs is not None else None, r.embedding,
+                        r.error)
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]

@@ -224,11 +224,80 @@ def test_no_adapter_rows_no_lora_batch(tiny_model_dir, adapters):
     assert runner.prepare(sched).lora is None
     lora.ensure_resident("attn4", set())
     sched.scheduled.append(ScheduledRequest(Request("r1", p, params("attn4")), len(p), 0, [3, 4, 5], p, sample=True))
-    batch = runner.prepare(sched).lora
-    assert [s for s, _ in batch.groups] == [lora.slot("attn4")] and not batch.masks
-    assert batch.groups[0][1].tolist() == list(range(len(p), 2 * len(p)))
     decode = SchedulerOutput([ScheduledRequest(Request(f"d{i}", p, params(n)), 1, 5, [i], [7], sample=True)
                               for i, n in enumerate([None, "attn4", None])])
+    slot = lora.slot("attn4")
+    if lora.kernels is not None:  # the C++ kernel's form, long and short steps alike
+        batch = runner.prepare(sched).lora
+        assert batch.row_slot.tolist() == [-1] * len(p) + [slot] * len(p) and not batch.groups and not batch.masks
+        assert runner.prepare(decode).lora.row_slot.tolist() == [-1, slot, -1]
+    lora.kernels = None  # the torch paths
+    batch = runner.prepare(sched).lora
+    assert [s for s, _ in batch.groups] == [slot] and not batch.masks and batch.row_slot is None
+    assert batch.groups[0][1].tolist() == list(range(len(p), 2 * len(p)))
     batch = runner.prepare(decode).lora
     assert not batch.groups and batch.masks[3].shape == (3, 4 * 3 * 16)
     assert batch.masks[3].sum(dim=1).tolist() == [0, 3 * 16, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_sgmv_kernel_matches_torch_paths(dtype, monkeypatch):
+    """cpu_kernels.cpp's lora_sgmv against both torch paths (masked, gathered) and a float64
+    reference: fused modules of 1, 2 and 3 projections with odd widths, rows of three slots and none."""
+    from types import SimpleNamespace
+
+    from iterserve.lora import layers
+    from iterserve.lora.manager import SlotWeights
+    from iterserve.platform.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ kernels on this machine")
+    gen = torch.Generator().manual_seed(0)
+    slots, rank, in_f = 3, 4, 37
+    shapes = {"o_proj": [29], "gate_up_proj": [23, 23], "qkv_proj": [41, 13, 11]}  # S = 1, 2, 3
+    modules = {}
+    for name, outs in shapes.items():
+        bounds = [sum(outs[:i]) for i in range(len(outs) + 1)]
+        a = torch.randn(slots, len(outs) * rank, in_f, generator=gen)
+        b = torch.zeros(slots, len(outs) * rank, bounds[-1])
+        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):  # block-diagonal, as the manager lays it out
+            b[:, j * rank:(j + 1) * rank, lo:hi] = torch.randn(slots, rank, hi - lo, generator=gen)
+        modules[(0, name)] = SlotWeights(a.to(dtype), b.to(dtype), [True] * slots, list(zip(bounds, bounds[1:])))
+    row_slots = [-1, 0, 2, 2, 1, -1, 0, 2, 2, 2, 1]
+    manager = SimpleNamespace(modules=modules, max_loras=slots, max_rank=rank, dtype=dtype, kernels=None)
+    cpu = torch.device("cpu")
+    masked = layers.LoRABatch.build(row_slots, manager, cpu)
+    monkeypatch.setattr(layers, "DENSE_MAX_ROWS", 0)
+    gathered = layers.LoRABatch.build(row_slots, manager, cpu)
+    manager.kernels = kernels
+    kernel = layers.LoRABatch.build(row_slots, manager, cpu)
+    assert masked.masks and gathered.groups and kernel.row_slot is not None
+    base = [i for i, s in enumerate(row_slots) if s < 0]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for key, w in modules.items():
+        x = torch.randn(len(row_slots), in_f, generator=gen).to(dtype)
+        out0 = torch.randn(len(row_slots), w.b.shape[2], generator=gen).to(dtype)
+        want = out0.double()
+        for r, s in enumerate(row_slots):
+            if s >= 0:
+                want[r] += (x[r].double() @ w.a[s].double().t()) @ w.b[s].double()
+        for batch in (masked, gathered, kernel):
+            got = batch.apply(key, x, out0.clone())
+            assert torch.equal(got[base], out0[base])  # rows without an adapter untouched
+            assert ((got.double() - want).abs().max() / want.abs().max()).item() < tol, (key, batch)
+
+
+def test_adapter_folder_gone_fails_only_its_requests(tiny_model_dir, adapters, expected, tmp_path):
+    """An adapter that fell out of the CPU cache and whose folder went away since: its request ends
+    with an error naming it; the base model's and another adapter's requests finish as always."""
+    import shutil
+
+    names = list(adapters)
+    copy = shutil.copytree(adapters[names[1]], tmp_path / "gone")
+    llm = lora_llm(tiny_model_dir, {names[0]: adapters[names[0]], "gone": str(copy)}, max_loras=1, max_cpu_loras=1)
+    llm.engine.lora._cpu.pop("gone", None)  # as if the CPU cache had dropped it
+    shutil.rmtree(copy)
+    got = llm.generate([PROMPTS[0]] * 3, [params(names[0]), params("gone"), params(None)], use_tqdm=False)
+    assert got[0].token_ids == expected[names[0]][0] and got[2].token_ids == expected[None][0]
+    assert got[1].finish_reason == "error" and "gone" in (got[1].error or "")

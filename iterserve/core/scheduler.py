@@ -56,6 +56,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[tuple[str, int]] = field(default_factory=list)  # (request id, prefix-cache hit tokens)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # waiting requests that cannot run, and why
 
     @property
     def num_tokens(self) -> int:
@@ -127,7 +128,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.failed
 
 
 class WaitingQueue:
@@ -357,7 +358,13 @@ class Scheduler(SchedulerBase):
             if self._waits_for_leader(req):
                 continue
             if req.lora_name is not None and self.lora is not None:
-                if slot_blocked or not self._lora_slot_ready(req):
+                try:
+                    ready = not slot_blocked and self._lora_slot_ready(req)
+                except Exception as e:  # noqa: BLE001 - its adapter's folder went bad: only it fails
+                    self.waiting.remove(req.request_id)
+                    out.failed.append((req, f"LoRA adapter {req.lora_name!r} could not be loaded: {e}"))
+                    continue
+                if not ready:
                     slot_blocked = True
                     continue  # base-model requests behind it still go: they need no slot
             hashes = self._update_block_hashes(req)

@@ -82,22 +82,15 @@ class LoRABatch:
     def apply(self, key: tuple[int, str], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.modules[key]
         if self.row_slot is not None:
-            if out.is_contiguous():  # the projections' outputs always are; a view would not update in place
-                load_cpu_kernels().lora_sgmv(x, w.a, w.b, self.row_slot, w.bounds, out)
-                return out
-            return self._apply_gathered(w, x, out)
+            dst = out if out.is_contiguous() else out.contiguous()  # the kernel writes in place: a copy of a view
+            load_cpu_kernels().lora_sgmv(x, w.a, w.b, self.row_slot, w.bounds, dst)
+            return out if dst is out else out.copy_(dst)
         if self.masks:
             h = x.to(w.a.dtype) @ w.a.flatten(0, 1).t()  # [T, slots * S * R]
             h.mul_(self.masks[len(w.out_slices)])  # each row keeps its own slot's columns
             out.add_((h @ w.b.flatten(0, 1)).to(out.dtype))
             return out
-        return self._apply_gathered(w, x, out)
-
-    def _apply_gathered(self, w: SlotWeights, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        groups = self.groups
-        if self.row_slot is not None:  # the kernel's batch, on a non-contiguous out (not seen in practice)
-            groups = [(s, torch.nonzero(self.row_slot == s).flatten()) for s in self.row_slot.unique().tolist() if s >= 0]
-        for slot, rows in groups:
+        for slot, rows in self.groups:
             if not w.active[slot]:
                 continue
             xs = x if rows is None else x.index_select(0, rows)

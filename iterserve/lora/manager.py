@@ -24,6 +24,7 @@ import torch
 
 from iterserve.config import ModelConfig
 from iterserve.lora.adapter import FUSED, TARGETS, LoRAAdapter, LoRAError, load_adapter, projection_shapes
+from iterserve.lora.slots import SlotTable
 
 log = logging.getLogger("iterserve.lora")
 
@@ -73,9 +74,7 @@ class LoRAManager:
         self._uid: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
-        self.slots: list[str | None] = [None] * max_loras
-        self._slot_of: dict[str, int] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
+        self.table = SlotTable(max_loras)  # which adapter is in which slot, least recently used first
         self.stats = LoRAStats()
         shapes = projection_shapes(model_cfg)
         r = max_rank
@@ -108,10 +107,8 @@ class LoRAManager:
         self._paths.pop(name)
         self._uid.pop(name)
         self._cpu.pop(name, None)
-        slot = self._slot_of.pop(name, None)
+        slot = self.table.release(name)
         if slot is not None:
-            self.slots[slot] = None
-            self._lru.pop(slot)
             for w in self.modules.values():
                 w.active[slot] = False
 
@@ -143,31 +140,33 @@ class LoRAManager:
 
     # ---- resident slots -----------------------------------------------------------------------------
     @property
+    def slots(self) -> list[str | None]:
+        return self.table.slots
+
+    @property
     def resident(self) -> list[str]:
         return [n for n in self.slots if n is not None]
 
     def slot(self, name: str) -> int:
-        return self._slot_of[name]
+        return self.table.slot_of[name]
 
     def ensure_resident(self, name: str, busy: set[str]) -> bool:
         """Makes `name` resident (loading it into a free slot or the least recently used slot whose
         adapter is not in `busy`) and marks it used now; False when every slot is busy."""
-        slot = self._slot_of.get(name)
-        if slot is None:
-            free = [i for i, n in enumerate(self.slots) if n is None]
-            evictable = [i for i in self._lru if self.slots[i] not in busy]
-            if not free and not evictable:
-                return False
-            slot = free[0] if free else evictable[0]
-            old = self.slots[slot]
-            if old is not None:
-                del self._slot_of[old]
-                log.info("LoRA adapter %s leaves slot %d for %s", old, slot, name)
-            self._fill(slot, self._weights(name))
-            self.slots[slot], self._slot_of[name] = name, slot
+        got = self.table.acquire(name, busy)
+        if got is None:
+            return False
+        if got.loaded:
+            if got.evicted is not None:
+                log.info("LoRA adapter %s leaves slot %d for %s", got.evicted, got.slot, name)
+            try:
+                self._fill(got.slot, self._weights(name))
+            except BaseException:  # its folder became unreadable: the slot holds no adapter at all
+                self.table.release(name)
+                for w in self.modules.values():
+                    w.active[got.slot] = False
+                raise
             self.stats.loads += 1
-        self._lru[slot] = None
-        self._lru.move_to_end(slot)
         return True
 
     @torch.no_grad()
