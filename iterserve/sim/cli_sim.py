@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 # what an adapter row adds to a step (sim/lora.py): SmolLM2-135M, rank 16, 16-row decode steps on Zen 5
 # (docs/server.md's LoRA section); another model or host: measure with benchmarks/lora_throughput.py
-LORA_TOKEN_COST_US = 1300.0
-LORA_ADAPTER_COST_US = 0.0
+LORA_TOKEN_COST_US = 20.0
+LORA_ADAPTER_COST_US = 1500.0
 RECORDS_LIMIT = 200_000  # above this many requests, results keep no per-step or per-token detail, and
 # `simulate` keeps a streaming summary instead of per-request records (unless --compare-out, which plots them)
 
