@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +36,7 @@ import httpx  # noqa: E402
 from iterserve.bench.launcher import ServerProcess  # noqa: E402
 from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
 from iterserve.bench.random_lora import AdapterSpec, make_random_adapter  # noqa: E402
+from iterserve.bench.summary import git_commit, write_json  # noqa: E402
 from iterserve.bench.workload import RequestSpec, build_prompts  # noqa: E402
 from iterserve.model.loader import load_tokenizer, resolve_model  # noqa: E402
 
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--hf-dir", default=os.environ.get("MODEL_DIR"),
                    help="Hugging Face folder of the same base model, for PEFT (default: $MODEL_DIR)")
     p.add_argument("--adapter-dir", default="runs/lora_throughput/adapters", help="where the adapters are written")
+    p.add_argument("--log-dir", default="runs/lora_throughput", help="the servers' logs")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
@@ -117,7 +119,7 @@ def main() -> None:
             continue
         serve = [args.model, "--served-model-name", "base", "--max-num-seqs", str(args.concurrency),
                  *args.server_args.split(), *flags]
-        with ServerProcess(serve, log_path=Path(args.out).parent / f"{name}.log") as srv:
+        with ServerProcess(serve, log_path=Path(args.log_dir) / f"{name}.log") as srv:
             asyncio.run(closed_loop(srv.base_url, prompts[:2], models[:2], 4, 2))  # warm-up
             stats = httpx.get(srv.base_url + "/v1/scheduler").json().get("lora")
             results[name] = asyncio.run(closed_loop(srv.base_url, prompts, models, args.output_len, args.concurrency))
@@ -132,7 +134,8 @@ def main() -> None:
         print(f"| {name} | {r['output_tok_s']:.1f} | {ratio} | {r['latency_p50_s']:.2f} | {r.get('slot_loads', '-')} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"host": fig, "args": vars(args), "results": results}, indent=1))
+    write_json(out, {"command": " ".join(sys.argv), "commit": git_commit(), "host": fig, "args": vars(args),
+                     "results": results})
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import httpx  # noqa: E402
 
 from iterserve.bench.common import markdown_table, one_line  # noqa: E402
 from iterserve.bench.launcher import ServerProcess, free_port, wait_healthy  # noqa: E402
+from iterserve.bench.summary import git_commit, write_json  # noqa: E402
 from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
 from iterserve.bench.peers import PEER_ENV_DEFAULTS  # noqa: E402
 from iterserve.bench.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
@@ -352,14 +353,6 @@ def print_table(table: list[dict]) -> None:
     print(markdown_table([head, *body], "llrrrrrrr"))
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -410,8 +403,7 @@ def main() -> None:
         # no paths of this machine in the results
         kept = {k: v for k, v in vars(args).items()
                 if k not in ("peers_home", "llama_server", "gguf", "log_dir", "out")}
-        out.write_text(json.dumps({"table": table, "command": command, "commit": git_commit(), "host": fig,
-                                   "args": kept}, indent=2) + "\n")
+        write_json(out, {"table": table, "command": command, "commit": git_commit(), "host": fig, "args": kept})
         print(f"wrote {out}")
 
 

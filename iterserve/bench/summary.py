@@ -77,8 +77,24 @@ def run_info(command: Sequence[str] | None) -> dict[str, Any]:
             "loadavg_at_start": load_average()}
 
 
+def without_machine_paths(data: Any) -> Any:
+    """`data` with this machine's home folder written `~` and the checkout's folder `.`: results go
+    into git, and where a model or a peer lived on the machine that measured them is nobody's
+    business (and true of no other machine)."""
+    home, here = str(Path.home()), str(Path(__file__).resolve().parents[2])
+    if isinstance(data, str):
+        return data.replace(here, ".").replace(home, "~")
+    if isinstance(data, dict):
+        return {without_machine_paths(k): without_machine_paths(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [without_machine_paths(v) for v in data]
+    return data
+
+
 def write_json(path: Path, data: Any, *, compact: bool = False) -> Path:
-    """Writes `data` as JSON (indented for summaries that are diffed; compact for raw records)."""
+    """Writes `data` as JSON (indented for summaries that are diffed; compact for raw records),
+    without machine paths."""
+    data = without_machine_paths(data)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=1) + "\n"
     path.write_text(text)
