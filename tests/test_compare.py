@@ -290,3 +290,16 @@ def test_compare_end_to_end_on_the_tiny_model(capsys, tmp_path, tiny_model_dir):
     assert cli.main(["compare", "--replot", "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == table.strip()
     assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summaries_are_written_without_machine_paths(tmp_path):
+    """Results go into git: the home folder and the checkout's folder are written as ~ and ."""
+    from pathlib import Path
+
+    from iterserve.bench.summary import write_json
+
+    here = str(Path(__file__).resolve().parents[1])
+    data = {"model": str(Path.home() / "models" / "m.gguf"), "out": [here + "/results/x.json"],
+            str(Path.home()): 1, "n": 3}
+    written = json.loads(write_json(tmp_path / "s.json", data).read_text())
+    assert written == {"model": "~/models/m.gguf", "out": ["./results/x.json"], "~": 1, "n": 3}
