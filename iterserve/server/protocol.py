@@ -189,7 +189,7 @@ class NamedToolChoice(StrictModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)

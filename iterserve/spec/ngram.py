@@ -114,7 +114,7 @@ class NgramProposer(Proposer):
             st = self._get(req)
             tail = req.token_slice(max(0, req.num_tokens - self.max_n), min(self.max_n, req.num_tokens))
             pred, done = req.prediction_token_ids, req.num_output_tokens
-            if pred and done < len(pred) and pred[:done] == req.output_token_ids:
+            if pred and 0 < done < len(pred) and pred[:done] == req.output_token_ids:
                 out.append(list(pred[done:done + k]))  # the output so far is the prediction's opening
                 continue
             n, draft = st.context.match(tail, k)
