@@ -300,6 +300,6 @@ def test_summaries_are_written_without_machine_paths(tmp_path):
 
     here = str(Path(__file__).resolve().parents[1])
     data = {"model": str(Path.home() / "models" / "m.gguf"), "out": [here + "/results/x.json"],
-            str(Path.home()): 1, "n": 3}
+            str(Path.home()): 1, "n": 3, "dir": Path(here) / "runs"}
     written = json.loads(write_json(tmp_path / "s.json", data).read_text())
-    assert written == {"model": "~/models/m.gguf", "out": ["./results/x.json"], "~": 1, "n": 3}
+    assert written == {"model": "~/models/m.gguf", "out": ["./results/x.json"], "~": 1, "n": 3, "dir": "./runs"}

@@ -132,3 +132,93 @@ def test_missing_peer_says_how_to_install(tmp_path):
     (home / "model").mkdir()
     (home / "model/SmolLM2-135M-Instruct.Q4_1.gguf").write_text("")
     assert install.missing("llamacpp") is None
+
+
+# ---------------------------------------------------------------- the peer matrix (iterserve.bench.matrix)
+
+from iterserve.bench import matrix as mx  # noqa: E402
+
+
+def test_matrix_shapes_and_names_parse():
+    assert mx.parse_shapes("256/96, 2048/32") == [(256, 96), (2048, 32)]
+    assert mx.parse_shapes("all") == list(mx.SHAPES)
+    for bad in ("256", "256/x", "0/4"):
+        with pytest.raises(ValueError):
+            mx.parse_shapes(bad)
+    assert mx.parse_names("all", list(mx.LOADS), "loads") == list(mx.LOADS)
+    with pytest.raises(ValueError):
+        mx.parse_names("c16,c16", list(mx.LOADS), "loads")
+    with pytest.raises(ValueError):
+        mx.parse_names("c64", list(mx.LOADS), "loads")
+
+
+def test_matrix_settings_and_systems():
+    s = mx.setting((1024, 64), mx.LOADS["c16"], 1.0, quick=False)
+    assert (s.input_len, s.output_len, s.rate, s.num_prompts, s.max_concurrency) == (1024, 64, float("inf"), 32, 16)
+    q = mx.setting((64, 256), mx.LOADS["rate"], 2.5, quick=True)
+    assert (q.output_len, q.rate, q.num_prompts, q.max_concurrency) == (mx.QUICK_OUTPUT_CAP, 2.5, 4, None)
+    assert mx.setting((64, 256), mx.LOADS["c16"], 1.0, quick=False, prompts=16).num_prompts == 16
+    assert mx.systems_for(mx.MODELS["smollm2"], ["llamacpp", "vllm", "iterserve"]) == ["iterserve", "vllm", "llamacpp"]
+    assert mx.systems_for(mx.MODELS["1b-bf16"], mx.PEER_ORDER) == ["iterserve", "vllm"]
+    assert mx.systems_for(mx.MODELS["1b-q4km"], ["vllm"]) == []
+
+
+def _m(tput, ttft, e2el, tpot=10.0):
+    return {"output_throughput": tput, "p95_ttft_ms": ttft, "p95_e2el_ms": e2el, "median_tpot_ms": tpot}
+
+
+def test_matrix_verdicts():
+    assert mx.verdict("c16", {"iterserve": _m(130, 50, 900), "vllm": _m(100, 60, 1000)}) == "met (1.30x)"
+    assert mx.verdict("c32", {"iterserve": _m(110, 70, 900), "vllm": _m(100, 60, 1000)}) == \
+        "missed: tok/s 1.10x; TTFT p95 70 vs 60 ms"
+    assert mx.verdict("c16", {"iterserve": _m(130, 50, 900)}) == "-"  # no vLLM in the cell
+    assert mx.verdict("single", {"iterserve": _m(1, 1, 1, tpot=8.0),
+                                 "llamacpp": _m(1, 1, 1, tpot=10.0)}) == "met (1.25x)"
+    assert mx.verdict("single", {"iterserve": _m(1, 1, 1, tpot=10.0), "llamacpp": _m(1, 1, 1, tpot=10.0)}) == \
+        "missed: decode 1.00x"
+    assert mx.verdict("rate", {"iterserve": _m(1, 1, 1), "vllm": _m(1, 1, 1)}) == "-"
+    assert mx.verdict("c16", {"iterserve": {"error": "x"}, "vllm": _m(1, 1, 1)}) == "-"
+
+
+def test_matrix_table_and_merge():
+    cells = {"smollm2 256/96 c16": {"iterserve": _m(500, 100, 2000, 20.0), "vllm": _m(400, 200, 3000, 25.0),
+                                    "llamacpp": {"error": "boom"}},
+             "smollm2 256/96 single": {"iterserve": _m(90, 20, 1000, 10.0), "llamacpp": _m(70, 30, 1400, 12.5)}}
+    head, sat, single = mx.table(cells)
+    assert head[:3] == ["model", "in/out", "load"] and len(sat) == len(head) == len(single)
+    assert sat[3:8] == ["500", "400", "error", "1.25x", "-"]
+    assert sat[8] == "100 / 200 / -" and sat[-1] == "met (1.25x)"
+    assert single[3:8] == ["90.0", "-", "70.0", "-", "1.25x"]  # ratios of decode tok/s: 100 vs 80
+    assert single[10] == "100 / - / 80.0"
+    assert mx.markdown([head, sat]).splitlines()[1].startswith("| --- | --- | --- | ---: |")
+    merged = mx.merge({"cells": cells}, {"smollm2 256/96 c16": {"llamacpp": _m(200, 1, 1)},
+                                         "smollm2 64/256 c16": {"iterserve": _m(1, 1, 1)}})
+    assert merged["smollm2 256/96 c16"]["llamacpp"]["output_throughput"] == 200
+    assert merged["smollm2 256/96 c16"]["vllm"] == cells["smollm2 256/96 c16"]["vllm"]
+    assert list(merged) == ["smollm2 256/96 c16", "smollm2 256/96 single", "smollm2 64/256 c16"]
+    assert mx.merge(None, {}) == {}
+
+
+def test_matrix_step_bounds():
+    cfg = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 49152}
+    cost = mx.llama_step_cost(cfg, 16, 2.0e9)
+    per_layer = 2048 * 2048 * 2 + 2048 * 512 * 2 + 3 * 2048 * 8192
+    assert cost["matmul_params"] == 16 * per_layer + 49152 * 2048
+    assert cost["flops"] == 2 * 16 * cost["matmul_params"]
+    b = mx.step_bounds(cost, copy_gb_s=40.0, gemm_gflop_s=1000.0, step_ms=100.0)
+    assert b["bandwidth_bound_ms"] == pytest.approx(50.0)
+    assert b["compute_bound_ms"] == pytest.approx(cost["flops"] / 1e9)
+    assert b["over_bound"] == pytest.approx(100.0 / max(50.0, cost["flops"] / 1e9))
+
+
+def test_vllm_bench_command_caps_concurrency_only_when_asked():
+    from pathlib import Path
+
+    from iterserve.bench import vllm_bench as vb
+
+    capped = vb.command(Path("vllm"), "http://h", "m", Path("tok"), mx.setting((64, 256), mx.LOADS["c32"], 1.0, False),
+                        Path("out"))
+    assert capped[capped.index("--max-concurrency") + 1] == "32"
+    assert capped[capped.index("--request-rate") + 1] == "inf" and "--save-detailed" in capped
+    assert "--max-concurrency" not in vb.command(Path("vllm"), "http://h", "m", Path("tok"), vb.SETTINGS[0], Path("out"))

@@ -92,12 +92,12 @@ def parse_names(text: str, known: Sequence[str], what: str) -> list[str]:
     return names
 
 
-def setting(shape: tuple[int, int], load: Load, rate: float, quick: bool) -> BenchSetting:
-    """One cell's `vllm bench serve` setting (rate inf = all at once)."""
+def setting(shape: tuple[int, int], load: Load, rate: float, quick: bool, prompts: int | None = None) -> BenchSetting:
+    """One cell's `vllm bench serve` setting (rate inf = all at once); `prompts` overrides the load's."""
     ins, outs = shape
     if quick:
         outs = min(outs, QUICK_OUTPUT_CAP)
-    prompts = load.quick_prompts if quick else load.prompts
+    prompts = prompts or (load.quick_prompts if quick else load.prompts)
     return BenchSetting(f"{ins}_{outs}_{load.name}", ins, outs, rate if load.poisson else float("inf"), prompts,
                         max_concurrency=load.concurrency)
 

@@ -116,8 +116,10 @@ def _iterserve(system: System, model: str, log_dir: Path, timeout_s: float) -> I
 
 
 @contextlib.contextmanager
-def _script_peer(kind: str, install: PeerInstall, timeout_s: float) -> Iterator[Started]:
-    """start_<kind>.sh on a free port; stop.sh only for a server this call started.
+def _script_peer(kind: str, install: PeerInstall, timeout_s: float,
+                 extra_env: dict[str, str] | None = None) -> Iterator[Started]:
+    """start_<kind>.sh on a free port; stop.sh only for a server this call started. `extra_env`
+    (e.g. GGUF, MODEL_DIR) is set over the environment.
 
     The scripts keep one pid file per kind under $PEERS/run, so a peer of the same kind that
     someone else started from the same $PEERS must not be running: stop.sh would stop it.
@@ -128,8 +130,9 @@ def _script_peer(kind: str, install: PeerInstall, timeout_s: float) -> Iterator[
         raise Unavailable(f"a {kind} started from the same $PEERS is running (pid {other}); "
                           f"stop it (stop.sh {kind}) or set PEERS")
     port = free_port()
-    env = {**PEER_ENV_DEFAULTS[kind], **os.environ, "PEERS": str(install.home), "PORT": str(port)}
-    settings = {k: env[k] for k in (*PEER_ENV_DEFAULTS[kind], *PEER_SETTINGS[kind]) if k in env}
+    env = {**PEER_ENV_DEFAULTS[kind], **os.environ, **(extra_env or {}), "PEERS": str(install.home),
+           "PORT": str(port)}
+    settings = {k: env[k] for k in (*PEER_ENV_DEFAULTS[kind], *PEER_SETTINGS[kind], *(extra_env or {})) if k in env}
     before = pid_file.read_text() if pid_file.exists() else None
     t0 = time.perf_counter()
     try:
@@ -152,12 +155,13 @@ def _script_peer(kind: str, install: PeerInstall, timeout_s: float) -> Iterator[
 
 
 def serving(system: System, install: PeerInstall, model: str, log_dir: Path,
-            timeout_s: float) -> contextlib.AbstractContextManager[Started]:
+            timeout_s: float, peer_env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[Started]:
     """`with serving(...) as started:` the system runs inside the block and is stopped after it,
-    also on errors and Ctrl-C. Raises Unavailable when it is not installed or does not start."""
+    also on errors and Ctrl-C. Raises Unavailable when it is not installed or does not start.
+    `peer_env`: start-script settings for a peer (GGUF, MODEL_DIR, CTX, ...) over the environment."""
     reason = install.missing(system.kind)
     if reason:
         raise Unavailable(reason)
     if system.kind == "iterserve":
         return _iterserve(system, model, log_dir, timeout_s)
-    return _script_peer(system.kind, install, timeout_s)
+    return _script_peer(system.kind, install, timeout_s, peer_env)

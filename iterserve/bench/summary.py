@@ -15,7 +15,7 @@ import platform
 import shlex
 import subprocess
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Sequence
 
 from iterserve.bench.common import load_average
@@ -82,6 +82,8 @@ def without_machine_paths(data: Any) -> Any:
     into git, and where a model or a peer lived on the machine that measured them is nobody's
     business (and true of no other machine)."""
     home, here = str(Path.home()), str(Path(__file__).resolve().parents[2])
+    if isinstance(data, PurePath):
+        data = str(data)
     if isinstance(data, str):
         return data.replace(here, ".").replace(home, "~")
     if isinstance(data, dict):

@@ -23,6 +23,10 @@ plus ~2-3 minutes of vLLM start-up):
               128 in / 64 out at 4 req/s (32 prompts), and prefill-heavy 1024 / 16 at 1 req/s
               (iterserve/bench/vllm_bench.py); its own table
 
+The matrix of issue 35 (models x prompt shapes x loads, all measured with `vllm bench serve`, the
+targets judged per cell) is benchmarks/peer_matrix.py, built on this module's peers and on
+iterserve/bench/matrix.py.
+
 The run first prints the host: CPU model, cores, the speed-deciding flags, a copy bandwidth and a
 bf16 GEMM figure (iterserve/bench/machine.py), which also go into the JSON.
 
