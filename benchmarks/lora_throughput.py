@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from iterserve.bench.launcher import ServerProcess  # noqa: E402
+from iterserve.bench.peers import PeerInstall, System, Unavailable, serving  # noqa: E402
 from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
 from iterserve.bench.random_lora import AdapterSpec, make_random_adapter  # noqa: E402
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
@@ -79,6 +80,27 @@ async def closed_loop(base_url: str, prompts: list[str], models: list[str], outp
             "latency_p50_s": lat[len(lat) // 2]}
 
 
+def run_vllm(args, adapters: dict[str, str], prompts: list[str], base_models: list[str],
+             mixed: list[str]) -> dict:
+    """vLLM CPU on the same HF folder and traffic: the base model alone, then the four adapters
+    resident at once (vLLM's --enable-lora --max-loras 4). A config it cannot run is recorded, not fatal."""
+    install = PeerInstall(args.peers_dir, args.peers_home)
+    lora_args = (f"--enable-lora --max-loras {NUM_ADAPTERS} --max-lora-rank {args.rank} --lora-modules "
+                 + " ".join(f"{n}={path}" for n, path in adapters.items()))
+    out = {}
+    for name, extra, models in (("vllm base", "", base_models), ("vllm multi-lora", lora_args, mixed)):
+        env = {"MODEL_DIR": args.hf_dir, "SERVED_NAME": "base", "MAX_NUM_SEQS": str(args.concurrency),
+               "VLLM_EXTRA_ARGS": extra}
+        try:
+            with serving(System(name, "vllm"), install, args.model, Path(args.log_dir), 900.0, env) as srv:
+                asyncio.run(closed_loop(srv.base_url, prompts[:2], models[:2], 4, 2))  # warm-up
+                out[name] = asyncio.run(closed_loop(srv.base_url, prompts, models, args.output_len, args.concurrency))
+        except (Unavailable, httpx.HTTPError) as e:
+            out[name] = {"error": str(e)[:300], "output_tok_s": float("nan"), "latency_p50_s": float("nan")}
+        print(f"{name}: {out[name]['output_tok_s']:.1f} tok/s", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="what `iterserve serve` loads (default: embedded)")
@@ -93,6 +115,13 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--server-args", default="", help="extra `iterserve serve` flags for every configuration")
     p.add_argument("--only", nargs="+", default=None, help="run only these configurations")
+    p.add_argument("--vllm", action="store_true",
+                   help="also vLLM CPU (the peers' install, ../shared/peers) on --hf-dir: the base model, and "
+                        "the same adapters with --enable-lora")
+    p.add_argument("--peers-dir", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "peers",
+                   help="the peers' scripts (start_vllm.sh)")
+    p.add_argument("--peers-home", type=Path, default=Path(os.environ.get("PEERS", Path.home() / ".cache" / "iterserve-peers")),
+                   help="where the peers are installed ($PEERS)")
     p.add_argument("--out", default="runs/lora_throughput/result.json")
     args = p.parse_args()
     if not args.hf_dir:
@@ -127,6 +156,8 @@ def main() -> None:
             if lora:
                 results[name]["slot_loads"] = lora["loads_total"] - (stats or {}).get("loads_total", 0)
         print(f"{name}: {results[name]['output_tok_s']:.1f} tok/s", flush=True)
+    if args.vllm:
+        results.update(run_vllm(args, adapters, prompts, base_models, mixed))
     base = results.get("base", {}).get("output_tok_s")
     print("\n| configuration | output tok/s | vs base | p50 latency (s) | slot loads |\n|---|---|---|---|---|")
     for name, r in results.items():
