@@ -296,11 +296,14 @@ def test_sigterm_drains_then_aborts_with_errors(tiny_model_dir, tmp_path):
     """A server process with --shutdown-timeout 2: a short request in flight finishes, long ones are ended
     with an error (503 for a non-streaming one, an error event for a stream), new requests and /health get
     503 with Retry-After while it drains, and the process exits 0."""
-    srv = ServerProcess([str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
-                         "--max-output-len", "1000", "--shutdown-timeout", "2"], log_path=tmp_path / "server.log")
+    srv = ServerProcess([str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--max-model-len", "2048",
+                         "--max-output-len", "2000", "--shutdown-timeout", "2"], log_path=tmp_path / "server.log")
     seen: dict = {}
     with srv:
         async def during(http):
+            # an idle keep-alive connection for the requests below: a draining server accepts no new
+            # connection, so they must not need one (the long requests hold the others)
+            assert (await http.get("/health")).status_code == 200
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             r = await http.get("/health")
@@ -310,7 +313,8 @@ def test_sigterm_drains_then_aborts_with_errors(tiny_model_dir, tmp_path):
 
         async def main():
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
-                long = [asyncio.ensure_future(one(http, i, stream=i % 2 == 0, max_tokens=1000)) for i in range(4)]
+                # long enough to outlast the 2 s drain on a fast host (1000 tokens once did not)
+                long = [asyncio.ensure_future(one(http, i, stream=i % 2 == 0, max_tokens=2000)) for i in range(4)]
                 short = asyncio.ensure_future(one(http, 9, stream=False, max_tokens=30))
                 await asyncio.sleep(0.5)
                 await during(http)
