@@ -774,6 +774,39 @@ struct GgRows {  // the quantised activation rows
   }
 };
 
+#if ISV_GG_AVX512 || ISV_GG_AVX2
+// The mins term of gg_rows (K-quants' 8 sub-block mins, Q4_1/Q5_1's one min per 32 inputs) times
+// the activations' sums: 8 and 4 lanes wide on either ISA, so both vector paths keep it here.
+template <int64_t TYPE, int MB>
+struct GgMins {
+  __m256 k[MB];  // K-quant mins, 8 sub-blocks at once
+  __m128 b4[MB];  // 32-input blocks' mins, 4 at once
+
+  GgMins() {
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) k[m] = _mm256_setzero_ps(), b4[m] = _mm_setzero_ps();
+  }
+  // super-block sb: mins `mn` (8 bytes) scaled by its dmin, at `b`
+  void add_kquant(const uint8_t* b, uint64_t mn, const GgRows& a, int64_t B4, int64_t sb) {
+    const __m256i m8 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
+    const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)), _mm256_cvtepi32_ps(m8));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) k[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx + m * B4 + sb * 8), k[m]);
+  }
+  // group g of four 32-input blocks, whose four f16 mins sit at gb + 8
+  void add_blocks(const uint8_t* gb, const GgRows& a, int64_t B4, int64_t g) {
+    const __m128 mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 8)));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) b4[m] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + m * B4 + 4 * g), b4[m]);
+  }
+  float total(int m) const {
+    if constexpr (!has_min(TYPE)) return 0.f;
+    else if constexpr (is_kquant(TYPE)) return -reduce_add8(k[m]);
+    else return reduce_add8(_mm256_insertf128_ps(_mm256_setzero_ps(), b4[m], 0));
+  }
+};
+#endif
+
 // Out[m, n] for n in [n0, n1) of one shard: w its first row, `last` its last row index (prefetch).
 template <int64_t TYPE, int MB, typename T>
 void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0, int64_t n1,
@@ -786,11 +819,9 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
     const uint8_t* wr = w + n * row_bytes;
     prefetch(w + std::min(n + kPrefetchRows, last) * row_bytes, row_bytes);
     __m512 acc[MB];
-    __m256 macc[MB];  // K-quant mins, 8 sub-blocks at once
-    __m128 macc4[MB];  // 32-input blocks' mins, 4 at once
+    GgMins<TYPE, MB> mins;
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps(), macc4[m] = _mm_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     if constexpr (KQ) {
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* b = wr + sb * kquant_bytes(TYPE);
@@ -834,10 +865,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           uint64_t sc, mn;
           d = f16_at(b);
           k4_scales(b + 4, sc, mn);
-          const __m256i m8 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
-          const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)), _mm256_cvtepi32_ps(m8));
-#pragma GCC unroll 8
-          for (int m = 0; m < MB; ++m) macc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx + m * B4 + sb * 8), macc[m]);
+          mins.add_kquant(b, mn, a, B4, sb);
           const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
           __m256i qh = _mm256_setzero_si256();
           if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -914,22 +942,11 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           i1 = _mm512_dpwssd_epi32(i1, wv[3], _mm512_loadu_si512(xr + 96));
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), dv, acc[m]);
         }
-        if constexpr (has_min(TYPE)) {
-          const __m128 mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 8)));
-#pragma GCC unroll 8
-          for (int m = 0; m < MB; ++m) macc4[m] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + m * B4 + 4 * g), macc4[m]);
-        }
+        if constexpr (has_min(TYPE)) mins.add_blocks(gb, a, B4, g);
       }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      float mins = 0.f;
-      if constexpr (has_min(TYPE)) {
-        if constexpr (KQ) mins = -reduce_add8(macc[m]);
-        else mins = reduce_add8(_mm256_insertf128_ps(_mm256_setzero_ps(), macc4[m], 0));
-      }
-      store(out + m * ldo + n, _mm512_reduce_add_ps(acc[m]) * a.dx[m] + mins);
-    }
+    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, _mm512_reduce_add_ps(acc[m]) * a.dx[m] + mins.total(m));
   }
 #elif ISV_GG_AVX2
   // AVX2 (+ F16C): the same integer sums on 16 lanes, vpmaddwd + vpaddd; two int32 accumulators a
@@ -938,11 +955,10 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     prefetch(w + std::min(n + kPrefetchRows, last) * row_bytes, row_bytes);
-    __m256 acc[MB], macc[MB];  // macc: K-quant mins, 8 sub-blocks at once
-    __m128 macc4[MB];  // 32-input blocks' mins, 4 at once
+    __m256 acc[MB];
+    GgMins<TYPE, MB> mins;
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm256_setzero_ps(), macc[m] = _mm256_setzero_ps(), macc4[m] = _mm_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     if constexpr (KQ) {
       for (int64_t sb = 0; sb < K / 256; ++sb) {
         const uint8_t* b = wr + sb * kquant_bytes(TYPE);
@@ -985,10 +1001,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           uint64_t sc, mn;
           d = f16_at(b);
           k4_scales(b + 4, sc, mn);
-          const __m256i m8 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
-          const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)), _mm256_cvtepi32_ps(m8));
-#pragma GCC unroll 8
-          for (int m = 0; m < MB; ++m) macc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx + m * B4 + sb * 8), macc[m]);
+          mins.add_kquant(b, mn, a, B4, sb);
           const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
           __m256i qh = _mm256_setzero_si256();
           if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -1064,22 +1077,11 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           }
           acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), dB, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dA, acc[m]));
         }
-        if constexpr (has_min(TYPE)) {
-          const __m128 mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 8)));
-#pragma GCC unroll 8
-          for (int m = 0; m < MB; ++m) macc4[m] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + m * B4 + 4 * g), macc4[m]);
-        }
+        if constexpr (has_min(TYPE)) mins.add_blocks(gb, a, B4, g);
       }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      float mins = 0.f;
-      if constexpr (has_min(TYPE)) {
-        if constexpr (KQ) mins = -reduce_add8(macc[m]);
-        else mins = reduce_add8(_mm256_insertf128_ps(_mm256_setzero_ps(), macc4[m], 0));
-      }
-      store(out + m * ldo + n, reduce_add8(acc[m]) * a.dx[m] + mins);
-    }
+    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, reduce_add8(acc[m]) * a.dx[m] + mins.total(m));
   }
 #else
   // portable: the same integer sums, one input at a time
