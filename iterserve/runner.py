@@ -16,7 +16,6 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -64,7 +63,7 @@ class StepInputs:
     prompt_rows: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     # pooling: (index into sched.scheduled, flat rows, the prompt position pooled up to after them)
     pooled_rows: list[tuple[int, list[int], int]] = field(default_factory=list)
-    lora: Any = None  # lora.layers.LoRABatch: the rows of each adapter slot; None when no row has one
+    lora: LoRABatch | None = None  # the rows of each adapter slot; None when no row has one
 
 
 @dataclass
@@ -168,7 +167,7 @@ class ModelRunner:
         )
 
     @contextmanager
-    def step_context(self, meta: AttentionMetadata, lora: Any = None) -> Iterator[None]:
+    def step_context(self, meta: AttentionMetadata, lora: LoRABatch | None = None) -> Iterator[None]:
         """The forward context every layer's attention (and LoRA hook) reads (attention/forward_context.py)."""
         with forward_context(meta, self.kv_caches, self.attention, lora):
             yield
