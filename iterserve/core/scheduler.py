@@ -72,10 +72,6 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled if s.num_tokens == 1 or s.spec_token_ids)
 
     @property
-    def num_spec_tokens(self) -> int:
-        return sum(len(s.spec_token_ids) for s in self.scheduled)
-
-    @property
     def num_padding(self) -> int:
         return sum(s.padding for s in self.scheduled)
 

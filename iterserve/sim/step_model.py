@@ -77,7 +77,7 @@ def step_features(sched: SchedulerOutput, block_size: int) -> StepFeatures:
     count as prefill tokens, its attention (multi-token: attended_kv's second number) likewise. `block_size`: the KV cache's,
     to count the tokens of shared blocks."""
     decode_kv, prefill_kv = sched.attended_kv()
-    verify = sum(s.num_tokens for s in sched.scheduled if getattr(s, "spec_token_ids", None))
+    verify = sum(s.num_tokens for s in sched.scheduled if s.spec_token_ids)
     return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens + verify, decode_kv,
                         prefill_kv / 1e3,
                         sched.shared_decode_kv(block_size), sched.cached_prefill_kv() / 1e3)
