@@ -89,6 +89,28 @@ def test_window_and_softcap_match_dense_reference(block_size, kv_heads, group, h
                                                     f"max error {err:.4f} vs rounding {rounding:.4f}")
 
 
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(1, 1, 96), (2, 3, 128)])
+def test_chunks_over_several_key_blocks(kv_heads, group, head_dim):
+    """The kernel takes its softmax step over blocks of 64 keys and P.V in 64-dim slices (then one
+    of 32: head dim 96). Chunks spanning many blocks, fresh and after a prefix, with windows whose
+    edges fall inside a block (a block one row sees in full, the next row in part), and rows whose
+    last block holds no key they see (the block's later queries' diagonal): against a dense float64
+    reference, with and without a soft-cap."""
+    scale = head_dim ** -0.5
+    for n, ctx in ((300, 300), (130, 450)):
+        q, k_cache, v_cache, table, _, _ = case(n, ctx, 16, kv_heads, group, head_dim, seed=3)
+        q = (q.float() * 2).bfloat16()
+        k, v = sequence_kv(k_cache, table, ctx), sequence_kv(v_cache, table, ctx)
+        for window in (0, 40, 70, 130):
+            for softcap in (0.0, 5.0):
+                got = kernels.paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, window, softcap)
+                want = reference_attention(q, k, v, torch.arange(ctx - n, ctx), scale, window, softcap).float()
+                err = (got.float() - want).abs().max().item()
+                rounding = (want.bfloat16().float() - want).abs().max().item()
+                assert err <= 2 * rounding + 2e-3, (f"n={n} ctx={ctx} window={window} softcap={softcap}: "
+                                                    f"max error {err:.4f} vs rounding {rounding:.4f}")
+
+
 @pytest.mark.parametrize("block_size", [16, 1])
 def test_keys_before_the_window_are_never_read(block_size):
     """A chunk of 10 after a prefix of 190 with a window of 30: the first query sees keys from 161

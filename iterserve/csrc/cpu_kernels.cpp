@@ -1683,16 +1683,25 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, boo
 // ---- prefill attention: a chunk of n queries, causal, against its sequence's paged K/V ----------
 // torch's CPU flash attention ran a 1024-token prompt's causal attention at ~40 GFLOP/s here (a
 // third of a prefill step; its softmax and the P.V product in separate passes over memory). This
-// one keeps everything of a tile in registers and L1: per KV head and block of queries (all heads
-// of the KV head's group: rows = queries x group, up to 24), it streams the context in tiles of 16
-// keys; S = Q.K^T by vdpbf16ps with the keys in the lanes (K laid out [tile][D/2][16][2] once per
-// call, as bf16_gemm's weights), an online softmax per row in float32 (flash attention's running
-// max and sum), and O += P.V by vdpbf16ps with P rounded to bf16 (as torch's flash kernel does for
-// bf16 inputs; V laid out [tile][8 key pairs][D][2]). Query j sits at position ctx - n + j and sees
-// keys 0..that position, or with a window W only the last W of them: then a block of queries starts
-// at the tile holding its first query's first key (only the tiles some query needs are laid out,
-// from the chunk's first query's window on), and each row masks the keys before its own window.
-// A soft-cap maps the scaled scores through c * tanh(s / c), 16 lanes at a time, before the mask.
+// one keeps a block's scores in L1 and its outputs in registers: per KV head and block of queries
+// (all heads of the KV head's group: rows = queries x group, up to 24), it streams the context in
+// key blocks of 64 (4 tiles of 16 keys), each in three steps:
+// - S = Q.K^T by vdpbf16ps with the keys in the lanes (K laid out [tile][D/2][16][2] once per call,
+//   as bf16_gemm's weights), 6 rows x 4 tiles of accumulators per micro-kernel call;
+// - an online softmax step per row in float32 (flash attention's running max and sum), one max and
+//   one sum reduction per row per 64 keys; P rounded to bf16 (as torch's flash kernel does for bf16
+//   inputs);
+// - O = alpha O + P.V by vdpbf16ps (V laid out [tile][8 key pairs][D][2]), 6 rows x 4 chunks of 16
+//   dims held in registers over the whole key block: each V vector loaded serves 6 rows, and the 24
+//   independent accumulators hide vdpbf16ps's latency.
+// (A softmax step and P.V per tile of 16 keys, each output chunk a chain of 8 dependent vdpbf16ps
+// through memory, ran 2x slower: docs/profile.md.)
+// Query j sits at position ctx - n + j and sees keys 0..that position, or with a window W only the
+// last W of them: then a block of queries starts at the tile holding its first query's first key
+// (only the tiles some query needs are laid out, from the chunk's first query's window on). Only
+// key blocks a row sees in part (the diagonal, a window's edge) are masked; a block a row sees none
+// of leaves its state as it is. A soft-cap maps the scaled scores through c * tanh(s / c), 16 lanes
+// at a time, before the mask.
 // Needs AVX512-BF16, bf16 q and caches, head_dim a multiple of 32.
 #if ISV_BF16_DOT
 inline __m512 exp512_nonpositive(__m512 x) {  // exp_nonpositive above, 16 lanes at a time
@@ -1723,90 +1732,168 @@ inline __m512 softcap512(__m512 s, float cap, float inv_cap) {
   return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(cap));
 }
 
-constexpr int64_t kAttnRows = 24;  // accumulators of one score tile: rows x 16 keys, as bf16_gemm's tall tile
+constexpr int64_t kAttnRows = 24;  // rows of one block of queries (queries x the group's heads)
+constexpr int kKeyTiles = 4;       // 16-key tiles per online-softmax step: 64 keys
+constexpr int kKeys = 16 * kKeyTiles;
+constexpr int kGroupRows = 6;  // rows per micro-kernel call: 6 x 4 accumulators (tiles or 16-dim chunks)
 
-// One block of `MB` rows (row i: query row_q[i] at position row_pos[i], head row_h[i]) against key
-// tiles [first_tile, first_tile + tiles): qp [D/2][MB] bf16 pairs; kp/vp the KV head's laid-out
-// tiles from first_tile on; out rows [n, H, D]. window, softcap: as paged_prefill_attention's.
-template <int MB>
-void prefill_block(const uint32_t* qp, const int64_t* row_pos, const uint16_t* kp, const uint16_t* vp,
-                   int64_t first_tile, int64_t tiles, int64_t D, float scale, int64_t window, float softcap,
-                   float* acc, uint16_t* const* out_rows) {
-  const int64_t D2 = D / 2, chunks = D / 16;
-  float m[MB], l[MB];
-  int32_t lo[MB];  // each row's first key (its window's), or 0
-  for (int i = 0; i < MB; ++i) {
-    m[i] = -INFINITY, l[i] = 0.f;
-    lo[i] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, row_pos[i] - window + 1) : 0);
+// f(std::integral_constant<int, r>) for a runtime 1 <= r <= N: the micro-kernels' row and tile counts
+// are template arguments, so that their accumulators stay in registers
+template <int N, class F>
+inline void with_count(int r, F&& f) {
+  if constexpr (N > 1) {
+    if (r < N) return with_count<N - 1>(r, f);
   }
-  std::fill(acc, acc + MB * D, 0.f);
-  alignas(64) float p[MB][16];
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint16_t* kt = kp + t * D2 * 32;
-    __m512 s[MB];
-    for (int i = 0; i < MB; ++i) s[i] = _mm512_setzero_ps();
-    const uint32_t* xr = qp;
-    for (int64_t kq = 0; kq < D2; ++kq, xr += MB) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(kt + kq * 32);
-#pragma GCC unroll 32
-      for (int i = 0; i < MB; ++i)
-        s[i] = _mm512_dpbf16_ps(s[i], w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i])));
-    }
-    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>((first_tile + t) * 16)),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    for (int i = 0; i < MB; ++i) {
-      const __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(row_pos[i]))) &
-                              _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(lo[i]));
-      if (!valid) {  // wholly after the row's position or before its window: the running max stays
-        _mm512_store_ps(p[i], _mm512_setzero_ps());
-        continue;
-      }
-      __m512 scaled = _mm512_mul_ps(s[i], _mm512_set1_ps(scale));
-      if (softcap > 0.f) scaled = softcap512(scaled, softcap, 1.f / softcap);
-      const __m512 si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, scaled);
-      const float mx = std::max(m[i], _mm512_reduce_max_ps(si));
-      const __m512 pi = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(si, _mm512_set1_ps(mx))));
-      const float alpha = exp_nonpositive(m[i] - mx);  // m = -inf at the first tile: alpha ~ 0, acc is 0
-      l[i] = l[i] * alpha + _mm512_reduce_add_ps(pi);
-      m[i] = mx;
-      if (alpha != 1.f) {
-        const __m512 a = _mm512_set1_ps(alpha);
-        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(acc + i * D + 16 * c)));
-      }
-      _mm512_store_ps(p[i], pi);
-    }
-    // O += P.V: P's key pairs as bf16, V's pairs [8][D][2] of this tile
-    const uint16_t* vt = vp + t * 8 * D * 2;
-    for (int i = 0; i < MB; ++i) {
-      const __m256bh pb = _mm512_cvtneps_pbh(_mm512_load_ps(p[i]));  // 16 keys' weights, bf16
-      alignas(32) uint32_t pairs[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)pb);
-      for (int64_t c = 0; c < chunks; ++c) {
-        __m512 o = _mm512_loadu_ps(acc + i * D + 16 * c);
-        for (int kq = 0; kq < 8; ++kq)
-          o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_loadu_si512(vt + (kq * D + 16 * c) * 2),
-                               (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[kq])));
-        _mm512_storeu_ps(acc + i * D + 16 * c, o);
-      }
+  f(std::integral_constant<int, N>{});
+}
+
+// S[i][16 t + k] = q_i . key (16 t + k) for RB rows and NT tiles: RB x NT accumulators, each key
+// pair's NT tile vectors loaded once for all RB rows (their q pairs broadcast). xr: the rows' q pairs,
+// [D/2][stride]; kt: the first tile's [D/2][16][2]; s rows kKeys apart.
+template <int RB, int NT>
+inline void qk_tiles(const uint32_t* xr, int64_t stride, const uint16_t* kt, int64_t D, float* s) {
+  __m512 acc[RB][NT];
+  for (int i = 0; i < RB; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t kq = 0; kq < D / 2; ++kq, xr += stride) {
+    __m512bh w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(kt + t * 16 * D + kq * 32);
+    for (int i = 0; i < RB; ++i) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i]));
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], w[t], x);
     }
   }
-  for (int i = 0; i < MB; ++i) {
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    for (int64_t d = 0; d < D; ++d) store(out_rows[i] + d, acc[i * D + d] * inv);
+  for (int i = 0; i < RB; ++i)
+    for (int t = 0; t < NT; ++t) _mm512_store_ps(s + i * kKeys + 16 * t, acc[i][t]);
+}
+
+// One row's online-softmax step over a key block of NT tiles from key key0: s its raw scores; the
+// row sees keys lo..pos; m, l its running max and sum of (scaled, capped) scores. Writes the block's
+// P as bf16 key pairs to p and returns the factor its accumulator is to be rescaled by. Only a block
+// the row sees in part (the diagonal, a window's edge) pays for the masks; one it sees none of
+// leaves the row as it is.
+template <int NT>
+inline float softmax_step(const float* s, int64_t key0, int64_t lo, int64_t pos, float scale, float softcap,
+                          float& m, float& l, uint32_t* p) {
+  if (pos < key0 || lo >= key0 + 16 * NT) {
+    std::fill(p, p + 8 * NT, 0u);
+    return 1.f;
+  }
+  const bool whole = lo <= key0 && key0 + 16 * NT - 1 <= pos;
+  __m512 x[NT];
+  __mmask16 valid[NT];
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int t = 0; t < NT; ++t) {
+    x[t] = _mm512_mul_ps(_mm512_load_ps(s + 16 * t), _mm512_set1_ps(scale));
+    if (softcap > 0.f) x[t] = softcap512(x[t], softcap, 1.f / softcap);
+    if (!whole) {
+      const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(key0 + 16 * t)),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      valid[t] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
+                 _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo)));
+      x[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[t], x[t]);
+    }
+    mx = _mm512_max_ps(mx, x[t]);
+  }
+  const float mnew = std::max(m, _mm512_reduce_max_ps(mx));
+  const float alpha = m == -INFINITY ? 0.f : std::exp(m - mnew);  // the first visible block: acc is 0
+  __m512 sum = _mm512_setzero_ps();
+  __m512 e[NT];
+  for (int t = 0; t < NT; ++t) {
+    e[t] = exp512_nonpositive(_mm512_sub_ps(x[t], _mm512_set1_ps(mnew)));
+    if (!whole) e[t] = _mm512_maskz_mov_ps(valid[t], e[t]);
+    sum = _mm512_add_ps(sum, e[t]);
+  }
+  for (int t = 0; t + 1 < NT; t += 2)
+    _mm512_storeu_si512(p + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(e[t + 1], e[t]));
+  if (NT % 2) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8 * (NT - 1)), (__m256i)_mm512_cvtneps_pbh(e[NT - 1]));
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  m = mnew;
+  return alpha;
+}
+
+// o_i = alpha_i o_i + sum_k P[i][k] V[k] for RB rows and CB 16-dim chunks: RB x CB accumulators held
+// in registers over the whole key block, each key pair's CB V vectors loaded once for all RB rows
+// (their P pairs broadcast). pp: the rows' P pairs, kKeys / 2 apart; vt: V [pairs][D][2] from the
+// first chunk's dims; o: rows D apart, from the first chunk's dims.
+template <int RB, int CB>
+inline void pv_tiles(const uint32_t* pp, int64_t pairs, const uint16_t* vt, int64_t D, const float* alpha, float* o) {
+  __m512 acc[RB][CB];
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < CB; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + 16 * c), _mm512_set1_ps(alpha[i]));
+  for (int64_t kq = 0; kq < pairs; ++kq) {
+    __m512bh v[CB];
+    for (int c = 0; c < CB; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + kq * 2 * D + 32 * c);
+    for (int i = 0; i < RB; ++i) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i * kKeys / 2 + kq]));
+      for (int c = 0; c < CB; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], v[c], x);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(o + i * D + 16 * c, acc[i][c]);
+}
+
+// The running state of a block of rows: row i is query position pos[i] (keys lo[i]..pos[i]), its q
+// pairs in q [D/2][rows]; acc [rows][D] its unnormalised output, m, l its softmax's max and sum.
+struct PrefillRows {
+  int64_t rows;
+  const uint32_t* q;
+  const int64_t* pos;
+  int64_t lo[kAttnRows];
+  float m[kAttnRows], l[kAttnRows], alpha[kAttnRows];
+  float* acc;
+  alignas(64) float s[kAttnRows][kKeys];
+  alignas(64) uint32_t p[kAttnRows][kKeys / 2];
+};
+
+// One key block (NT tiles from key key0; kt, vt its laid-out K and V) for every row: S in row groups,
+// the softmax step row by row, then O += P.V in row groups and chunks of 64 (or 32) dims.
+template <int NT>
+void prefill_key_block(PrefillRows& b, const uint16_t* kt, const uint16_t* vt, int64_t key0, int64_t D, float scale,
+                       float softcap) {
+  const int64_t groups = (b.rows + kGroupRows - 1) / kGroupRows;  // of equal height: 20 = 4 x 5, not 3 x 6 + 2
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * b.rows / groups, r1 = (g + 1) * b.rows / groups;
+    with_count<kGroupRows>(static_cast<int>(r1 - r0), [&](auto rb) {
+      qk_tiles<decltype(rb)::value, NT>(b.q + r0, b.rows, kt, D, b.s[r0]);
+    });
+  }
+  for (int64_t i = 0; i < b.rows; ++i)
+    b.alpha[i] = softmax_step<NT>(b.s[i], key0, b.lo[i], b.pos[i], scale, softcap, b.m[i], b.l[i], b.p[i]);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * b.rows / groups, r1 = (g + 1) * b.rows / groups;
+    with_count<kGroupRows>(static_cast<int>(r1 - r0), [&](auto rb) {
+      constexpr int RB = decltype(rb)::value;
+      int64_t d = 0;
+      for (; d + 64 <= D; d += 64) pv_tiles<RB, 4>(b.p[r0], 8 * NT, vt + 2 * d, D, b.alpha + r0, b.acc + r0 * D + d);
+      if (d < D) pv_tiles<RB, 2>(b.p[r0], 8 * NT, vt + 2 * d, D, b.alpha + r0, b.acc + r0 * D + d);
+    });
   }
 }
 
-void prefill_block_rows(int64_t rows, const uint32_t* qp, const int64_t* row_pos, const uint16_t* kp,
-                        const uint16_t* vp, int64_t first_tile, int64_t tiles, int64_t D, float scale,
-                        int64_t window, float softcap, float* acc, uint16_t* const* out_rows) {
-  switch (rows) {
-#define ISV_ROWS(R)                                                                                 \
-  case R:                                                                                           \
-    return prefill_block<R>(qp, row_pos, kp, vp, first_tile, tiles, D, scale, window, softcap, acc, out_rows);
-    ISV_ROWS(1) ISV_ROWS(2) ISV_ROWS(3) ISV_ROWS(4) ISV_ROWS(5) ISV_ROWS(6) ISV_ROWS(7) ISV_ROWS(8)
-    ISV_ROWS(9) ISV_ROWS(10) ISV_ROWS(11) ISV_ROWS(12) ISV_ROWS(13) ISV_ROWS(14) ISV_ROWS(15) ISV_ROWS(16)
-    ISV_ROWS(17) ISV_ROWS(18) ISV_ROWS(19) ISV_ROWS(20) ISV_ROWS(21) ISV_ROWS(22) ISV_ROWS(23) ISV_ROWS(24)
-#undef ISV_ROWS
+// One block of `rows` rows (row i at position row_pos[i]; q pairs qp [D/2][rows]) against key tiles
+// [first_tile, first_tile + tiles), in key blocks of kKeyTiles tiles (the last one shorter): kp/vp
+// the KV head's laid-out tiles from first_tile on; acc [rows][D] scratch; out rows [n, H, D].
+// window, softcap: as paged_prefill_attention's.
+void prefill_block(int64_t rows, const uint32_t* qp, const int64_t* row_pos, const uint16_t* kp, const uint16_t* vp,
+                   int64_t first_tile, int64_t tiles, int64_t D, float scale, int64_t window, float softcap,
+                   float* acc, uint16_t* const* out_rows) {
+  PrefillRows b;
+  b.rows = rows, b.q = qp, b.pos = row_pos, b.acc = acc;
+  for (int64_t i = 0; i < rows; ++i) {
+    b.m[i] = -INFINITY, b.l[i] = 0.f;
+    b.lo[i] = window > 0 ? std::max<int64_t>(0, row_pos[i] - window + 1) : 0;
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  for (int64_t t = 0; t < tiles; t += kKeyTiles) {
+    with_count<kKeyTiles>(static_cast<int>(std::min<int64_t>(kKeyTiles, tiles - t)), [&](auto nt) {
+      prefill_key_block<decltype(nt)::value>(b, kp + t * 16 * D, vp + t * 16 * D, (first_tile + t) * 16, D, scale,
+                                             softcap);
+    });
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = b.l[i] > 0.f ? 1.f / b.l[i] : 0.f;
+    for (int64_t d = 0; d < D; ++d) store(out_rows[i] + d, acc[i * D + d] * inv);
   }
 }
 #endif
@@ -1887,8 +1974,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
     const int64_t first = window > 0 ? std::max<int64_t>(0, row_pos[0] - window + 1) / 16 : 0;
     const int64_t end = row_pos[rows - 1] / 16 + 1;
     const int64_t skip = (h * tiles + first - t0) * 16 * D;
-    prefill_block_rows(rows, qp.data(), row_pos, kp.data() + skip, vp.data() + skip, first, end - first, D, sc,
-                       window, static_cast<float>(softcap), acc.data(), out_rows);
+    prefill_block(rows, qp.data(), row_pos, kp.data() + skip, vp.data() + skip, first, end - first, D, sc, window,
+                  static_cast<float>(softcap), acc.data(), out_rows);
   });
 #endif
   return out;
