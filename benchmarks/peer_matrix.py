@@ -20,6 +20,8 @@ permuted for its RoPE), quantised by the peers' `llama-quantize` to Q4_K_M.
 commit, command, load averages); with --append the cells of an existing --out are kept and this
 run's replace theirs cell by cell (several invocations make one sitting's table). Every client
 run's own JSON, with per-request records, goes under --raw-dir (default: a new folder in runs/).
+Around every iterserve cell the server's CPU is read per thread from /proc (`server_cpu` in the
+cell: CPU seconds, cores busy, and the main thread's share, i.e. the event loop's: HTTP and SSE).
 --decode-step also times a 16-row decode step of each selected 1B model in-process (profile_step.py)
 against its bandwidth and compute bounds, with the profiler's split by op.
 """
@@ -32,11 +34,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
 from iterserve.bench import matrix as mx
+from iterserve.bench import thread_cpu
 from iterserve.bench.common import load_average
 from iterserve.bench.machine import figures_line, machine_figures
 from iterserve.bench.peers import PeerInstall, System, Unavailable, serving
@@ -158,8 +162,12 @@ def run_model(args: argparse.Namespace, install: PeerInstall, model: mx.ModelSpe
                         s = mx.setting(shape, mx.LOADS[load], args.rate, args.quick, args.prompts)
                         key = mx.cell_key(model.name, mx.shape_name(shape), load)
                         before = load_average()
+                        cpu0, t0 = (thread_cpu.snapshot(started.pid) if started.pid else {}), time.monotonic()
                         m = run_bench(vllm, started.base_url, tokenizer, s, args.raw_dir / model.name / system)
                         m["loadavg_before"] = before
+                        if cpu0:  # iterserve: its main thread's (event loop) share of the server's CPU
+                            m["server_cpu"] = thread_cpu.split(cpu0, thread_cpu.snapshot(started.pid), started.pid,
+                                                               time.monotonic() - t0)
                         cells.setdefault(key, {})[system] = m
                         runs[label]["cells"][key] = s.name
                         _say(f"  {key} {system}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"

@@ -59,6 +59,7 @@ class Started:
     base_url: str
     startup_s: float
     settings: dict[str, str] = field(default_factory=dict)  # what it was started with, for the JSON
+    pid: int | None = None  # iterserve's server process (the peers run from their scripts: None)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def _iterserve(system: System, model: str, log_dir: Path, timeout_s: float) -> I
             srv.start()
         except RuntimeError as e:
             raise Unavailable(one_line(e)) from None
-        yield Started(srv.base_url, time.perf_counter() - t0, {"args": " ".join(system.args)})
+        yield Started(srv.base_url, time.perf_counter() - t0, {"args": " ".join(system.args)},
+                      srv.proc.pid if srv.proc else None)
     finally:
         srv.stop()
 
