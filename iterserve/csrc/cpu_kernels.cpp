@@ -244,6 +244,21 @@ inline void axpy_group(const float* p, const C* v, float* acc, int64_t D) {
   for (int g = 0; g < GB; ++g) axpy(p[g], v, acc + g * D, D);
 }
 
+// A block's rows of one KV head (BS token rows token_stride apart, `row_bytes` each) asked into
+// cache ahead of their use. The decode loops walk a block's keys (then values) one token row at a
+// time, 1 KiB or more apart; once the step's weights have pushed the KV out of cache, each row was
+// a wait on memory (2-2.5x slower at 16 rows, docs/profile.md). So each loop asks for the rows
+// kAheadBlocks blocks ahead as it enters a block, and the first blocks of both before the scores.
+constexpr int64_t kAheadBlocks = 2;
+template <typename C>
+inline void prefetch_block_rows(const C* rows, int64_t BS, int64_t token_stride, int64_t row_bytes) {
+#if defined(__AVX512F__) || ISV_AVX2_FMA
+  for (int64_t o = 0; o < BS; ++o)
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + o * token_stride) + off, _MM_HINT_T0);
+#endif
+}
+
 // One pass: query heads h0 .. h0 + GB - 1 (all of KV head kvh) of sequence b.
 template <int GB, typename T, typename C>
 void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t len,
@@ -261,11 +276,19 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
   float* sc = scores.data();  // sc[g * keys + i]: head h0 + g's score of the key at position first + i
   float mx[GB], s[GB];
   for (int g = 0; g < GB; ++g) mx[g] = -INFINITY;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C)), last_block = (len - 1) / BS;
+  for (int64_t j = first / BS; len > first && j < std::min(last_block + 1, first / BS + kAheadBlocks); ++j) {
+    // the first key blocks, and the first value blocks for after the scores
+    prefetch_block_rows(k_cache + table[j] * block_stride + kvh * D, BS, token_stride, row_bytes);
+    prefetch_block_rows(v_cache + table[j] * block_stride + kvh * D, BS, token_stride, row_bytes);
+  }
   // the keys a block at a time: slots [o0, o1) of the block holding position t0 (o0 > 0 only in
   // the window's first block)
   for (int64_t t0 = first; t0 < len;) {
     const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
     const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * D;
+    if (t0 / BS + kAheadBlocks <= last_block)
+      prefetch_block_rows(k_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
     for (int64_t o = o0; o < o1; ++o, ++t0) {
       dot_group<GB>(qf.data(), kb + o * token_stride, D, s);
       for (int g = 0; g < GB; ++g) {
@@ -299,6 +322,8 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
       for (int64_t t0 = first; t0 < len;) {
         const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
         const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+        if (t0 / BS + kAheadBlocks <= last_block)
+          prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
         for (int64_t o = o0; o < o1; ++o, ++t0) {
           const C* v = vb + o * token_stride;
           const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
@@ -320,6 +345,8 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
   for (int64_t t0 = first; t0 < len && !(ISV_DECODE_REGS_64 && GB <= 6 && D == 64);) {
     const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
     const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+    if (t0 / BS + kAheadBlocks <= last_block)
+      prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
     for (int64_t o = o0; o < o1; ++o, ++t0) {
       for (int g = 0; g < GB; ++g) p[g] = sc[g * keys + t0 - first];
       axpy_group<GB>(p, vb + o * token_stride, acc.data(), D);
