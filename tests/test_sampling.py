@@ -282,3 +282,18 @@ def test_inverse_cdf_sampling_across_chunks_never_picks_zero_mass():
     counts = torch.bincount(drawn, minlength=vocab).float() / n
     assert counts.sum() == 1.0 and set(drawn.unique().tolist()) <= set(live.tolist())
     assert (counts[live] - probs[live]).abs().max() < 0.01
+
+
+def test_rows_that_are_not_distributions_fall_back_to_their_argmax_and_leave_the_others_alone():
+    """A NaN or +inf logit, or a row of -inf, makes softmax NaN: that row takes its argmax (greedy)
+    and the rows beside it are still sampled from their own distributions."""
+    nan_row = [0.0, 1.0, float("nan"), 0.5, 0.0, 0.0]
+    inf_row = [0.0, float("inf"), 0.0, 0.0, 0.0, 0.0]
+    dead_row = [float("-inf")] * VOCAB
+    good_row = [0.0, 0.0, 0.0, 0.0, 0.0, 8.0]  # token 5 all but always
+    logits = torch.tensor([nan_row, inf_row, dead_row] + [good_row] * 200)
+    params = [SamplingParams(temperature=1.0)] * logits.shape[0]
+    ids = sample(logits, params).token_ids
+    assert ids[:3] == [int(torch.tensor(r).argmax()) for r in (nan_row, inf_row, dead_row)]
+    assert all(0 <= t < VOCAB for t in ids)
+    assert sum(t == 5 for t in ids[3:]) >= 190
