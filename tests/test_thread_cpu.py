@@ -19,15 +19,18 @@ def _spin(seconds: float) -> None:
 
 def test_split_credits_a_busy_worker_not_the_idle_main_thread():
     pid = os.getpid()
+    seen: dict = {}
+
+    def worker() -> None:  # spins, then reads the process while it is still alive
+        _spin(0.3)
+        seen["tid"], seen["after"] = threading.get_native_id(), thread_cpu.snapshot(pid)
+
     before, t0 = thread_cpu.snapshot(pid), time.monotonic()
-    worker = threading.Thread(target=_spin, args=(0.4,))
-    worker.start()
-    worker_tid = worker.native_id
-    time.sleep(0.05)
-    mid = thread_cpu.snapshot(pid)  # the worker is alive here: its CPU so far is seen
-    worker.join()
-    out = thread_cpu.split(before, mid, pid, time.monotonic() - t0)
-    assert worker_tid in mid and mid[worker_tid] > 0
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    out = thread_cpu.split(before, seen["after"], pid, time.monotonic() - t0)
+    assert seen["after"][seen["tid"]] >= 0.2
     assert out["main_thread_share"] is not None and out["main_thread_share"] < 0.5
     assert out["cpu_s"] >= out["main_thread_cpu_s"] >= 0
 
