@@ -67,6 +67,20 @@ def test_matches_float32_torch_path_to_bf16_rounding(block_size, kv_heads, group
         assert err <= 2 * rounding + 2e-3, f"n={n} ctx={ctx}: max error {err:.4f} vs rounding {rounding:.4f}"
 
 
+def check_windows(q, k_cache, v_cache, table, n: int, ctx: int, scale: float, windows) -> None:
+    """The kernel against the dense float64 reference for each window, with and without a soft-cap:
+    within twice bf16's rounding of the reference (plus 2e-3)."""
+    k, v = sequence_kv(k_cache, table, ctx), sequence_kv(v_cache, table, ctx)
+    for window in windows:
+        for softcap in (0.0, 5.0):
+            got = kernels.paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, window, softcap)
+            want = reference_attention(q, k, v, torch.arange(ctx - n, ctx), scale, window, softcap).float()
+            err = (got.float() - want).abs().max().item()
+            rounding = (want.bfloat16().float() - want).abs().max().item()
+            assert err <= 2 * rounding + 2e-3, (f"n={n} ctx={ctx} window={window} softcap={softcap}: "
+                                                f"max error {err:.4f} vs rounding {rounding:.4f}")
+
+
 @pytest.mark.parametrize("block_size", [16, 1])
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 3, 64), (1, 1, 32), (1, 24, 32)])
 def test_window_and_softcap_match_dense_reference(block_size, kv_heads, group, head_dim):
@@ -78,15 +92,7 @@ def test_window_and_softcap_match_dense_reference(block_size, kv_heads, group, h
     for n, ctx in CHUNKS:
         q, k_cache, v_cache, table, _, _ = case(n, ctx, block_size, kv_heads, group, head_dim)
         q = (q.float() * 4).bfloat16()
-        k, v = sequence_kv(k_cache, table, ctx), sequence_kv(v_cache, table, ctx)
-        for window in (0, 1, 5, 16, 17, 40, 1000):
-            for softcap in (0.0, 5.0):
-                got = kernels.paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, window, softcap)
-                want = reference_attention(q, k, v, torch.arange(ctx - n, ctx), scale, window, softcap).float()
-                err = (got.float() - want).abs().max().item()
-                rounding = (want.bfloat16().float() - want).abs().max().item()
-                assert err <= 2 * rounding + 2e-3, (f"n={n} ctx={ctx} window={window} softcap={softcap}: "
-                                                    f"max error {err:.4f} vs rounding {rounding:.4f}")
+        check_windows(q, k_cache, v_cache, table, n, ctx, scale, (0, 1, 5, 16, 17, 40, 1000))
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(1, 1, 96), (2, 3, 128)])
@@ -100,15 +106,7 @@ def test_chunks_over_several_key_blocks(kv_heads, group, head_dim):
     for n, ctx in ((300, 300), (130, 450)):
         q, k_cache, v_cache, table, _, _ = case(n, ctx, 16, kv_heads, group, head_dim, seed=3)
         q = (q.float() * 2).bfloat16()
-        k, v = sequence_kv(k_cache, table, ctx), sequence_kv(v_cache, table, ctx)
-        for window in (0, 40, 70, 130):
-            for softcap in (0.0, 5.0):
-                got = kernels.paged_prefill_attention(q, k_cache, v_cache, table, ctx, scale, window, softcap)
-                want = reference_attention(q, k, v, torch.arange(ctx - n, ctx), scale, window, softcap).float()
-                err = (got.float() - want).abs().max().item()
-                rounding = (want.bfloat16().float() - want).abs().max().item()
-                assert err <= 2 * rounding + 2e-3, (f"n={n} ctx={ctx} window={window} softcap={softcap}: "
-                                                    f"max error {err:.4f} vs rounding {rounding:.4f}")
+        check_windows(q, k_cache, v_cache, table, n, ctx, scale, (0, 40, 70, 130))
 
 
 @pytest.mark.parametrize("block_size", [16, 1])
