@@ -21,7 +21,8 @@ commit, command, load averages); with --append the cells of an existing --out ar
 run's replace theirs cell by cell (several invocations make one sitting's table). Every client
 run's own JSON, with per-request records, goes under --raw-dir (default: a new folder in runs/).
 Around every iterserve cell the server's CPU is read per thread from /proc (`server_cpu` in the
-cell: CPU seconds, cores busy, and the main thread's share, i.e. the event loop's: HTTP and SSE).
+cell: CPU seconds, cores busy, and the main thread's share, i.e. the event loop's: HTTP and SSE; the
+window holds the client's own start-up, when the server idles, so `cores` is a lower bound).
 --decode-step also times a 16-row decode step of each selected 1B model in-process (profile_step.py)
 against its bandwidth and compute bounds, with the profiler's split by op.
 """
