@@ -244,6 +244,13 @@ inline void axpy_group(const float* p, const C* v, float* acc, int64_t D) {
   for (int g = 0; g < GB; ++g) axpy(p[g], v, acc + g * D, D);
 }
 
+#if defined(__AVX512F__) || ISV_AVX2_FMA
+// Asks for `bytes` from p into cache, a 64-byte line at a time.
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+#endif
+
 // A block's rows of one KV head (BS token rows token_stride apart, `row_bytes` each) asked into
 // cache ahead of their use. The decode loops walk a block's keys (then values) one token row at a
 // time, 1 KiB or more apart; once the step's weights have pushed the KV out of cache, each row was
@@ -253,9 +260,7 @@ constexpr int64_t kAheadBlocks = 2;
 template <typename C>
 inline void prefetch_block_rows(const C* rows, int64_t BS, int64_t token_stride, int64_t row_bytes) {
 #if defined(__AVX512F__) || ISV_AVX2_FMA
-  for (int64_t o = 0; o < BS; ++o)
-    for (int64_t off = 0; off < row_bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows + o * token_stride) + off, _MM_HINT_T0);
+  for (int64_t o = 0; o < BS; ++o) prefetch(rows + o * token_stride, row_bytes);
 #endif
 }
 
@@ -447,12 +452,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kRanges = 16;  // a GEMM's output rows, split for the work pool
 
-#if defined(__AVX512F__) || ISV_AVX2_FMA
-// Asks for `bytes` from p into cache, a 64-byte line at a time.
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
-}
-#endif
 
 // ---- Q8_0 GEMM: out[m, n] = sum_k x[m, k] * w[n, k] * scale[n, k / 32] --------------------------------
 // MB rows of x share each weight group as it is widened to float; the accumulators stay 32 wide
