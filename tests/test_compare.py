@@ -303,3 +303,19 @@ def test_summaries_are_written_without_machine_paths(tmp_path):
             str(Path.home()): 1, "n": 3, "dir": Path(here) / "runs"}
     written = json.loads(write_json(tmp_path / "s.json", data).read_text())
     assert written == {"model": "~/models/m.gguf", "out": ["./results/x.json"], "~": 1, "n": 3, "dir": "./runs"}
+
+
+def test_summaries_keep_one_record_per_line_and_read_back_whole(tmp_path):
+    """A summary's records of at most two levels (a cell's metrics with its load averages, a table
+    row) sit on one line each; deeper structure is indented; the file reads back equal."""
+    from iterserve.bench.summary import write_json
+
+    data = {"cells": {"a c16": {"iterserve": {"tok_s": 1.5, "load": [0.5, 0.6, 0.7], "cpu": {"share": 0.01}},
+                                "vllm": {"tok_s": 1.0, "load": []}}},
+            "rows": [["model", "x"], ["m", "1.5x"]], "empty": {}, "n": None}
+    text = write_json(tmp_path / "s.json", data).read_text()
+    assert json.loads(text) == data
+    lines = text.splitlines()
+    assert '   "iterserve": {"tok_s": 1.5, "load": [0.5, 0.6, 0.7], "cpu": {"share": 0.01}},' in lines
+    assert ' "rows": [["model", "x"], ["m", "1.5x"]],' in lines
+    assert lines[0] == "{" and lines[-1] == "}"

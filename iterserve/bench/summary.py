@@ -93,11 +93,30 @@ def without_machine_paths(data: Any) -> Any:
     return data
 
 
+def _depth(data: Any) -> int:
+    """How deep containers nest in `data`: 0 for a scalar, 1 for a list or object of scalars."""
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, list) else None
+    return 0 if values is None else 1 + max(map(_depth, values), default=0)
+
+
+def _indented(data: Any, level: int = 0) -> str:
+    """JSON indented one space a level, with each record of at most two levels (a table row, one
+    system's metrics in a cell with its load averages) on one line: a summary in git reads and
+    diffs a record per line, not a line per number."""
+    pad = " " * level
+    if _depth(data) <= 2:
+        return json.dumps(data)
+    if isinstance(data, dict):
+        items = [f"{pad} {json.dumps(k)}: {_indented(v, level + 1)}" for k, v in data.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    return "[\n" + ",\n".join(f"{pad} {_indented(v, level + 1)}" for v in data) + "\n" + pad + "]"
+
+
 def write_json(path: Path, data: Any, *, compact: bool = False) -> Path:
     """Writes `data` as JSON (indented for summaries that are diffed; compact for raw records),
     without machine paths."""
     data = without_machine_paths(data)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=1) + "\n"
+    text = json.dumps(data, separators=(",", ":")) if compact else _indented(data) + "\n"
     path.write_text(text)
     return path
