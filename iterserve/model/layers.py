@@ -40,6 +40,11 @@ class RMSNorm(nn.Module):
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, norm(x + a)): a residual add and this norm after it (CpuRMSNorm: one kernel)."""
+        x = x + a
+        return x, self(x)
+
 
 # ---- rotary embeddings ------------------------------------------------------------------------------
 def rope_parameters(theta: float, dim: int, scaling: dict | None, max_positions: int | None = None
@@ -186,7 +191,7 @@ class Attention(nn.Module):
         if self.qk_norm is None:
             qk = qkv[:, :qk_size].view(T, H + KVH, D)
             if rope is not None:
-                qk = apply_rope(qk, *rope)  # one RoPE call for both
+                qk = self.rope(qk, *rope)  # one RoPE call for both
             q, k = qk[:, :H], qk[:, H:]
         else:
             q, k = qkv[:, :self.q_size], qkv[:, self.q_size:qk_size]
@@ -196,9 +201,13 @@ class Attention(nn.Module):
                 q = self.q_norm(q.reshape(T * H, D)).view(T, H, D)
                 k = self.k_norm(k.reshape(T * KVH, D)).view(T, KVH, D)
             if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+                q, k = self.rope(q, *rope), self.rope(k, *rope)
         out = paged_attention(q, k, v, self.layer_idx, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(T, self.q_size))
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """apply_rope; the CPU platform's CpuAttention runs it as one kernel (platform/cpu_elementwise.py)."""
+        return apply_rope(x, cos, sin)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -211,14 +220,20 @@ class MLP(nn.Module):
         super().__init__()
         if cfg.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+        self.hidden_act = cfg.hidden_act
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up from [T, 2F]; the CPU platform's CpuMLP runs SiLU's as one kernel
+        (platform/cpu_elementwise.py)."""
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return self.act(gate) * up
 
 
 NORM_PLACEMENTS = {  # the layer's norms by Hugging Face's names, in each placement
@@ -245,12 +260,12 @@ class DecoderLayer(nn.Module):
         m = self.residual_multiplier
         if self.placement == "pre":
             a = self.self_attn(self.input_layernorm(x), rope)
-            x = x + (a if m == 1.0 else a * m)
-            f = self.mlp(self.post_attention_layernorm(x))
+            x, h = self.post_attention_layernorm.add_and_norm(x, a if m == 1.0 else a * m)
+            f = self.mlp(h)
         elif self.placement == "sandwich":
             a = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope))
-            x = x + (a if m == 1.0 else a * m)
-            f = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x, h = self.pre_feedforward_layernorm.add_and_norm(x, a if m == 1.0 else a * m)
+            f = self.post_feedforward_layernorm(self.mlp(h))
         else:  # post
             a = self.post_attention_layernorm(self.self_attn(x, rope))
             x = x + (a if m == 1.0 else a * m)

@@ -20,6 +20,7 @@ from iterserve.config import EngineConfig, ModelConfig, parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
+from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
@@ -88,6 +89,8 @@ class CpuPlatform(Platform):
         self._log_attention_paths(model.cfg)
         if self.dtype == torch.bfloat16 and self.kernels is not None:
             use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
+        if self.kernels is not None:
+            use_cpu_elementwise(model)  # eager steps: SiLU-and-multiply and RoPE one kernel each
         if self.dtype == torch.float32:  # (batch_invariant needs bf16: refused in __init__)
             self._prepare_float32(model)
             return

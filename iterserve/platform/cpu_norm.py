@@ -2,8 +2,9 @@
 
 Eager torch runs the model's RMSNorm as eight ops (cast to float32, pow, mean, add, rsqrt, mul,
 cast back, weight mul), each with its own dispatch and pass over memory, 61 times a step; the
-kernel does one pass per row in the same order of rounding. Under torch.compile the torch form
-stays, so inductor fuses it with its neighbours as before.
+kernel does one pass per row in the same order of rounding. A decoder layer's residual add and
+the norm after it (`add_and_norm`) are one kernel too: one pass over the row instead of the add's
+own. Under torch.compile the torch forms stay, so inductor fuses them with their neighbours as before.
 """
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ class CpuRMSNorm(RMSNorm):
         if torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or x.dim() != 2:
             return super().forward(x)
         return load_cpu_kernels().rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    def add_and_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16 or x.dim() != 2
+                or a.shape != x.shape):
+            return super().add_and_norm(x, a)
+        s, h = load_cpu_kernels().add_rms_norm(x, a, self.weight, self.eps, self.unit_offset)
+        return s, h
 
 
 def use_cpu_rms_norm(model: nn.Module) -> int:
