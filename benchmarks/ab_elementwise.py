@@ -33,7 +33,8 @@ def use_kernels(on: bool) -> None:
 def report(what: str, times: dict[bool, list[float]]) -> dict:
     row = {"step": what}
     for on, name in ((False, "torch"), (True, "kernels")):
-        row[name] = {"min_ms": round(min(times[on]) * 1e3, 2), "median_ms": round(statistics.median(times[on]) * 1e3, 2)}
+        row[name] = {"min_ms": round(min(times[on]) * 1e3, 2),
+                     "median_ms": round(statistics.median(times[on]) * 1e3, 2)}
     row["speedup_min"] = round(row["torch"]["min_ms"] / row["kernels"]["min_ms"], 3)
     print(f"{what}: torch min {row['torch']['min_ms']:.2f} / median {row['torch']['median_ms']:.2f} ms, kernels min "
           f"{row['kernels']['min_ms']:.2f} / median {row['kernels']['median_ms']:.2f} ms ({row['speedup_min']:.3f}x "
