@@ -11,12 +11,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from decode_speed import drain, start_decode_batch  # noqa: E402  (sibling scripts)
+from decode_speed import decode_step_seconds, drain, start_decode_batch, times_in_turns  # noqa: E402  (sibling scripts)
 from profile_step import time_prompt_step  # noqa: E402
 
 from iterserve.llm import LLM  # noqa: E402
@@ -58,22 +57,10 @@ def main() -> None:
         raise SystemExit("the platform did not swap in the kernels' modules (no C++ kernels?)")
     rows = []
     start_decode_batch(llm, args.batch, 64, 20 * args.rounds)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for on in times:
-            use_kernels(on)
-            eng.step()
-            t0 = time.perf_counter()
-            for _ in range(8):
-                eng.step()
-            times[on].append((time.perf_counter() - t0) / 8)
+    times = times_in_turns(use_kernels, args.rounds, lambda: decode_step_seconds(llm))
     rows.append(report(f"decode batch {args.batch}", times))
     drain(llm)
-    times = {False: [], True: []}
-    for _ in range(args.rounds):
-        for on in times:
-            use_kernels(on)
-            times[on].append(time_prompt_step(llm, args.prefill, 0))
+    times = times_in_turns(use_kernels, args.rounds, lambda: time_prompt_step(llm, args.prefill, 0))
     use_kernels(True)
     rows.append(report(f"{args.prefill}-token prompt", times))
     print(json.dumps(rows))

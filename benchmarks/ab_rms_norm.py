@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from decode_speed import drain, start_decode_batch  # noqa: E402  (sibling scripts)
+from decode_speed import decode_step_seconds, drain, start_decode_batch, times_in_turns  # noqa: E402  (sibling scripts)
 from profile_step import time_prompt_step  # noqa: E402
 
 from iterserve.llm import LLM  # noqa: E402
@@ -39,23 +38,12 @@ def main() -> None:
     if not any(type(m) is CpuRMSNorm for m in eng.model.modules()):
         raise SystemExit("the platform did not swap in the kernel's RMSNorm (no C++ kernels or not bf16)")
     start_decode_batch(llm, args.batch, 64, 20 * args.rounds)
-    best = {False: float("inf"), True: float("inf")}
-    for _ in range(args.rounds):
-        for on in best:
-            use_kernel(on)
-            eng.step()
-            t0 = time.perf_counter()
-            for _ in range(8):
-                eng.step()
-            best[on] = min(best[on], (time.perf_counter() - t0) / 8)
+    best = {on: min(t) for on, t in times_in_turns(use_kernel, args.rounds, lambda: decode_step_seconds(llm)).items()}
     print(f"decode batch {args.batch}: torch RMSNorm {best[False] * 1e3:.2f} ms/step, kernel {best[True] * 1e3:.2f} "
           f"({best[False] / best[True]:.3f}x)", flush=True)
     drain(llm)
-    best = {False: float("inf"), True: float("inf")}
-    for _ in range(max(3, args.rounds // 2)):
-        for on in best:
-            use_kernel(on)
-            best[on] = min(best[on], time_prompt_step(llm, args.prefill, 0))
+    prompt = times_in_turns(use_kernel, max(3, args.rounds // 2), lambda: time_prompt_step(llm, args.prefill, 0))
+    best = {on: min(t) for on, t in prompt.items()}
     use_kernel(True)
     print(f"{args.prefill}-token prompt: torch RMSNorm {best[False] * 1e3:.1f} ms, kernel {best[True] * 1e3:.1f} "
           f"({best[False] / best[True]:.3f}x)", flush=True)

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,6 +38,29 @@ def drain(llm: LLM) -> None:
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def decode_step_seconds(llm: LLM, steps: int = 8) -> float:
+    """Mean seconds of `steps` decode steps after one untimed step (the one that follows a switch
+    of kernels). Shared by ab_rms_norm and ab_elementwise."""
+    eng = llm.engine
+    eng.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def times_in_turns(switch: Callable[[bool], None], rounds: int,
+                   measure: Callable[[], float]) -> dict[bool, list[float]]:
+    """`measure()` with switch(False) and switch(True) in turns, `rounds` times each, so that a shared
+    host's noise hits both alike: {False: [...], True: [...]}. Shared by ab_rms_norm and ab_elementwise."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for on in times:
+            switch(on)
+            times[on].append(measure())
+    return times
 
 
 def run(llm: LLM, batch: int, tokens: int, prompt_len: int) -> dict:
