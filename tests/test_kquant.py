@@ -163,7 +163,9 @@ def test_fused_projection_with_shards_of_different_types():
             _check_gemm(kernels, torch.randn(m, k), buf, meta, n, w, c)
         lin = nn.Linear(k, n, bias=False)
         lin.weight.data = torch.from_numpy(w).bfloat16()
-        fast = CpuLinear(lin, "gguf", 4, shards=shards)
+        # above the cut-over: oneDNN's prepacked bf16 weight where oneDNN runs bf16 (AVX-512), else
+        # the float32 layout (AVX2-only CPUs): the twin below it is the same either way
+        fast = CpuLinear(lin, "gguf", 4, shards=shards, layout="onednn" if prepack_available() else "float32")
         assert fast.twin_spec == gguf_twin_spec(shards)
         x = torch.randn(4, k).bfloat16()  # at the cut-over: the twin
         assert torch.equal(fast(x), kernels.gguf_gemm(x, buf, meta, n))

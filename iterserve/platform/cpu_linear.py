@@ -37,6 +37,7 @@ rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebu
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -65,8 +66,19 @@ def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+@functools.cache
 def prepack_available() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether oneDNN prepacks and runs a bf16 linear here. Asked of oneDNN itself, once: torch's
+    `_is_mkldnn_bf16_supported` has said yes on AVX2-only CPUs (Zen 3), where the prepack then
+    refuses ("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 32, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 32, dtype=torch.bfloat16), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def min_max_4bit(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
