@@ -1,5 +1,5 @@
 """What `--compile` costs at start-up, cold and with inductor's caches kept across restarts, and what
-it gains per decode step: decides whether compile can be the default (docs/benchmarks.md).
+it gains per decode step: decides whether compile can be the default (docs/benchmarks/compile.md).
 
 Each start is a fresh process (as a server restart is): `LLM(model, compile=...)`, then decode
 steps at batch 1 and 16. "cold" starts with an empty TORCHINDUCTOR_CACHE_DIR; "warm" is the next

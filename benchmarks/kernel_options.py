@@ -42,7 +42,7 @@ the weights stream from memory as in a real step (one hot matrix repeated would 
 Both attention commands take --window W (a sliding window, as Mistral's and Gemma's) and --softcap
 C (Gemma 2's logit cap); 0, the default, turns either off.
 Columns of our kernels appear when they build (platform/cpu_kernels.py). Results are printed; the
-figures quoted in docs/profile.md and docs/benchmarks.md came from these commands.
+figures quoted in docs/profile.md and docs/benchmarks/kernel-choice.md came from these commands.
 """
 from __future__ import annotations
 

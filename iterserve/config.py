@@ -165,7 +165,7 @@ class EngineConfig:
     # deterministic inference: a request's greedy text never depends on what shares its step. One
     # kernel and one reduction order per op at every batch size: our row-independent bf16 GEMM for
     # every projection, no quantised twins, every query (prefill ones too) through the per-sequence
-    # decode attention kernel, no inductor (docs/benchmarks.md has its cost)
+    # decode attention kernel, no inductor (docs/benchmarks/batch-invariant.md has its cost)
     batch_invariant: bool = False
     # scheduling
     batching: Literal["continuous", "static"] = "continuous"

@@ -105,7 +105,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "step and whatever the load (one kernel and reduction order per op at every batch size: "
                         "our bf16 GEMM for every projection, no 4-bit / Q8_0 copies, every query through the "
                         "per-sequence attention kernel). Needs the C++ CPU kernels with AVX512-BF16; slower "
-                        "(docs/benchmarks.md)")
+                        "(docs/benchmarks/batch-invariant.md)")
     g.add_argument("--decode-attention", choices=list(DECODE_ATTENTION_CHOICES), default=d.decode_attention,
                    help="decode attention backend: torch (portable), cpu (the C++ kernel), triton (CUDA), or auto: "
                         "the device's kernel when it is there, else torch (default: $ITERSERVE_DECODE_ATTENTION, "

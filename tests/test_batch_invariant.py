@@ -6,7 +6,7 @@ Without it the texts differ: with the default kernels the issue (#16) found 8 of
 between --max-num-seqs 16 and --max-num-seqs 8 --num-kv-blocks 24 (the 4-bit twin and the Q8_0 head
 run only for steps of few rows, oneDNN blocks its reduction by the row count, and a prefill's
 attention (SDPA) sums in another order than the decode kernel); `benchmarks/batch_invariance.py`
-counts them on any host (docs/benchmarks.md). That is a property of kernels, not a contract, so no
+counts them on any host (docs/benchmarks/batch-invariant.md). That is a property of kernels, not a contract, so no
 test asserts that the default mode differs.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ environment sets it: the AMX repack kernels its CPU backend picks for Q4 weights
 the first forward pass on such a VM here, and start_llamacpp.sh has no flag for it, but
 llama-server reads every option from a LLAMA_ARG_* variable too. Elsewhere (e.g. Zen 4) it keeps
 its default, as a user would run it (on Zen 4 with this Q4_1 model, repacking on or off made no
-measurable difference: 50.3 vs 50.5 tok/s single stream, docs/benchmarks.md).
+measurable difference: 50.3 vs 50.5 tok/s single stream, docs/benchmarks/peers.md).
 """
 from __future__ import annotations
 

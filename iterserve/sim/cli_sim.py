@@ -111,8 +111,8 @@ def add_profile_parser(sub: Any) -> None:
                                    "blocks, and fits t = c0 + c_seq*seqs + c_tok*tokens + c_pre*prefill_tokens + "
                                    "c_dkv*distinct decode KV + c_shared*shared decode KV + c_pkv*prefill_kv + "
                                    "c_pcached*cached-context prefill KV + the engine's weight cut-over steps "
-                                   "(non-negative least squares on relative error; docs/benchmarks.md has the "
-                                   "terms). --analytic instead builds a roofline estimate from a GPU's published "
+                                   "(non-negative least squares on relative error; docs/benchmarks/simulator.md has "
+                                   "the terms). --analytic instead builds a roofline estimate from a GPU's published "
                                    "peaks and the model's shape.")
     p.add_argument("model", nargs="?", default=None,
                    help="model to time (a .gguf, a Hugging Face folder, or smollm2-135m, the default); "
