@@ -1,4 +1,4 @@
-"""iterserve against peer servers on this machine: runs the plan of iterserve.bench.vs_peers
+"""iterserve against peer servers on this machine: runs the plan of peers.vs_peers
 (see `--help`, or that module's docstring) system after system, and writes the table and JSON.
 
     .venv/bin/python benchmarks/vs_peers.py --quick --peers iterserve,llamacpp
@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from iterserve.bench.common import load_average
-from iterserve.bench.machine import figures_line, machine_figures
-from iterserve.bench.peers import PeerInstall, System, Unavailable, serving
+from machine import figures_line, machine_figures
+from peers.systems import PeerInstall, System, Unavailable, serving
 from iterserve.bench.summary import default_raw_dir, git_commit, write_json
-from iterserve.bench.vllm_bench import QUICK_SETTINGS, SETTINGS, bench_table, run_bench
-from iterserve.bench.vs_peers import (DEFAULT_PEERS_HOME, TRANSFORMERS, Plan, Report, build_workloads, engine_flags,
+from peers.vllm_bench import QUICK_SETTINGS, SETTINGS, bench_table, run_bench
+from peers.vs_peers import (DEFAULT_PEERS_HOME, TRANSFORMERS, Plan, Report, build_workloads, engine_flags,
                                       markdown, measure, notes, parse_args, plan_from_args, report_table,
                                       summarise)
 

@@ -21,14 +21,14 @@ plus ~2-3 minutes of vLLM start-up):
               iterserve's engine vs transformers `generate` in static batches of 8
   vllm bench  (--vllm-bench) vLLM's own client, `vllm bench serve`, against each server: random
               128 in / 64 out at 4 req/s (32 prompts), and prefill-heavy 1024 / 16 at 1 req/s
-              (iterserve/bench/vllm_bench.py); its own table
+              (benchmarks/peers/vllm_bench.py); its own table
 
 The matrix of issue 35 (models x prompt shapes x loads, all measured with `vllm bench serve`, the
 targets judged per cell) is benchmarks/peer_matrix.py, built on this module's peers and on
-iterserve/bench/matrix.py.
+benchmarks/peers/matrix.py.
 
 The run first prints the host: CPU model, cores, the speed-deciding flags, a copy bandwidth and a
-bf16 GEMM figure (iterserve/bench/machine.py), which also go into the JSON.
+bf16 GEMM figure (benchmarks/machine.py), which also go into the JSON.
 
 Usage (repo root; benchmarks/vs_peers.py runs it, this module holds the plan, the metrics and
 the table, which the tests import):
@@ -63,7 +63,7 @@ from typing import Any, Sequence
 
 from iterserve.bench.client import ClientError, RequestRecord, RunResult, run_load
 from iterserve.bench.common import markdown_table, one_line
-from iterserve.bench.peers import KINDS, System
+from peers.systems import KINDS, System
 from iterserve.bench.workload import RequestSpec, all_at_once, build_prompts, poisson
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package is installed from (pip install -e)
