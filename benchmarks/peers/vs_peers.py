@@ -36,7 +36,7 @@ the table, which the tests import):
     .venv/bin/python benchmarks/vs_peers.py                      # every installed system, full run
     .venv/bin/python benchmarks/vs_peers.py --quick --peers iterserve,llamacpp
     .venv/bin/python benchmarks/vs_peers.py --iterserve-args "" --iterserve-args "--dtype bfloat16" \\
-        --peers vllm,iterserve,llamacpp --rate 3 --offline --out benchmarks/results/vs_peers.json
+        --peers vllm,iterserve,llamacpp --rate 3 --offline --out results/vs_peers.json
 
 --out gets a summary (the table, every system's metrics and settings, the plan, host, commit and
 command: a few KB, the file to commit); --raw-dir (default: a new folder under runs/, ignored by
@@ -331,7 +331,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=900.0,
                     help="seconds a system may take to answer /health (vLLM needs ~100-140)")
     ap.add_argument("--log-dir", type=Path, help="iterserve server logs (default: logs/ in --raw-dir)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_peers.json"),
+    ap.add_argument("--out", type=Path, default=Path("results/vs_peers.json"),
                     help="the summary: table, metrics, plan, host, commit, command (default %(default)s)")
     ap.add_argument("--raw-dir", type=Path, help="the full report with every request's record goes to "
                     "vs_peers.json here (default: a new folder under runs/)")
