@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/vs_peers.py --quick --peers iterserve,llamacpp
 
 This script holds what runs things (the servers, the offline comparison of offline_vs_hf.py, the
-summary and the raw report); the plan, the metrics and the table are in the package, where the
-tests import them.
+summary and the raw report); the plan, the metrics and the table are in peers/vs_peers.py, where
+the tests import them.
 """
 from __future__ import annotations
 
