@@ -9,11 +9,12 @@ config that meets the SLOs (or, when none does, the one that came closest: `rank
 (the trade-offs in `explain`). A time budget bounds the
 whole sweep: configs left when it runs out are skipped, and said so.
 
-With --simulate and an acceptance probability (--spec-acceptance), num_speculative_tokens is one more
-dimension (--num-speculative-tokens 0,2,4: 0 = off): the simulator prices each verify row and draws
-its accepted drafts (sim/speculative.py), so the sweep shows where drafting pays (few running
-requests, spare compute) and where it only costs (a full batch); the finalists' real replays run
-with `--speculative-config`.
+--simulate sweeps the grid in the capacity simulator first (sim/tune_simulated.py: the simulator
+builds on this module, not the other way round). With an acceptance probability (--spec-acceptance),
+num_speculative_tokens is one more dimension (--num-speculative-tokens 0,2,4: 0 = off): the
+simulator prices each verify row and draws its accepted drafts (sim/speculative.py), so the sweep
+shows where drafting pays (few running requests, spare compute) and where it only costs (a full
+batch); the finalists' real replays run with `--speculative-config`.
 """
 from __future__ import annotations
 
