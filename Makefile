@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/iterserve compare --model smollm2-135m --out docs/compare
+	$(VENV)/bin/iterserve compare --model smollm2-135m --out results/compare
 
 # test: every test (the real model, iterserve processes over real HTTP, torch.compile, timing).
 # test-fast: the inner loop, in process on the tiny random-weight model: skips `slow` (subprocess

@@ -5,7 +5,7 @@ and under KV pressure (--max-num-seqs 8 --num-kv-blocks 24: preemption and recom
 mode it prints how many of the 12 texts differ from the alone run. Speed cost of the mode:
 `python benchmarks/ab_decode.py --configs '{}' '{"batch_invariant": true}' --batch 1 16`.
 
-    python benchmarks/batch_invariance.py --json benchmarks/results/batch_invariance.json
+    python benchmarks/batch_invariance.py --json results/batch_invariance.json
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ process with the same folder (FX graph cache and AOT autograd cache, on by defau
 "eager" has no compile. Kernel measurement is off (ITERSERVE_MEASURE_KERNELS=0) so the starts time
 only the compile.
 
-    python benchmarks/compile_time.py --json benchmarks/results/compile_time.json
+    python benchmarks/compile_time.py --json results/compile_time.json
     python benchmarks/compile_time.py --tokens 4 --batch 1      # smoke
 """
 from __future__ import annotations

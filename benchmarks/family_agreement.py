@@ -27,7 +27,7 @@ from model_utils import sequence_logits  # noqa: E402
 
 from gguf_vs_llamacpp import PROMPTS  # noqa: E402  (a sibling script: the same plain prompts)
 
-from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
+from machine import figures_line, machine_figures  # noqa: E402
 from iterserve.bench.summary import git_commit  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402

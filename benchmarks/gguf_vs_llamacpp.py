@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from iterserve.bench.launcher import ServerProcess, free_port
-from iterserve.bench.machine import figures_line, machine_figures
+from machine import figures_line, machine_figures
 from iterserve.bench.summary import git_commit
 
 PROMPTS = [

@@ -34,8 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 
 from iterserve.bench.launcher import ServerProcess  # noqa: E402
-from iterserve.bench.peers import PeerInstall, System, Unavailable, serving  # noqa: E402
-from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
+from peers.systems import PeerInstall, System, Unavailable, serving  # noqa: E402
+from machine import figures_line, machine_figures  # noqa: E402
 from iterserve.bench.random_lora import AdapterSpec, make_random_adapter  # noqa: E402
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
 from iterserve.bench.workload import RequestSpec, build_prompts  # noqa: E402

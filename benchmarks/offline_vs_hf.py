@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--hf-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="transformers runs, one per dtype (float32 is what transformers uses by default)")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra EngineConfig fields for iterserve")
-    ap.add_argument("--out", default="benchmarks/results/offline_vs_hf.json", help="the summary (JSON)")
+    ap.add_argument("--out", default="results/offline_vs_hf.json", help="the summary (JSON)")
     ap.add_argument("--raw-dir", type=Path, help="every request's lengths and output token ids go to "
                     "offline_vs_hf.json here (default: a new folder under runs/)")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """The peer matrix (issue 35): iterserve, vLLM for CPU and llama.cpp's server on the same weights,
 measured by vLLM's own client (`vllm bench serve`) over models x shapes x loads in one sitting; the
-plan, the targets and the table are in iterserve/bench/matrix.py (its docstring lists them).
+plan, the targets and the table are in benchmarks/peers/matrix.py (its docstring lists them).
 
     .venv/bin/python benchmarks/peer_matrix.py --quick                       # smoke: every cell, short
     OMP_WAIT_POLICY=PASSIVE flock /tmp/iterserve-bench.lock .venv/bin/python benchmarks/peer_matrix.py \\
@@ -9,7 +9,7 @@ plan, the targets and the table are in iterserve/bench/matrix.py (its docstring 
         --out results/peer_matrix.json
     ... --models 1b-q4km --loads single --decode-step --append --out results/peer_matrix.json
 
-Each system is started once per model (iterserve through iterserve.bench.peers like vs_peers.py, the
+Each system is started once per model (iterserve through peers.systems like vs_peers.py, the
 peers through ../shared/peers/ start scripts with GGUF= / MODEL_DIR= the model's copy), runs every
 selected shape and load, and is stopped before the next. The 1B models are made under the peers'
 model dir ($PEERS/model) on first use: a random bf16 HF folder (preset "1b" with SmolLM2's tokenizer),
@@ -40,14 +40,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from iterserve.bench import matrix as mx
-from iterserve.bench import thread_cpu
+from peers import matrix as mx
+import thread_cpu
 from iterserve.bench.common import load_average
-from iterserve.bench.machine import figures_line, machine_figures
-from iterserve.bench.peers import PeerInstall, System, Unavailable, serving
+from machine import figures_line, machine_figures
+from peers.systems import PeerInstall, System, Unavailable, serving
 from iterserve.bench.summary import default_raw_dir, git_commit, write_json
-from iterserve.bench.vllm_bench import run_bench
-from iterserve.bench.vs_peers import DEFAULT_PEERS_DIR, DEFAULT_PEERS_HOME
+from peers.vllm_bench import run_bench
+from peers.vs_peers import DEFAULT_PEERS_DIR, DEFAULT_PEERS_HOME
 
 # start-script settings for every matrix run: llama.cpp's 16 slots need room for 16 x (2048 + 32)
 # tokens, vLLM's context must hold the longest shape (start_vllm.sh's default is 2048); the
@@ -114,7 +114,7 @@ def write_llama_gguf(hf_dir: Path, out: Path, tokenizer_gguf: Path) -> None:
 
 def ensure_1b_models(install: PeerInstall, wanted: Sequence[str]) -> None:
     """The random 1B HF folder and its Q4_K_M GGUF under $PEERS/model, made when missing."""
-    from iterserve.bench.random_llama import PRESETS, write_random_llama
+    from random_llama import PRESETS, write_random_llama
 
     models = install.home / "model"
     hf = models / mx.MODELS["1b-bf16"].hf_dir

@@ -35,7 +35,7 @@ import httpx
 import psutil
 
 from iterserve.bench.launcher import wait_healthy
-from iterserve.bench.machine import figures_line, machine_figures
+from machine import figures_line, machine_figures
 from iterserve.bench.summary import git_commit
 
 CONFIGS = {  # name -> serve flags

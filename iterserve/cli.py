@@ -1,7 +1,9 @@
 """`iterserve` command line: generate, serve, bench, compare, probe, tune, profile, simulate, plan.
 
 Sub-commands live next to what they drive (each module has `add_parser(subparsers)`); this file
-wires them up and holds `generate`. The engine flags that `generate` and `serve` share are declared
+wires them up, holds `generate`, and chooses between two packages where one command spans both
+(`serve --replicas`: server or serve_ray; `tune --simulate`: bench or sim), so that the lower
+package never imports the upper one. The engine flags that `generate` and `serve` share are declared
 once in engine_args.py.
 """
 from __future__ import annotations
@@ -16,7 +18,39 @@ from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config
 from iterserve.server import cli_serve
 from iterserve.sim import cli_sim
 
-SUBCOMMANDS = [cli_serve, cli_bench, compare, probe, tune, cli_sim]
+
+# ---- serve ---------------------------------------------------------------------------------------
+def add_serve_parser(sub) -> None:
+    cli_serve.add_parser(sub).set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`serve`: one process (server/cli_serve.py), or with --replicas the same API on Ray Serve
+    (serve_ray/launch.py). The choice is made here, above both packages: serve_ray builds on server,
+    so server never imports serve_ray."""
+    args = cli_serve.prepare(args)
+    if args.replicas is not None:
+        from iterserve.serve_ray.launch import serve_replicas  # imports Ray only when run
+
+        return serve_replicas(args)
+    return cli_serve.serve_one_process(args)
+
+
+# ---- tune ----------------------------------------------------------------------------------------
+def add_tune_parser(sub) -> None:
+    tune.add_parser(sub).set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`tune`: the grid replayed for real (bench/tune.py), or with --simulate swept in the simulator
+    first (sim/tune_simulated.py). The choice is made here: the simulator builds on the measuring
+    tools, so bench never imports sim."""
+    plan = tune.plan_tune(args)
+    if args.simulate:
+        from iterserve.sim.tune_simulated import cmd_tune_simulated  # loads torch only when run
+
+        return cmd_tune_simulated(args, plan)
+    return tune.cmd_tune_measured(args, plan)
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -109,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description="A readable LLM serving engine with "
                                      "continuous batching and a paged KV cache, and the tools to measure it.")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate_parser(sub)
-    for mod in SUBCOMMANDS:
-        mod.add_parser(sub)
+    for add_parser in (add_generate_parser, add_serve_parser, cli_bench.add_parser, compare.add_parser,
+                       probe.add_parser, add_tune_parser, cli_sim.add_parser):
+        add_parser(sub)
     return parser
 
 

@@ -1,5 +1,5 @@
 """Inputs shared by the test suite and the equality checks that run outside it
-(`iterserve.bench.gpu_equality`), kept in the package so that neither imports the other's folder.
+(benchmarks/gpu_equality.py), kept in the package, which both import.
 
 The chats cover what a chat template must handle: one user turn, a system prompt, and a multi-turn
 history with an assistant reply.

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from iterserve.bench import gpu_equality
-from iterserve.bench.random_llama import PRESETS, write_random_llama
+import gpu_equality
+from random_llama import PRESETS, write_random_llama
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve.core.block_hash import hash_block_chain
-from iterserve.serve_ray.policy import ReplicaLoad, RouterConfig, RoutingPolicy
+from iterserve.routing import ReplicaLoad, RouterConfig, RoutingPolicy
 
 
 def policy(name: str, **kw) -> RoutingPolicy:
@@ -75,7 +75,7 @@ def test_replicas_without_ray_says_how_to_install(monkeypatch):
     from iterserve.cli import main
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails as if it were not installed
-    for name in [m for m in sys.modules if m.startswith("iterserve.serve_ray.") and m != "iterserve.serve_ray.policy"]:
+    for name in [m for m in sys.modules if m.startswith("iterserve.serve_ray.")]:
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(SystemExit, match=r"pip install 'iterserve\[ray\]'"):
         main(["serve", "--replicas", "2", "--port", "0"])

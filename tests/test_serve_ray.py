@@ -22,8 +22,8 @@ from ray import serve
 from iterserve.bench.browser import open_browser
 from iterserve.config import EngineConfig
 from iterserve.serve_ray.app import APP_NAME, ScaleOutConfig, start
-from iterserve.serve_ray.policy import RouterConfig
-from iterserve.server.cli_serve import LOCAL_CLUSTER_ENV
+from iterserve.routing import RouterConfig
+from iterserve.serve_ray.launch import LOCAL_CLUSTER_ENV
 from iterserve.server.serving import ServerSettings
 
 MODEL = "tiny"

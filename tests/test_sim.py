@@ -685,13 +685,7 @@ def test_validation_spread_counts_real_runs_that_differ_beyond_a_target():
     """benchmarks/sim_validation_spread.py: two runs of the same replays; a target whose two real
     measurements differ by more than the target is counted (here throughput 1.0 vs 1.2, +20% > 5%)
     and one within it is not (e2e mean +5% < 10%); a point failed in one run is left out."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_validation_spread.py"
-    spec = importlib.util.spec_from_file_location("sim_validation_spread", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import sim_validation_spread as mod  # benchmarks/ is on sys.path (pyproject's pytest pythonpath)
 
     def run(tp, e2e, failed=False):
         point = {"workload": "bursty", "load": "near", "mode": "continuous",

@@ -1,4 +1,4 @@
-"""bench.thread_cpu: per-thread CPU of a live process from /proc, as peer_matrix reads the server."""
+"""benchmarks/thread_cpu.py: per-thread CPU of a live process from /proc, as peer_matrix reads the server."""
 import os
 import sys
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from iterserve.bench import thread_cpu
+import thread_cpu
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 

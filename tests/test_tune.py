@@ -7,6 +7,7 @@ import time
 import pytest
 
 from iterserve.bench import tune
+from iterserve.sim import tune_simulated
 from iterserve.bench.client import parse_slo
 from iterserve.bench.tune import ConfigResult, GridPoint, KvStats, best_config, kv_stats, markdown_table
 
@@ -79,12 +80,12 @@ def test_tune_simulate_chooses_the_best_verified_replay_not_the_simulated_tie():
     assert [(r.point.max_num_seqs, r.point.block_size) for r in finalists] == [(8, 16), (8, 32), (16, 16)]
     replays = {GridPoint(8, 16): missed(8, 16, 9100.0), GridPoint(8, 32): missed(8, 32, 7700.0),
                GridPoint(16, 16): missed(16, 16, 9400.0)}
-    chosen, source = tune.simulated_choice(simulated, [replays[r.point] for r in finalists])
+    chosen, source = tune_simulated.simulated_choice(simulated, [replays[r.point] for r in finalists])
     assert chosen is replays[GridPoint(8, 32)] and source == "measured best of the 3 verified"
-    chosen, source = tune.simulated_choice(simulated, [])
+    chosen, source = tune_simulated.simulated_choice(simulated, [])
     assert chosen is simulated[0] and "nothing verified" in source
     failed = _result(8, 16, 0, 0, False, status="failed")
-    chosen, source = tune.simulated_choice(simulated, [failed])
+    chosen, source = tune_simulated.simulated_choice(simulated, [failed])
     assert chosen is simulated[0] and "no replay completed" in source
 
 

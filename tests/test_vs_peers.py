@@ -1,11 +1,11 @@
-"""vs_peers' pure logic (iterserve.bench.vs_peers, run by benchmarks/vs_peers.py): system lists, plans, metrics and the ratio table (no servers)."""
+"""vs_peers' pure logic (peers.vs_peers, run by benchmarks/vs_peers.py): system lists, plans, metrics and the ratio table (no servers)."""
 from __future__ import annotations
 
 import pytest
 
-from iterserve.bench import vs_peers as vp
+from peers import vs_peers as vp
 from iterserve.bench.client import RequestRecord
-from iterserve.bench.peers import PeerInstall
+from peers.systems import PeerInstall
 
 
 def test_variant_labels():
@@ -134,9 +134,9 @@ def test_missing_peer_says_how_to_install(tmp_path):
     assert install.missing("llamacpp") is None
 
 
-# ---------------------------------------------------------------- the peer matrix (iterserve.bench.matrix)
+# ---------------------------------------------------------------- the peer matrix (peers.matrix)
 
-from iterserve.bench import matrix as mx  # noqa: E402
+from peers import matrix as mx  # noqa: E402
 
 
 def test_matrix_shapes_and_names_parse():
@@ -215,7 +215,7 @@ def test_matrix_step_bounds():
 def test_vllm_bench_command_caps_concurrency_only_when_asked():
     from pathlib import Path
 
-    from iterserve.bench import vllm_bench as vb
+    from peers import vllm_bench as vb
 
     capped = vb.command(Path("vllm"), "http://h", "m", Path("tok"), mx.setting((64, 256), mx.LOADS["c32"], 1.0, False),
                         Path("out"))

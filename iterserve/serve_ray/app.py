@@ -20,7 +20,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig
 
 from iterserve.config import EngineConfig
 from iterserve.serve_ray.ingress import Ingress
-from iterserve.serve_ray.policy import RouterConfig
+from iterserve.routing import RouterConfig
 from iterserve.serve_ray.replica import EngineReplica
 from iterserve.serve_ray.router import IterserveRequestRouter
 from iterserve.server.serving import ServerSettings

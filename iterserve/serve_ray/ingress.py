@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 
 from iterserve.serve_ray.dashboard_feed import ReplicaTicks
 from iterserve.serve_ray.remote_engine import RemoteEngine
-from iterserve.serve_ray.policy import live_router
+from iterserve.serve_ray.registry import live_router
 from iterserve.server.api import build_api
 from iterserve.server.dashboard import SchedulerStream, add_dashboard
 from iterserve.server.middleware import error_response

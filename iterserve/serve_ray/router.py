@@ -1,10 +1,10 @@
-"""IterserveRequestRouter: Ray Serve's RequestRouter running policy.RoutingPolicy in the ingress.
+"""IterserveRequestRouter: Ray Serve's RequestRouter running routing.RoutingPolicy in the ingress.
 
 Serve instantiates the router inside each handle's process (the ingress) and asks it to rank the
 candidate replicas for every call. A `generate` call is ranked by the policy from its prompt's block
 hashes (computed once per request). Replicas' load, and the state the ingress shows per replica,
 arrive through Serve's routing stats (EngineReplica.record_routing_stats). Each router registers
-itself with policy.register_router (a function of another module: Serve ships this module by value,
+itself with registry.register_router (a function of another module: Serve ships this module by value,
 so a registry here, or any global object it names, would be a copy) so that the ingress can list
 the replicas.
 
@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from iterserve.serve_ray.policy import ReplicaLoad, RouterConfig, RoutingPolicy, register_router
+from iterserve.routing import ReplicaLoad, RouterConfig, RoutingPolicy
+from iterserve.serve_ray.registry import register_router
 
 # A request counted on a replica when first ranked but never routed (its caller went away while it
 # waited for a replica) is forgotten, and uncounted, this long after it was ranked: no request

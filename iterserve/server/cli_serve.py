@@ -19,7 +19,7 @@ from typing import Any
 
 from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 from iterserve.config import parse_size
-from iterserve.serve_ray.policy import POLICIES, RouterConfig
+from iterserve.routing import POLICIES, RouterConfig
 
 log = logging.getLogger("iterserve.server")
 
@@ -40,7 +40,7 @@ class _Unset:
         return str(self.value)
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, "
@@ -121,7 +121,8 @@ def add_parser(subparsers) -> None:
     for action in p._actions:
         if action.default is not argparse.SUPPRESS and action.dest not in ("help", "config"):
             action.default = _Unset(action.default)
-    p.set_defaults(func=cmd_serve, _serve_parser=p)
+    p.set_defaults(_serve_parser=p)  # func: cli.py's cmd_serve, which also dispatches --replicas
+    return p
 
 
 def _option_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -219,16 +220,22 @@ def server_settings(args: argparse.Namespace):
                           responses_store_ttl_s=args.responses_store_ttl)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+def prepare(args: argparse.Namespace) -> argparse.Namespace:
+    """What `serve` does first, with or without --replicas (cli.py's cmd_serve chooses which runs next):
+    the --config file, OpenMP's wait policy, the port (fail in a second, not after loading the model),
+    logging."""
     args = resolve_args(args)
     apply_omp_wait(args.omp_wait)  # says so if a --config file asked for spin after torch loaded
-    check_bind(args.host, args.port)  # fail in a second, not after loading the model
+    check_bind(args.host, args.port)
     setup_logging(args.log_level == "debug")
     logging.getLogger("iterserve").setLevel(args.log_level.upper())
-    if args.replicas is not None:
-        return serve_replicas(args)
+    return args
+
+
+def serve_one_process(args: argparse.Namespace) -> int:
+    """The single-process server, from prepared arguments; returns when it has drained."""
+    import uvicorn
+
     engine, app = build_server(args)
     # As vLLM does: move everything that exists now (model, tokenizer, libraries) out of the garbage
     # collector's reach. Otherwise a full collection walks millions of startup objects while holding
@@ -239,37 +246,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
     make_server(uv_config, engine, args.shutdown_timeout).run()
     return 0
-
-
-# Environment of a local cluster that `serve --replicas` starts, set (unless already set) before Ray
-# is imported, since Serve reads it at import in every process, this one included: Serve's documented
-# throughput switch (user code and the request router on each replica's own event loop instead of
-# threads of their own, gRPC between proxy and replicas, request logs buffered and not copied to
-# stderr). The hops between event loops were most of the ingress's CPU per request.
-LOCAL_CLUSTER_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-
-
-def serve_replicas(args: argparse.Namespace) -> int:
-    """--replicas N: the same API on Ray Serve (iterserve/serve_ray). Ray is an optional dependency,
-    imported only here so that the single-process server never needs it."""
-    if args.ray_address is None:
-        for key, value in LOCAL_CLUSTER_ENV.items():
-            os.environ.setdefault(key, value)
-    try:
-        from iterserve.serve_ray.app import ScaleOutConfig, run_until_signal
-    except ImportError as e:
-        if (e.name or "").split(".")[0] != "ray":
-            raise
-        raise SystemExit("--replicas needs Ray Serve, which is not installed: pip install 'iterserve[ray]' "
-                         "(or pip install 'ray[serve]')") from None
-    config = engine_config_from_args(args, model=args.model)
-    router = RouterConfig(policy=args.router, block_size=config.block_size,
-                          min_match_blocks=args.router_min_match_blocks,
-                          imbalance_threshold=args.router_imbalance_threshold)
-    interval = {} if args.stream_interval is None else {"stream_interval_s": args.stream_interval}
-    scale = ScaleOutConfig(replicas=args.replicas, threads_per_replica=args.threads_per_replica, router=router,
-                           **interval)
-    return run_until_signal(config, server_settings(args), scale, args.host, args.port, args.ray_address)
 
 
 def default_allowed_hosts(bind_host: str) -> list[str] | None:

@@ -33,7 +33,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine_args import add_engine_args, engine_config_from_args, engine_flags_from_args
 from iterserve.sim.analytic import GPUS, MODEL_SHAPES, analytic_profile
 from iterserve.sim.profile import Profile
-from iterserve.sim.router import ROUTERS
+from iterserve.routing import POLICIES
 from iterserve.sim.step_model import errors_line
 
 if TYPE_CHECKING:
@@ -303,8 +303,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, metavar="P.json", help="a step profile from `iterserve profile`")
     p.add_argument("--replicas", type=int, default=1, help="independent engines behind the router (default 1)")
-    p.add_argument("--router", choices=sorted(ROUTERS), default="round-robin",
-                   help="how arrivals are spread over replicas (default round-robin)")
+    p.add_argument("--router", choices=list(POLICIES), default="round-robin",
+                   help="how arrivals are spread over replicas, by the policy `serve --replicas` routes with "
+                        "(iterserve/routing.py; prefix is the deployment's default, with its default thresholds); "
+                        "default round-robin")
     p.add_argument("--slo", action="extend", nargs="+", default=[], metavar="SPEC",
                    help="e.g. ttft=500ms e2e_p95=2s; goodput counts requests meeting all")
     s = p.add_argument_group("speculative decoding (sim/speculative.py)")

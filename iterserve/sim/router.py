@@ -1,47 +1,49 @@
-"""Routers: which replica an arriving request goes to, when `simulate`/`plan` run several engines.
+"""Which simulated replica an arriving request goes to: the deployment's own routing policy.
 
-Replicas are independent engines; a router sees only what a load balancer in front of them could
-(each replica's running + waiting count). The Ray Serve router's policies (issue 19) belong here too,
-so that the simulator can plan for the router the deployment will use.
+`simulate`/`plan` with several replicas route with `iterserve.routing.RoutingPolicy`, the very policy
+the Ray Serve ingress runs (serve_ray/router.py), so a plan predicts the router it will be deployed
+behind: round-robin, least-loaded, or prefix (the deployment's default). This module only feeds it
+what the ingress would: before each choice, every replica's running + waiting count (reported
+exactly, as if routing stats were fresh, so nothing counts as in transit); the prompt's block hashes
+at the engines' block size; and, after the choice, that the request went there. KV usage is not
+reported, so ties (equal load) go to the replica remembering fewer blocks, then the lower index.
 """
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
-from iterserve.bench.workload import RequestSpec
+from iterserve.routing import ReplicaLoad, RouterConfig, RoutingPolicy
 
 
 class Replica(Protocol):
     @property
-    def load(self) -> int: ...  # requests running or waiting
+    def load(self) -> int: ...  # requests running or waiting (reported as running: the policy sums them)
 
 
 class Router:
-    name = ""
+    """RoutingPolicy over replicas numbered 0..n-1 (their ids are str(index))."""
 
-    def route(self, spec: RequestSpec, replicas: Sequence[Replica]) -> int:
-        raise NotImplementedError
+    def __init__(self, config: RouterConfig) -> None:
+        self.policy = RoutingPolicy(config)
+        self.name = config.policy
 
-
-class RoundRobin(Router):
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._next = itertools.count()
-
-    def route(self, spec: RequestSpec, replicas: Sequence[Replica]) -> int:
-        return next(self._next) % len(replicas)
-
-
-class LeastLoaded(Router):
-    """Fewest requests running or waiting (lowest index on ties)."""
-
-    name = "least-loaded"
-
-    def route(self, spec: RequestSpec, replicas: Sequence[Replica]) -> int:
-        return min(range(len(replicas)), key=lambda i: replicas[i].load)
+    def route(self, ids: list[int], replicas: Sequence[Replica]) -> int:
+        """The replica for a prompt of token ids `ids`, recorded as sent there."""
+        policy = self.policy
+        names = [str(i) for i in range(len(replicas))]
+        if len(policy.replicas) != len(names):
+            policy.update_replicas(names)
+        for name, replica in zip(names, replicas):
+            routed = policy.replicas[name].routed_total
+            policy.report(name, ReplicaLoad(running=replica.load, received_total=routed))
+        hashes = policy.block_hashes(ids)
+        chosen = policy.rank(names, hashes)[0][0]
+        policy.routed(chosen, hashes)
+        return int(chosen)
 
 
-ROUTERS: dict[str, Callable[[], Router]] = {"round-robin": RoundRobin, "least-loaded": LeastLoaded}
+def make_router(name: str, block_size: int = RouterConfig.block_size, **config: int) -> Router:
+    """A router by policy name (`--router`); block_size must be the engines' (hashes are per full block)."""
+    return Router(RouterConfig(policy=name, block_size=block_size, **config))
+

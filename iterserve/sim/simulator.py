@@ -50,10 +50,11 @@ from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
 from iterserve.engine import LLMEngine
 from iterserve.request import Request, RequestRejected
+from iterserve.routing import POLICIES
 from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile
 from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
-from iterserve.sim.router import ROUTERS, Router
+from iterserve.sim.router import Router, make_router
 from iterserve.sim.lora import LoRAPolicy, SimResidency
 from iterserve.sim.speculative import SpecPolicy
 from iterserve.sim.step_model import step_features
@@ -410,9 +411,9 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         return SpecPolicy(spec_cfg.num_speculative_tokens, float(spec_acceptance), spec_cfg.disable_by_batch_size,
                           spec_draft_fraction, seed=config.seed * 1_000_003 + index)
     if isinstance(router, str):
-        if router not in ROUTERS:
-            raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
-        router = ROUTERS[router]()
+        if router not in POLICIES:
+            raise ValueError(f"unknown router {router!r}: one of {', '.join(POLICIES)}")
+        router = make_router(router, config.block_size)
     wall0 = time.perf_counter()
     oh = profile.overhead
 
@@ -441,7 +442,7 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
         raise ValueError("conversations go with a list of requests (their turns are numbered after them)")
     order = arrivals()
     if sample_replicas is not None:
-        router, replicas = ROUTERS["round-robin"](), sample_replicas
+        router, replicas = make_router("round-robin", config.block_size), sample_replicas
     engines = [SimEngine(config, profile, i, make_scheduler, keep_steps, spec_policy(i), lora) for i in range(replicas)]
     params_for: dict[int, SamplingParams] = {}  # one SamplingParams per output length (they are immutable here)
     spec_of: dict[str, RequestSpec] = {}
@@ -501,7 +502,9 @@ def simulate(specs: Iterable[RequestSpec], config: EngineConfig, profile: Profil
             else:
                 _, _, spec, ids, conv_turn = heapq.heappop(turns)
             now = t_next
-            e = engines[router.route(spec, engines)]
+            if ids is None:
+                ids = prompt_ids(spec)
+            e = engines[router.route(ids, engines)]
             params = params_for.get(spec.output_len)
             if params is None:
                 params = params_for[spec.output_len] = SamplingParams(max_tokens=spec.output_len, temperature=0.0,

@@ -1,7 +1,10 @@
 """Which replica should get a request: round-robin, least loaded, or the one expected to hold its prefix.
 
-Pure Python and Ray-free, so that it is tested on its own and reads like the policy it is; router.py
-adapts it to Ray Serve's RequestRouter.
+One policy for every place that routes: the Ray Serve deployment (serve_ray/router.py adapts it to
+Serve's RequestRouter) and the capacity simulator (sim/router.py adapts it to simulated replicas), so
+that `simulate`/`plan` predict the router the deployment runs, `prefix` (its default) included. Pure
+Python and Ray-free: tested on its own, imported by the simulator without Ray, and by
+`serve`'s flags without importing serve_ray.
 
 The prefix policy (after SGLang's cache-aware router and Ray's PrefixCacheAffinityRouter): the router
 remembers, per replica, the block hashes of the prompts it sent there, computed exactly as the
@@ -29,17 +32,6 @@ from dataclasses import dataclass, field
 from iterserve.core.block_hash import BlockHash, hash_block_chain
 
 POLICIES = ("round-robin", "least-loaded", "prefix")
-_LIVE_ROUTERS: dict[str, object] = {}  # deployment name -> its request router in this process
-
-
-def register_router(deployment: str, router: object) -> None:
-    """router.py registers each router here (a module Serve does not ship by value); the ingress
-    reads the replicas' latest reports from it (live_router) for /health, /metrics, /v1/scheduler."""
-    _LIVE_ROUTERS[deployment] = router
-
-
-def live_router(deployment: str) -> object | None:
-    return _LIVE_ROUTERS.get(deployment)
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The peer matrix of issue 35: iterserve against vLLM for CPU and llama.cpp's server, measured by
-vLLM's own client (`vllm bench serve`, iterserve/bench/vllm_bench.py) over models x prompt shapes
+vLLM's own client (`vllm bench serve`, benchmarks/peers/vllm_bench.py) over models x prompt shapes
 x loads, in one sitting, with the targets judged per cell. benchmarks/peer_matrix.py runs it; this
 module holds the plan, the verdicts and the table (the tests import it).
 
 Models (all with SmolLM2's tokenizer, so one `--tokenizer` folder serves every client run):
   smollm2   SmolLM2-135M-Instruct: iterserve the embedded Q4_1 GGUF, llama.cpp the same file,
             vLLM its bf16 HF folder (the peers' model dir)
-  1b-bf16   a random Llama-3.2-1B-shaped model (iterserve/bench/random_llama.py's preset "1b",
+  1b-bf16   a random Llama-3.2-1B-shaped model (benchmarks/random_llama.py's preset "1b",
             SmolLM2's 49152-token vocabulary) as a bf16 HF folder: iterserve --dtype bfloat16, vLLM
   1b-q4km   the same weights as a Q4_K_M GGUF (f16 GGUF written here, llama.cpp's llama-quantize):
             iterserve the file, llama.cpp the file
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from iterserve.bench.common import markdown_table
-from iterserve.bench.vllm_bench import BenchSetting
+from peers.vllm_bench import BenchSetting
 
 SATURATION_RATIO = 1.25  # iterserve / vLLM output tok/s at saturation
 SINGLE_RATIO = 1.2  # iterserve / llama.cpp single-stream decode tok/s

@@ -21,14 +21,14 @@ plus ~2-3 minutes of vLLM start-up):
               iterserve's engine vs transformers `generate` in static batches of 8
   vllm bench  (--vllm-bench) vLLM's own client, `vllm bench serve`, against each server: random
               128 in / 64 out at 4 req/s (32 prompts), and prefill-heavy 1024 / 16 at 1 req/s
-              (iterserve/bench/vllm_bench.py); its own table
+              (benchmarks/peers/vllm_bench.py); its own table
 
 The matrix of issue 35 (models x prompt shapes x loads, all measured with `vllm bench serve`, the
 targets judged per cell) is benchmarks/peer_matrix.py, built on this module's peers and on
-iterserve/bench/matrix.py.
+benchmarks/peers/matrix.py.
 
 The run first prints the host: CPU model, cores, the speed-deciding flags, a copy bandwidth and a
-bf16 GEMM figure (iterserve/bench/machine.py), which also go into the JSON.
+bf16 GEMM figure (benchmarks/machine.py), which also go into the JSON.
 
 Usage (repo root; benchmarks/vs_peers.py runs it, this module holds the plan, the metrics and
 the table, which the tests import):
@@ -36,7 +36,7 @@ the table, which the tests import):
     .venv/bin/python benchmarks/vs_peers.py                      # every installed system, full run
     .venv/bin/python benchmarks/vs_peers.py --quick --peers iterserve,llamacpp
     .venv/bin/python benchmarks/vs_peers.py --iterserve-args "" --iterserve-args "--dtype bfloat16" \\
-        --peers vllm,iterserve,llamacpp --rate 3 --offline --out benchmarks/results/vs_peers.json
+        --peers vllm,iterserve,llamacpp --rate 3 --offline --out results/vs_peers.json
 
 --out gets a summary (the table, every system's metrics and settings, the plan, host, commit and
 command: a few KB, the file to commit); --raw-dir (default: a new folder under runs/, ignored by
@@ -63,7 +63,7 @@ from typing import Any, Sequence
 
 from iterserve.bench.client import ClientError, RequestRecord, RunResult, run_load
 from iterserve.bench.common import markdown_table, one_line
-from iterserve.bench.peers import KINDS, System
+from peers.systems import KINDS, System
 from iterserve.bench.workload import RequestSpec, all_at_once, build_prompts, poisson
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package is installed from (pip install -e)
@@ -331,7 +331,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=900.0,
                     help="seconds a system may take to answer /health (vLLM needs ~100-140)")
     ap.add_argument("--log-dir", type=Path, help="iterserve server logs (default: logs/ in --raw-dir)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_peers.json"),
+    ap.add_argument("--out", type=Path, default=Path("results/vs_peers.json"),
                     help="the summary: table, metrics, plan, host, commit, command (default %(default)s)")
     ap.add_argument("--raw-dir", type=Path, help="the full report with every request's record goes to "
                     "vs_peers.json here (default: a new folder under runs/)")
