@@ -43,7 +43,7 @@ from iterserve.bench.workload import (RequestSpec, add_workload_args, build_prom
                                       workload_from_args)
 from iterserve.engine_args import add_engine_args, engine_config_from_args
 from iterserve.sim.profile import Profile
-from iterserve.spec.config import SpeculativeConfig
+from iterserve.config import SpeculativeConfig
 
 DEFAULT_SLO = "e2e_p95=2s"  # the chat bot case's goal (docs/seed-case.md)
 WARMUP_TOKENS = 8
