@@ -176,8 +176,7 @@ class LLMEngine:
         if not cfg.enable_lora:
             return None
         lora = LoRAManager(self.model_config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
-                           self.device, self.dtype)
-        lora.kernels = getattr(self.platform, "kernels", None)  # CPU platform: its C++ kernels, if loaded
+                           self.device, self.dtype, self.platform.lora_sgmv)
         if getattr(self.model, "_lora_hooks", None) is None:
             self.model._lora_hooks = install_lora_hooks(self.model)
         for name, path in cfg.lora_modules.items():

@@ -168,7 +168,7 @@ class ModelRunner:
 
     @contextmanager
     def step_context(self, meta: AttentionMetadata, lora: LoRABatch | None = None) -> Iterator[None]:
-        """The forward context every layer's attention (and LoRA hook) reads (attention/forward_context.py)."""
+        """The forward context every layer's attention and LoRA hook reads (attention/forward_context.py)."""
         with forward_context(meta, self.kv_caches, self.attention, lora):
             yield
 
