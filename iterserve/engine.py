@@ -37,7 +37,7 @@ from iterserve.pooling import finish as finish_pooling
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
 from iterserve.runner import ModelRunner
 from iterserve.sampling import SamplingParams
-from iterserve.spec.controller import SpecController
+from iterserve.spec_decode.controller import SpecController
 from iterserve.structured.manager import StructuredOutputConfig, StructuredOutputManager
 from iterserve.structured.params import StructuredOutputError
 
@@ -160,12 +160,12 @@ class LLMEngine:
         if cfg is None:
             return None
         if cfg.method == "ngram":
-            from iterserve.spec.ngram import NgramProposer
+            from iterserve.spec_decode.ngram import NgramProposer
             return NgramProposer.from_config(cfg)
         if cfg.method == "suffix":
-            from iterserve.spec.suffix import SuffixProposer
+            from iterserve.spec_decode.suffix import SuffixProposer
             return SuffixProposer.from_config(cfg)
-        from iterserve.spec.draft_model import DraftModelProposer
+        from iterserve.spec_decode.draft_model import DraftModelProposer
         return DraftModelProposer.load(cfg, self.platform, self.model_config, self.config.block_size,
                                        self.tokenizer, self.max_model_len)
 
@@ -176,8 +176,7 @@ class LLMEngine:
         if not cfg.enable_lora:
             return None
         lora = LoRAManager(self.model_config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
-                           self.device, self.dtype)
-        lora.kernels = getattr(self.platform, "kernels", None)  # CPU platform: its C++ kernels, if loaded
+                           self.device, self.dtype, self.platform.lora_sgmv)
         if getattr(self.model, "_lora_hooks", None) is None:
             self.model._lora_hooks = install_lora_hooks(self.model)
         for name, path in cfg.lora_modules.items():

@@ -25,9 +25,9 @@ from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, Pref
 from iterserve.config import ModelConfig
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.lora.layers import LoRABatch
+from iterserve.rejection_sampler import Verified, verify_drafts
 from iterserve.request import Request
 from iterserve.sampling import Sampler, SamplingParams
-from iterserve.spec.verify import Verified, verify_drafts
 from iterserve.structured.grammar import RequestGrammar
 from iterserve.structured.logits import TokenConstraints, allocate_bitmask
 
@@ -168,7 +168,7 @@ class ModelRunner:
 
     @contextmanager
     def step_context(self, meta: AttentionMetadata, lora: LoRABatch | None = None) -> Iterator[None]:
-        """The forward context every layer's attention (and LoRA hook) reads (attention/forward_context.py)."""
+        """The forward context every layer's attention and LoRA hook reads (attention/forward_context.py)."""
         with forward_context(meta, self.kv_caches, self.attention, lora):
             yield
 
@@ -251,7 +251,7 @@ class ModelRunner:
                             results: list[StepResult]) -> None:
         """A step where some rows verify drafts: every logits row gets its own request's
         constraints as they stand after the drafts before it (grammar state, penalties' history);
-        rows without drafts are sampled as always, the others verified (spec/verify.py)."""
+        rows without drafts are sampled as always, the others verified (rejection_sampler.py)."""
         grammars, biases, params, histories, plens, kept = [], [], [], [], [], []
         for s in rows:
             req, drafts = s.request, s.spec_token_ids

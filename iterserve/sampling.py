@@ -194,7 +194,7 @@ class Sampler:
                      prompt_lens: list[int]) -> torch.Tensor:
         """What each row's token is drawn from, as probabilities [n, vocab] (float32): the same
         penalties, temperature, top-k, top-p and min-p as __call__, a greedy row one-hot at its
-        argmax. Speculative decoding's acceptance rule (spec/verify.py) needs p itself."""
+        argmax. Speculative decoding's acceptance rule (rejection_sampler.py) needs p itself."""
         raw = logits.float()
         probs, greedy_rows, chosen = self._distributions(raw, params, token_histories, prompt_lens)
         one_hot = torch.zeros_like(raw).scatter_(1, chosen.unsqueeze(1), 1.0)

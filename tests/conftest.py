@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny random-weight Llama saved as a Hugging Face folder, and the embedded model.
+"""Shared fixtures: a tiny random-weight Llama saved as a Hugging Face folder, and the embedded model;
+the in-process server on the tiny model that several test modules run against (`server`, `http`,
+`client`).
 
 Models are loaded once per session and shared between engines (each engine owns its own KV cache).
 """
@@ -62,6 +64,14 @@ def tiny_loaded(tiny_model_dir):
     return model, cfg, tok
 
 
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dir):
+    """transformers' own model of the tiny folder, in float32: the reference a module compares with."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def smol_loaded():
     from iterserve.model.loader import load_model
@@ -80,3 +90,32 @@ def make_engine(tiny_loaded):
         return LLMEngine(EngineConfig(**kw), loaded=loaded or tiny_loaded)
 
     return make
+
+
+# ---- one in-process `iterserve serve` app per test module, on the tiny model ----------------------------
+# A module that uses `server` (or `http`, `client`) says how the server starts in SERVE_ARGS (the flags after
+# the model); a module whose server differs (a process, other models) defines its own fixture of that name.
+@pytest.fixture(scope="module")
+def server(request, tiny_model_dir, tiny_loaded):
+    """The app `iterserve serve` builds, over httpx's ASGI transport (tests/app_server.py), with the
+    test module's SERVE_ARGS; the tiny model is shared, the engine and its KV cache are the module's."""
+    from app_server import AppServer
+
+    with AppServer([str(tiny_model_dir), *request.module.SERVE_ARGS], tiny_loaded) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """A synchronous httpx client of `server`."""
+    with server.client(timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client, on `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                         http_client=server.client(timeout=60))

@@ -300,13 +300,6 @@ def write_llama_gguf(hf_model, path: Path) -> None:
     _write_gguf(path, tensors, meta=meta)
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
 def test_synthetic_llama_gguf_matches_transformers(tmp_path, monkeypatch, hf_tiny):
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"

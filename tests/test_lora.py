@@ -227,11 +227,11 @@ def test_no_adapter_rows_no_lora_batch(tiny_model_dir, adapters):
     decode = SchedulerOutput([ScheduledRequest(Request(f"d{i}", p, params(n)), 1, 5, [i], [7], sample=True)
                               for i, n in enumerate([None, "attn4", None])])
     slot = lora.slot("attn4")
-    if lora.kernels is not None:  # the C++ kernel's form, long and short steps alike
+    if lora.sgmv is not None:  # the C++ kernel's form, long and short steps alike
         batch = runner.prepare(sched).lora
         assert batch.row_slot.tolist() == [-1] * len(p) + [slot] * len(p) and not batch.groups and not batch.masks
         assert runner.prepare(decode).lora.row_slot.tolist() == [-1, slot, -1]
-    lora.kernels = None  # the torch paths
+    lora.sgmv = None  # the torch paths
     batch = runner.prepare(sched).lora
     assert [s for s, _ in batch.groups] == [slot] and not batch.masks and batch.row_slot is None
     assert batch.groups[0][1].tolist() == list(range(len(p), 2 * len(p)))
@@ -265,12 +265,12 @@ def test_lora_sgmv_kernel_matches_torch_paths(dtype, monkeypatch):
             b[:, j * rank:(j + 1) * rank, lo:hi] = torch.randn(slots, rank, hi - lo, generator=gen)
         modules[(0, name)] = SlotWeights(a.to(dtype), b.to(dtype), [True] * slots, list(zip(bounds, bounds[1:])))
     row_slots = [-1, 0, 2, 2, 1, -1, 0, 2, 2, 2, 1]
-    manager = SimpleNamespace(modules=modules, max_loras=slots, max_rank=rank, dtype=dtype, kernels=None)
+    manager = SimpleNamespace(modules=modules, max_loras=slots, max_rank=rank, dtype=dtype, sgmv=None)
     cpu = torch.device("cpu")
     masked = layers.LoRABatch.build(row_slots, manager, cpu)
     monkeypatch.setattr(layers, "DENSE_MAX_ROWS", 0)
     gathered = layers.LoRABatch.build(row_slots, manager, cpu)
-    manager.kernels = kernels
+    manager.sgmv = kernels.lora_sgmv
     kernel = layers.LoRABatch.build(row_slots, manager, cpu)
     assert masked.masks and gathered.groups and kernel.row_slot is not None
     base = [i for i, s in enumerate(row_slots) if s < 0]

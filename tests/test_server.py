@@ -12,33 +12,13 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
-from app_server import AppServer
 
 from iterserve.bench.launcher import ServerProcess
 
 MODEL = "tiny"
 SERVE_ARGS = ["--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
               "--max-output-len", "512"]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tiny_loaded):
-    with AppServer([str(tiny_model_dir), *SERVE_ARGS], tiny_loaded) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client(timeout=30) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                         http_client=server.client())
 
 
 def scheduler(http: httpx.Client, **params) -> dict:

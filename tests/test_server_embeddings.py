@@ -36,31 +36,6 @@ TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.",
          " ".join(f"sentence {i} about the river and the town." for i in range(20))]  # ~180 tokens: 3 chunks
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tiny_loaded):
-    with AppServer([str(tiny_model_dir), *SERVE_ARGS], tiny_loaded) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client(timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                         http_client=server.client(timeout=60))
-
-
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
 def tokens(http: httpx.Client, text: str) -> list[int]:
     return http.post("/tokenize", json={"prompt": text}).json()["tokens"]
 

@@ -12,26 +12,14 @@ import json
 import httpx
 import openai
 import pytest
-from app_server import AppServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_EXAMPLES = 50
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tiny_loaded):
-    with AppServer([str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--max-num-seqs", "2", "--max-waiting", "2",
-                    "--api-key", KEY, "--max-input-len", "64", "--max-output-len", "32"], tiny_loaded) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client(timeout=60) as client:
-        yield client
+SERVE_ARGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "2", "--max-waiting", "2", "--api-key", KEY,
+              "--max-input-len", "64", "--max-output-len", "32"]
 
 
 def test_queue_bound_gives_503_and_keeps_accepted_requests(server, http):

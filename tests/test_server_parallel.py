@@ -13,19 +13,8 @@ import pytest
 from app_server import AppServer
 
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tiny_loaded):
-    with AppServer([str(tiny_model_dir), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
-                    "--max-model-len", "1024", "--block-size", "16"], tiny_loaded) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client(timeout=60) as client:
-        yield client
+SERVE_ARGS = ["--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+              "--block-size", "16"]
 
 
 def post(http: httpx.Client, path: str, body: dict) -> httpx.Response:

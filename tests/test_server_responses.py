@@ -10,7 +10,6 @@ import json
 import jsonschema
 import openai
 import pytest
-from app_server import AppServer
 
 from iterserve.server.responses import ResponseStore
 
@@ -22,24 +21,6 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                        "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tiny_loaded):
-    with AppServer([str(tiny_model_dir), *SERVE_ARGS], tiny_loaded) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client(timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                         http_client=server.client(timeout=60))
 
 
 def chat_tokens(http, messages: list[dict]) -> int:

@@ -322,10 +322,10 @@ def test_sampled_distribution_unchanged(distribution_case):
 def test_broken_acceptance_rule_is_caught(distribution_case, monkeypatch):
     """The same test fails when drafts are accepted with probability sqrt(p) instead of p."""
     import iterserve.runner as runner_mod
-    from iterserve.spec import verify
+    from iterserve import rejection_sampler
 
     def broken(probs, drafts, u_accept, u_next, draft_probs=None):
-        return verify.verify_drafts(probs.sqrt(), drafts, u_accept, u_next, draft_probs)
+        return rejection_sampler.verify_drafts(probs.sqrt(), drafts, u_accept, u_next, draft_probs)
 
     loaded, prompt, likely = distribution_case
     n = 600
@@ -339,7 +339,7 @@ def test_broken_acceptance_rule_is_caught(distribution_case, monkeypatch):
 def test_verify_rule_exact_on_small_vocabulary():
     """The rule itself, exactly: over many uniforms, the token after one draft is distributed as p
     for a point-mass draft and for a draft distribution q."""
-    from iterserve.spec.verify import verify_drafts
+    from iterserve.rejection_sampler import verify_drafts
 
     torch.manual_seed(0)
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]])

@@ -10,11 +10,11 @@ from collections import Counter
 
 import pytest
 
+from iterserve.config import SpeculativeConfig
 from iterserve.request import Request
 from iterserve.sampling import SamplingParams
-from iterserve.spec.config import SpeculativeConfig
-from iterserve.spec.ngram import NgramIndex, NgramProposer
-from iterserve.spec.suffix import SuffixProposer, SuffixTrie, TrieCursor
+from iterserve.spec_decode.ngram import NgramIndex, NgramProposer
+from iterserve.spec_decode.suffix import SuffixProposer, SuffixTrie, TrieCursor
 
 from model_utils import new_runner, sequence_logits
 
@@ -214,7 +214,7 @@ def reference_greedy(loaded, tokens: list[int], k: int) -> list[int]:
 
 
 def draft_proposer(loaded, num_blocks: int = 32, block_size: int = 4):
-    from iterserve.spec.draft_model import DraftModelProposer
+    from iterserve.spec_decode.draft_model import DraftModelProposer
 
     pr = new_runner(loaded, num_blocks=num_blocks, block_size=block_size)
     return DraftModelProposer(pr.runner, pr.pool)
@@ -267,7 +267,7 @@ def test_draft_model_pool_exhaustion_gives_no_drafts(tiny_loaded):
 def test_draft_model_vocab_mismatch_refused(tiny_loaded, tiny_model_dir):
     from iterserve.config import EngineConfig
     from iterserve.platform.selector import get_platform
-    from iterserve.spec.draft_model import DraftModelProposer, check_vocab
+    from iterserve.spec_decode.draft_model import DraftModelProposer, check_vocab
 
     _, cfg, tok = tiny_loaded
     other = dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1)

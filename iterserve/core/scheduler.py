@@ -47,7 +47,7 @@ class ScheduledRequest:
     sample: bool  # the step reaches the request's last known token: sample the next one
     padding: bool = False  # static batching: a finished member still computed; its sample is dropped
     # speculative decoding: draft tokens verified after the request's last token (token_ids ends
-    # with them); every position is sampled and the longest accepted run is kept (spec/verify.py)
+    # with them); every position is sampled and the longest accepted run is kept (rejection_sampler.py)
     spec_token_ids: list[int] = field(default_factory=list)
 
 

@@ -4,11 +4,16 @@ Each targeted projection y = x W^T (whatever kernel computes it: oneDNN, our til
 twin) gets scaling * (x A^T) B^T added for the rows of each slot in use: the rows are gathered per
 slot, go through two small matmuls, and are added back in place (index_add_); a decode-sized step
 takes one masked matmul pair over all slots instead (LoRABatch). A step where every row carries
-one slot skips the gather. On CPU with iterserve's C++ kernels loaded, every step takes one kernel
-call per projection instead (cpu_kernels.cpp's lora_sgmv): each row through its own slot's A and
-B's diagonal blocks only, with none of the masked path's wasted arithmetic or the gather's per-slot ops. Rows without an adapter cost nothing, and a step with no
-adapter rows takes the exact same path as an engine without LoRA: the runner then sets no LoRA
-batch, and the hook returns at once.
+one slot skips the gather. Where the platform has a LoRA kernel (the CPU platform with iterserve's
+C++ kernels loaded: their lora_sgmv), every step takes one kernel call per projection instead:
+each row through its own slot's A and B's diagonal blocks only, with none of the masked path's
+wasted arithmetic or the gather's per-slot ops. Rows without an adapter cost nothing, and a step
+with no adapter rows takes the exact same path as an engine without LoRA: the runner then sets no
+LoRA batch, and the hook returns at once.
+
+The step's batch comes to the hooks in the forward context the runner sets around the forward pass
+(attention/forward_context.py), beside attention's metadata; the kernel comes from the platform
+through the manager (LoRAManager.sgmv), so nothing here is device-specific.
 
 Why forward hooks on the projection modules rather than a wrapper class or edits to the layers:
 the CPU platform replaces each nn.Linear by its own module (platform/cpu_linear.py) after loading,
@@ -23,10 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from iterserve.attention.forward_context import current_lora
+from iterserve.attention.forward_context import get_forward_context
 from iterserve.lora.adapter import FUSED
-from iterserve.lora.manager import LoRAManager, SlotWeights
-from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.lora.manager import LoRAKernel, LoRAManager, SlotWeights
 
 
 DENSE_MAX_ROWS = 32  # steps of at most this many rows take the masked path (decode steps); more: gathered
@@ -36,13 +40,13 @@ DENSE_MAX_ROWS = 32  # steps of at most this many rows take the masked path (dec
 class LoRABatch:
     """One step's adapter rows, in the form `apply` takes.
 
-    On CPU with the C++ kernels (manager.kernels), one way for every step: each row's slot as an
-    int32 tensor (row_slot), built here once per step, and one lora_sgmv call per projection, which
+    With the platform's LoRA kernel (manager.sgmv), one way for every step: each row's slot as an
+    int32 tensor (row_slot), built here once per step, and one kernel call per projection, which
     reads only each row's own slot and B's diagonal blocks. On a 16-row SmolLM2-135M decode step
     over 4 adapters it replaced ~12 ms of masked matmuls (docs/server.md), and it beats the gather on
     long steps too (the per-slot B there is the whole block-diagonal matrix).
 
-    Otherwise (CUDA, or no kernels), two torch ways to add the deltas, chosen per step by its row count. Gathered (prefill-sized steps):
+    Otherwise (no LoRA kernel: CUDA, or no C++ kernels), two torch ways to add the deltas, chosen per step by its row count. Gathered (prefill-sized steps):
     per slot in use, gather its rows, two small matmuls, index_add_ back: no wasted arithmetic,
     ~4 ops per slot per projection. Masked (decode-sized steps, <= DENSE_MAX_ROWS rows): every row
     through every slot's A at once ([T, slots * S * R]), a 0/1 mask keeps each row's own slot
@@ -55,6 +59,7 @@ class LoRABatch:
     masks: dict[int, torch.Tensor]  # masked: S (projections of a fused module) -> [T, slots * S * R] 0/1
     modules: dict[tuple[int, str], SlotWeights]
     row_slot: torch.Tensor | None = None  # kernel path: [T] int32, each flat row's slot or -1
+    sgmv: LoRAKernel | None = None  # kernel path: the platform's kernel
 
     @classmethod
     def build(cls, row_slots: Sequence[int], manager: LoRAManager, device: torch.device) -> "LoRABatch | None":
@@ -65,8 +70,8 @@ class LoRABatch:
                 by_slot.setdefault(s, []).append(i)
         if not by_slot:
             return None
-        if manager.kernels is not None and device.type == "cpu":
-            return cls([], {}, manager.modules, torch.tensor(row_slots, dtype=torch.int32))
+        if manager.sgmv is not None:
+            return cls([], {}, manager.modules, torch.tensor(row_slots, dtype=torch.int32), manager.sgmv)
         if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(row_slots):
             return cls([(next(iter(by_slot)), None)], {}, manager.modules)
         if len(row_slots) <= DENSE_MAX_ROWS:
@@ -83,7 +88,7 @@ class LoRABatch:
         w = self.modules[key]
         if self.row_slot is not None:
             dst = out if out.is_contiguous() else out.contiguous()  # the kernel writes in place: a copy of a view
-            load_cpu_kernels().lora_sgmv(x, w.a, w.b, self.row_slot, w.bounds, dst)
+            self.sgmv(x, w.a, w.b, self.row_slot, w.bounds, dst)
             return out if dst is out else out.copy_(dst)
         if self.masks:
             h = x.to(w.a.dtype) @ w.a.flatten(0, 1).t()  # [T, slots * S * R]
@@ -104,7 +109,7 @@ class LoRABatch:
 
 def _hook(key: tuple[int, str]):
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-        batch = current_lora()
+        batch = get_forward_context().lora
         if batch is None:
             return None
         return batch.apply(key, args[0], out)

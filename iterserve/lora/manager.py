@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,12 @@ from iterserve.lora.adapter import FUSED, TARGETS, LoRAAdapter, LoRAError, load_
 from iterserve.lora.slots import SlotTable
 
 log = logging.getLogger("iterserve.lora")
+
+
+# a platform's LoRA kernel: (x [T, in], a [slots, S * R, in], b [slots, S * R, out], row_slot [T] int32
+# (-1: no adapter), bounds [S + 1], out [T, out] contiguous) adds each row's own slot's delta to out
+# in place (the CPU platform's: cpu_kernels.cpp's lora_sgmv)
+LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor], None]
 
 
 class LoRAInUse(LoRAError):
@@ -62,14 +69,14 @@ class LoRAStats:
 
 class LoRAManager:
     def __init__(self, model_cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int | None,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
+                 device: torch.device | str, dtype: torch.dtype, sgmv: LoRAKernel | None = None) -> None:
         self.model_cfg = model_cfg
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max_cpu_loras
         self.device, self.dtype = torch.device(device), dtype
-        # the C++ kernels' module where the CPU platform loaded them (the engine sets it): then every
-        # step's deltas go through its lora_sgmv (layers.py); None: the torch paths
-        self.kernels = None
+        # the platform's LoRA kernel (Platform.lora_sgmv): every step's deltas go through it
+        # (layers.py); None: the torch paths
+        self.sgmv = sgmv
         self._paths: dict[str, str] = {}
         self._uid: dict[str, int] = {}
         self._ids = itertools.count(1)

@@ -1,5 +1,5 @@
-"""What the engine asks of the machine it runs on: a device and dtype, an attention backend, the
-model's weights laid out for that machine, and how many KV blocks fit.
+"""What the engine asks of the machine it runs on: a device and dtype, an attention backend, a LoRA
+kernel where it has one, the model's weights laid out for that machine, and how many KV blocks fit.
 
 One subclass per device kind (platform/cpu.py, platform/cuda.py); platform/selector.py picks one.
 Everything CPU- or CUDA-specific lives behind this interface, so the engine and the runner never
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from iterserve.attention.backend import AttentionBackend
 from iterserve.config import EngineConfig, ModelConfig
 from iterserve.model.loader import ModelSource
+
+if TYPE_CHECKING:
+    from iterserve.lora.manager import LoRAKernel
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -50,14 +53,16 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class Platform:
-    """A device, its dtype and attention backend, decided once from the EngineConfig."""
+    """A device, its dtype, attention backend and LoRA kernel, decided once from the EngineConfig."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 attention: AttentionBackend) -> None:
+                 attention: AttentionBackend, lora_sgmv: LoRAKernel | None = None) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.attention = attention
+        # the LoRA deltas' kernel the engine hands the LoRA manager (lora/layers.py); None: torch's ops
+        self.lora_sgmv = lora_sgmv
 
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """Lays the loaded weights out for this machine (`source`: where they came from)."""

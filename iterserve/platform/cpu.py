@@ -60,7 +60,8 @@ class CpuPlatform(Platform):
             attention: AttentionBackend = BatchInvariantCpuAttentionBackend(self.kernels)
         else:
             attention = select_attention_backend(config.decode_attention, device, self.kernels)
-        super().__init__(config, device, dtype, attention)
+        super().__init__(config, device, dtype, attention,
+                         lora_sgmv=self.kernels.lora_sgmv if self.kernels is not None else None)
         self.layout = bf16_gemm_layout(config.bf16_gemm, self.kernels)  # validates the choice too
         if dtype == torch.float32:  # what a float32 run's projections get unless measured
             if config.bf16_gemm not in ("auto", *FLOAT32_LAYOUTS):

@@ -230,7 +230,7 @@ class OpenAIServing:
             raise APIError(str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
 
     def prediction(self, body: GenerationRequest) -> list[int] | None:
-        """OpenAI's `prediction`, as tokens: speculative decoding drafts from it (spec/controller.py)."""
+        """OpenAI's `prediction`, as tokens: speculative decoding drafts from it (spec_decode/controller.py)."""
         if body.prediction is None or not body.prediction.text:
             return None
         return self.llm.tokenizer.encode(body.prediction.text, add_special_tokens=False)

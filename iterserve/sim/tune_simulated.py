@@ -21,7 +21,7 @@ from iterserve.bench.tune import (ConfigResult, GridPoint, TunePlan, best_config
 from iterserve.bench.workload import RequestSpec
 from iterserve.engine_args import add_engine_args, engine_config_from_args
 from iterserve.sim.profile import Profile
-from iterserve.spec.config import SpeculativeConfig
+from iterserve.config import SpeculativeConfig
 
 
 def simulate_config(point: GridPoint, profile: Profile, server_args: Sequence[str], specs: Sequence[RequestSpec],

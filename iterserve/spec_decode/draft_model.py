@@ -23,9 +23,9 @@ from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.request import Request
 from iterserve.runner import ModelRunner
-from iterserve.spec.proposer import Proposer
+from iterserve.spec_decode.proposer import Proposer
 
-log = logging.getLogger("iterserve.spec.draft_model")
+log = logging.getLogger("iterserve.spec_decode.draft_model")
 
 
 def check_vocab(draft_cfg: ModelConfig, target_cfg: ModelConfig, draft_tokenizer=None,

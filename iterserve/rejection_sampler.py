@@ -9,6 +9,9 @@ distributed exactly as tokens drawn one at a time from p. A lookup method's draf
 suffix, `prediction`) and a greedy draft model's are point masses (q(d) = 1): the rule is then
 "accept with probability p(d), else draw from p without d", and for a greedy request, whose p is
 one-hot, "accept while the draft is the argmax".
+
+The runner applies it (verification is a sampling step of the target's forward pass); the drafts
+come from spec_decode/, which imports the runner, so the rule lives here, beside sampling.py.
 """
 from __future__ import annotations
 

@@ -11,16 +11,16 @@ compute-bound, and a draft row's compute is better spent on other rows.
 
 A request that brings OpenAI's `prediction` drafts with or without a server-wide method: the
 ngram and suffix proposers look it up beside the request's own tokens; a server with no method, or
-a draft model, looks it up with the ngram proposer first (spec/ngram.py).
+a draft model, looks it up with the ngram proposer first (spec_decode/ngram.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from iterserve.config import SpeculativeConfig
 from iterserve.request import Request
-from iterserve.spec.config import SpeculativeConfig
-from iterserve.spec.ngram import NgramProposer
-from iterserve.spec.proposer import Proposer
+from iterserve.spec_decode.ngram import NgramProposer
+from iterserve.spec_decode.proposer import Proposer
 
 # Step time of one more verified token in a row, relative to a one-token row's: SmolLM2 alone on
 # Zen 5, a step of 1 + k tokens took 1 + 0.12 k times a one-token step's (docs/speculative.md)

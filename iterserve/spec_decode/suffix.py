@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from iterserve.request import Request
-from iterserve.spec.proposer import Proposer
+from iterserve.spec_decode.proposer import Proposer
 
 
 class _Node:
