@@ -65,9 +65,10 @@ TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed it
 COPIES_BYTES = 48 << 20  # bf16 bytes of distinct weights one timed call of a projection reads
 MAX_COPIES = 32
 ATTENTION_CONTEXT = 256  # tokens of context per sequence when timing decode attention
-# the files whose contents decide what a candidate computes and how fast
+# the files whose contents decide what a candidate computes and how fast: these two and every C++
+# source and header of the kernels (csrc/*.cpp, *.h; not its README)
 SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py")] + sorted(
-    (Path(__file__).resolve().parent.parent / "csrc").iterdir())
+    p for p in (Path(__file__).resolve().parent.parent / "csrc").iterdir() if p.suffix in (".cpp", ".h"))
 
 
 def kernel_choice_dir() -> Path:
