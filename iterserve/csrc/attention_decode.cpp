@@ -18,26 +18,31 @@ namespace iterserve {
 namespace {
 
 // q . k and acc += p * v over one head's D values (float q/acc; k, v float or bf16 bits). Written
-// out for AVX-512 when D is a multiple of 16 (else AVX2 when a multiple of 8): the vectoriser left
-// the bf16 loops scalar, and the float32 dot too (it may not reorder a float sum).
+// over the lanes (lanes.h) when D is a multiple of a vector (16 floats on AVX-512, 8 on AVX2): the
+// vectoriser left the bf16 loops scalar, and the float32 dot too (it may not reorder a float sum).
+// A dot keeps kDotChains accumulators: AVX2's one FMA chain would wait on its own latency, so it
+// runs two (even and odd vectors, added before the reduction); AVX-512 runs one. The scalar build
+// keeps the plain loops.
+#if defined(__AVX512F__)
+constexpr int kDotChains = 1;
+#else
+constexpr int kDotChains = 2;
+#endif
+
 template <typename C>
 inline float dot(const float* q, const C* k, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#elif ISV_AVX2_FMA
-  if (D % 8 == 0) {  // two accumulators: one FMA chain would wait on its own latency
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+#if ISV_LANES
+  if (D % kLW == 0) {
+    LVec a0 = lv_zero(), a1 = lv_zero();
     int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), a1);
+    if constexpr (kDotChains == 2) {
+      for (; d + 2 * kLW <= D; d += 2 * kLW) {
+        a0 = lv_fma(lv_load(q + d), lv_load(k + d), a0);
+        a1 = lv_fma(lv_load(q + d + kLW), lv_load(k + d + kLW), a1);
+      }
     }
-    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a0);
-    return reduce_add8(_mm256_add_ps(a0, a1));
+    for (; d < D; d += kLW) a0 = lv_fma(lv_load(q + d), lv_load(k + d), a0);
+    return lv_sum(kDotChains == 2 ? lv_add(a0, a1) : a0);
   }
 #endif
   float s = 0.f;
@@ -47,18 +52,10 @@ inline float dot(const float* q, const C* k, int64_t D) {
 
 template <typename C>
 inline void axpy(float p, const C* v, float* acc, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    const __m512 pv = _mm512_set1_ps(p);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
-    return;
-  }
-#elif ISV_AVX2_FMA
-  if (D % 8 == 0) {
-    const __m256 pv = _mm256_set1_ps(p);
-    for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_loadu_ps(acc + d)));
+#if ISV_LANES
+  if (D % kLW == 0) {
+    const LVec pv = lv_set1(p);
+    for (int64_t d = 0; d < D; d += kLW) lv_store(acc + d, lv_fma(pv, lv_load(v + d), lv_load(acc + d)));
     return;
   }
 #endif
@@ -78,37 +75,29 @@ constexpr int kMaxPass = 8;  // 8 accumulators + the key: well inside 32 zmm reg
 constexpr int kMaxPass = 4;  // two accumulators a head on AVX2: 8 of the 16 ymm registers
 #endif
 
-// s[g] = q[g] . k for the GB query rows q (stride D; float) against one key (float or bf16 bits).
+// s[g] = q[g] . k for the GB query rows q (stride D; float) against one key (float or bf16 bits),
+// each head's chains and order as dot()'s.
 template <int GB, typename C>
 inline void dot_group(const float* q, const C* k, int64_t D, float* s) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 a[GB];
-    for (int g = 0; g < GB; ++g) a[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 kv = load16(k + d);
-      for (int g = 0; g < GB; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kv, a[g]);
-    }
-    for (int g = 0; g < GB; ++g) s[g] = _mm512_reduce_add_ps(a[g]);
-    return;
-  }
-#elif ISV_AVX2_FMA
-  if (D % 8 == 0) {  // two accumulators a head, as dot() has
-    __m256 a0[GB], a1[GB];
-    for (int g = 0; g < GB; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
+#if ISV_LANES
+  if (D % kLW == 0) {
+    LVec a0[GB], a1[GB];
+    for (int g = 0; g < GB; ++g) a0[g] = a1[g] = lv_zero();
     int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
-      for (int g = 0; g < GB; ++g) {
-        a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k0, a0[g]);
-        a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d + 8), k1, a1[g]);
+    if constexpr (kDotChains == 2) {
+      for (; d + 2 * kLW <= D; d += 2 * kLW) {
+        const LVec k0 = lv_load(k + d), k1 = lv_load(k + d + kLW);
+        for (int g = 0; g < GB; ++g) {
+          a0[g] = lv_fma(lv_load(q + g * D + d), k0, a0[g]);
+          a1[g] = lv_fma(lv_load(q + g * D + d + kLW), k1, a1[g]);
+        }
       }
     }
-    if (d < D) {
-      const __m256 k0 = load8(k + d);
-      for (int g = 0; g < GB; ++g) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k0, a0[g]);
+    for (; d < D; d += kLW) {
+      const LVec k0 = lv_load(k + d);
+      for (int g = 0; g < GB; ++g) a0[g] = lv_fma(lv_load(q + g * D + d), k0, a0[g]);
     }
-    for (int g = 0; g < GB; ++g) s[g] = reduce_add8(_mm256_add_ps(a0[g], a1[g]));
+    for (int g = 0; g < GB; ++g) s[g] = lv_sum(kDotChains == 2 ? lv_add(a0[g], a1[g]) : a0[g]);
     return;
   }
 #endif
@@ -118,25 +107,13 @@ inline void dot_group(const float* q, const C* k, int64_t D, float* s) {
 // acc[g] += p[g] * v for the GB accumulator rows acc (stride D) from one read of v.
 template <int GB, typename C>
 inline void axpy_group(const float* p, const C* v, float* acc, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 pv[GB];
-    for (int g = 0; g < GB; ++g) pv[g] = _mm512_set1_ps(p[g]);
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 vv = load16(v + d);
-      for (int g = 0; g < GB; ++g)
-        _mm512_storeu_ps(acc + g * D + d, _mm512_fmadd_ps(pv[g], vv, _mm512_loadu_ps(acc + g * D + d)));
-    }
-    return;
-  }
-#elif ISV_AVX2_FMA
-  if (D % 8 == 0) {
-    __m256 pv[GB];
-    for (int g = 0; g < GB; ++g) pv[g] = _mm256_set1_ps(p[g]);
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 vv = load8(v + d);
-      for (int g = 0; g < GB; ++g)
-        _mm256_storeu_ps(acc + g * D + d, _mm256_fmadd_ps(pv[g], vv, _mm256_loadu_ps(acc + g * D + d)));
+#if ISV_LANES
+  if (D % kLW == 0) {
+    LVec pv[GB];
+    for (int g = 0; g < GB; ++g) pv[g] = lv_set1(p[g]);
+    for (int64_t d = 0; d < D; d += kLW) {
+      const LVec vv = lv_load(v + d);
+      for (int g = 0; g < GB; ++g) lv_store(acc + g * D + d, lv_fma(pv[g], vv, lv_load(acc + g * D + d)));
     }
     return;
   }

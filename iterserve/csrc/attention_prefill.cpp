@@ -39,7 +39,7 @@ namespace {
 // at a time, before the mask.
 // Needs AVX512-BF16, bf16 q and caches, head_dim a multiple of 32.
 #if ISV_BF16_DOT
-inline __m512 exp512_nonpositive(__m512 x) {  // exp_nonpositive above, 16 lanes at a time
+inline __m512 exp512_nonpositive(__m512 x) {  // lanes.h's exp_nonpositive, 16 lanes at a time
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -237,7 +237,7 @@ void prefill_block(int64_t rows, const uint32_t* qp, const int64_t* row_pos, con
 
 // q [n, H, D] bf16 (the chunk's queries, at positions ctx - n .. ctx - 1); caches [num_blocks,
 // block_size, KVH, D] bf16 holding the sequence's first ctx tokens (this chunk's written);
-// block_table [width] int64 -> [n, H, D] bf16. window, softcap: see the top of this file (0: off).
+// block_table [width] int64 -> [n, H, D] bf16. window, softcap: see attention_decode.cpp (0: off).
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, int64_t ctx, double scale, int64_t window,
                                    double softcap) {

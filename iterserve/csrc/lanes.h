@@ -164,24 +164,21 @@ inline LVec lv_neg(LVec a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_
 inline LVec lv_round_bf16(LVec v) {  // to the nearest bf16 (ties to even), NaN to a quiet NaN; as store() does
   return _mm512_castsi512_ps(_mm512_slli_epi32(lv_bf16_bits(v), 16));
 }
-inline LVec lv_expf_u10(LVec d) {  // SLEEF's xexpf, lane for lane (see exp_sleef below)
-  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)));
-  const __m512 qf = _mm512_cvtepi32_ps(q);
-  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
-  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-  u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-  const __m512i h = _mm512_srai_epi32(q, 1), bias = _mm512_set1_epi32(0x7f);
-  u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, bias), 23)));
-  u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, h), bias), 23)));
-  u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_NLT_UQ), u);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ), u,
-                              _mm512_set1_ps(INFINITY));
+// integer lanes, for lv_expf_u10's exponent arithmetic
+using LInt = __m512i;
+inline LInt lv_to_int(LVec v) { return _mm512_cvtps_epi32(v); }  // to nearest, ties to even (MXCSR)
+inline LVec lv_from_int(LInt i) { return _mm512_cvtepi32_ps(i); }
+inline LInt li_half(LInt i) { return _mm512_srai_epi32(i, 1); }
+inline LInt li_sub(LInt a, LInt b) { return _mm512_sub_epi32(a, b); }
+inline LVec lv_pow2i(LInt e) {  // 2^e for -126 <= e <= 127
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(0x7f)), 23));
+}
+// u where d >= lo (or d is NaN), else 0; u where d <= hi (or NaN), else +inf
+inline LVec lv_zero_below(LVec d, float lo, LVec u) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(lo), _CMP_NLT_UQ), u);
+}
+inline LVec lv_inf_above(LVec d, float hi, LVec u) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(hi), d, _CMP_LT_OQ), u, _mm512_set1_ps(INFINITY));
 }
 #elif ISV_AVX2_FMA
 inline LVec lv_mul(LVec a, LVec b) { return _mm256_mul_ps(a, b); }
@@ -195,28 +192,44 @@ inline LVec lv_round_bf16(LVec v) {
   return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
                           _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
-inline LVec lv_expf_u10(LVec d) {
-  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137f)));
-  const __m256 qf = _mm256_cvtepi32_ps(q);
-  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
-  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
-  __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
-  u = _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
-  const __m256i h = _mm256_srai_epi32(q, 1), bias = _mm256_set1_epi32(0x7f);
-  u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23)));
-  u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, h), bias), 23)));
-  u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.f), _CMP_LT_OQ), u);
-  return _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(100.f), d, _CMP_LT_OQ));
+using LInt = __m256i;
+inline LInt lv_to_int(LVec v) { return _mm256_cvtps_epi32(v); }
+inline LVec lv_from_int(LInt i) { return _mm256_cvtepi32_ps(i); }
+inline LInt li_half(LInt i) { return _mm256_srai_epi32(i, 1); }
+inline LInt li_sub(LInt a, LInt b) { return _mm256_sub_epi32(a, b); }
+inline LVec lv_pow2i(LInt e) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(0x7f)), 23));
+}
+inline LVec lv_zero_below(LVec d, float lo, LVec u) {
+  return _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(lo), _CMP_LT_OQ), u);
+}
+inline LVec lv_inf_above(LVec d, float hi, LVec u) {
+  return _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(hi), d, _CMP_LT_OQ));
 }
 #else
 inline LVec lv_mul(LVec a, LVec b) { return a * b; }
 inline LVec lv_div(LVec a, LVec b) { return a / b; }
 inline LVec lv_neg(LVec a) { return -a; }
+#endif
+
+#if ISV_LANES
+inline LVec lv_expf_u10(LVec d) {  // SLEEF's xexpf, lane for lane (see exp_sleef below)
+  const LInt q = lv_to_int(lv_mul(d, lv_set1(1.442695040888963407359924681001892137f)));
+  const LVec qf = lv_from_int(q);
+  LVec s = lv_fma(qf, lv_set1(-0.693145751953125f), d);
+  s = lv_fma(qf, lv_set1(-1.428606765330187045e-06f), s);
+  LVec u = lv_set1(0.000198527617612853646278381f);
+  u = lv_fma(u, s, lv_set1(0.00139304355252534151077271f));
+  u = lv_fma(u, s, lv_set1(0.00833336077630519866943359f));
+  u = lv_fma(u, s, lv_set1(0.0416664853692054748535156f));
+  u = lv_fma(u, s, lv_set1(0.166666671633720397949219f));
+  u = lv_fma(u, s, lv_set1(0.5f));
+  u = lv_add(lv_set1(1.f), lv_fma(lv_mul(s, s), u, s));
+  const LInt h = li_half(q);
+  u = lv_mul(u, lv_pow2i(h));
+  u = lv_mul(u, lv_pow2i(li_sub(q, h)));
+  return lv_inf_above(d, 100.f, lv_zero_below(d, -104.f, u));
+}
 #endif
 
 // SLEEF's expf_u10 (xexpf, 1-ulp) in one lane: the vector forms above, and the columns past the last

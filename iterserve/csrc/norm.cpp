@@ -24,13 +24,13 @@ namespace {
 void rms_norm_row(const uint16_t* xr, const uint16_t* wp, uint16_t* orow, int64_t H, float e, bool unit_offset) {
   float ss = 0.f;
   int64_t d = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= H; d += 16) {
-    const __m512 v = load16(xr + d);
-    acc = _mm512_fmadd_ps(v, v, acc);
+#if defined(__AVX512F__)  // over the lanes, AVX-512 only: on AVX2 the plain loop's order is kept (its bits)
+  LVec acc = lv_zero();
+  for (; d + kLW <= H; d += kLW) {
+    const LVec v = lv_load(xr + d);
+    acc = lv_fma(v, v, acc);
   }
-  ss = _mm512_reduce_add_ps(acc);
+  ss = lv_sum(acc);
 #endif
   for (; d < H; ++d) ss += load(xr[d]) * load(xr[d]);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
