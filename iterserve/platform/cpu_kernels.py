@@ -19,6 +19,9 @@ the sources on disk (headers included, through ninja's own dependency records). 
 starting at once share the folder through torch's FileBaton (a lock file in it): one builds, the
 other waits and then loads the same build. (A process that finds the baton taken does not run ninja
 itself: sources edited *during* another process's build are built by the next process to start.)
+A process killed mid-build leaves the baton's file behind, and torch then waits on it for ever; with
+a folder that outlives edits that would block every later start, so a lock older than STALE_LOCK_S
+(far longer than a build) is removed first.
 
 It is compiled for the CPU it runs on (-march=native). `load_cpu_kernels(extra_cflags=...)` builds a
 variant with more flags (e.g. ("-mno-avx512f",) for the AVX2 paths on an AVX-512 host) in a folder of
@@ -36,12 +39,13 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils.cpp_extension import load
+from torch.utils.cpp_extension import _get_build_directory, load
 
 from iterserve.cpu_info import cpu_flags_line
 
@@ -53,6 +57,7 @@ KERNEL_SOURCES = sorted(CSRC.glob("*.cpp"))
 KERNEL_FILES = sorted([*KERNEL_SOURCES, *CSRC.glob("*.h")])
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 1800.0  # a build lock this old is a killed build's (a first build takes ~40 s to minutes)
 
 
 def build_tag(cflags: Sequence[str]) -> str:
@@ -63,6 +68,18 @@ def build_tag(cflags: Sequence[str]) -> str:
     key = "\n".join([platform.machine(), cpu_flags_line(), " ".join(cflags), " ".join(LDFLAGS),
                      torch.__version__, str(CSRC)])
     return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Removes torch's build lock (FileBaton's file) when a killed build left it: torch would wait on it."""
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock (%.0f s old, a killed build's): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _put_ninja_on_path() -> None:
@@ -82,10 +99,12 @@ def load_cpu_kernels(extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
     """The compiled module, or None when the build failed (logged once). extra_cflags: a variant
     built with these flags after the default ones (e.g. ("-mno-avx512f",)), in its own folder."""
     cflags = [*CFLAGS, *extra_cflags]
+    name = f"iterserve_cpu_{build_tag(cflags)}"
     try:
         _put_ninja_on_path()
+        _clear_stale_lock(name)
         log.info("loading CPU kernels (built on first use, which takes a while once)")
-        return load(name=f"iterserve_cpu_{build_tag(cflags)}", sources=[str(p) for p in KERNEL_SOURCES],
+        return load(name=name, sources=[str(p) for p in KERNEL_SOURCES],
                     extra_cflags=cflags, extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=False)
     except Exception as exc:  # no compiler / ninja, or an unsupported platform: keep the torch path
         log.warning("CPU kernels unavailable, using the torch path instead: %s", str(exc).strip()[:500])
