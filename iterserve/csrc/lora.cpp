@@ -22,7 +22,6 @@ namespace {
 // float32 accumulation, one rounding into out. The vector type is AVX-512's, AVX2's, or one float
 // (the scalar build: the same loops, each "vector" a single lane; lanes.h).
 
-
 // NR rows of one slot (rows[0..NR)): xf holds them widened to float [NR, K]; h gets A x [NR, SR].
 template <int NR, typename T, typename C>
 void lora_rows(const int64_t* rows, const float* xf, const C* a, const C* b, const std::vector<int64_t>& bounds,
