@@ -1,4 +1,4 @@
-"""Our bf16 GEMM on AMX tiles (cpu_kernels.cpp's bf16_gemm_amx), fed from the tiled layout's weights:
+"""Our bf16 GEMM on AMX tiles (csrc/gemm_bf16.cpp's bf16_gemm_amx), fed from the tiled layout's weights:
 the float32 product rounded once, at every ragged row and output count; steps below the cut-over
 take the AVX-512 path bit for bit; the kernel chooser times the two paths and sets the cut-over per
 shape; batch_invariant keeps AMX off. The kernel tests run where the CPU has AMX and Linux lends its

@@ -1,4 +1,4 @@
-"""float32 engines with bf16 weights (platform/cpu_linear.py layout "bf16w", cpu_kernels.cpp's
+"""float32 engines with bf16 weights (platform/cpu_linear.py layout "bf16w", csrc/gemm_f32_bf16w.cpp's
 f32_bf16w_gemm, AVX2 + FMA): the kernel is the float32 product with the weights rounded to bf16, at
 every row count and ragged shape; a float32 engine measures it against plain F.linear per shape
 (platform/kernel_choice.py) and lays its projections out as measured; on SmolLM2 (a Q4_1 GGUF) the

@@ -1,4 +1,4 @@
-"""The C++ element-wise kernels (iterserve/csrc/cpu_kernels.cpp `silu_and_mul`, `rope`,
+"""The C++ element-wise kernels (iterserve/csrc/elementwise.cpp `silu_and_mul`, `rope`,
 `add_rms_norm`; platform/cpu_elementwise.py, platform/cpu_norm.py) against the model's torch forms:
 torch's bits, in bf16 and float32. SiLU takes SLEEF's expf_u10 formula, the one torch's vectorised
 silu calls (every bf16 input checked); torch's own scalar tail (a row's last width % 64 bf16 or

@@ -1,4 +1,4 @@
-"""The C++ CPU decode-attention kernel (iterserve/csrc/cpu_kernels.cpp) against the torch path.
+"""The C++ CPU decode-attention kernel (iterserve/csrc/attention_decode.cpp) against the torch path.
 
 Same random cases as the Triton kernel's tests: shuffled block tables, contexts ending inside, at
 and just past a block boundary, several block sizes, head dims and GQA ratios; float32 must agree

@@ -100,7 +100,7 @@ def test_tiled_bf16_gemm_rejects_a_wrong_weight():
 
 @pytest.mark.parametrize("twin", ["int4", "q4_1"])
 def test_4bit_twin_only_for_small_steps_and_exact_on_a_4bit_grid(twin):
-    """Both 4-bit twins: torch's int4 kernel and ours (cpu_kernels.cpp's q4_gemm, int16 activations)."""
+    """Both 4-bit twins: torch's int4 kernel and ours (csrc/gemm_quant.cpp's q4_gemm, int16 activations)."""
     if twin == "q4_1" and load_cpu_kernels() is None:
         pytest.skip("the CPU kernels did not build here")
     w = on_4bit_grid(96, 128)

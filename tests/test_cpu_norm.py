@@ -1,4 +1,4 @@
-"""RMSNorm through the C++ kernel (iterserve/csrc/cpu_kernels.cpp `rms_norm`, platform/cpu_norm.py)
+"""RMSNorm through the C++ kernel (iterserve/csrc/norm.cpp `rms_norm`, platform/cpu_norm.py)
 against the model's torch RMSNorm in bf16: the same bits (the sum of squares' order may move the
 normalised x by one bf16 ulp, so the output, rounded again after the weight, by up to two; allowed
 in a tiny fraction: seen with the scalar sum of a CPU without AVX-512), each row alike whatever the row count, and the

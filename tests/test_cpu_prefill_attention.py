@@ -1,4 +1,4 @@
-"""The C++ prefill-attention kernel (iterserve/csrc/cpu_kernels.cpp, `paged_prefill_attention`)
+"""The C++ prefill-attention kernel (iterserve/csrc/attention_prefill.cpp, `paged_prefill_attention`)
 against the torch path (SDPA over the gathered blocks) computed in float32 from the same bf16 data.
 
 Fresh chunks (no cached prefix) and later chunks (after a cached prefix), shuffled block tables,

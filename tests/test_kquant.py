@@ -1,4 +1,4 @@
-"""Twins from a GGUF's own blocks (platform/cpu_linear.py, cpu_kernels.cpp's gguf_gemm): Q4_K, Q5_K,
+"""Twins from a GGUF's own blocks (platform/cpu_linear.py, csrc/gemm_gguf.cpp's gguf_gemm): Q4_K, Q5_K,
 Q6_K read as stored, Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1 repacked four blocks to a group.
 
 - Exactness: the twin's storage dequantises (`dequantize_gguf_twin`) to gguf-py's `dequantize` of

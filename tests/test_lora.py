@@ -242,7 +242,7 @@ def test_no_adapter_rows_no_lora_batch(tiny_model_dir, adapters):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_sgmv_kernel_matches_torch_paths(dtype, monkeypatch):
-    """cpu_kernels.cpp's lora_sgmv against both torch paths (masked, gathered) and a float64
+    """csrc/lora.cpp's lora_sgmv against both torch paths (masked, gathered) and a float64
     reference: fused modules of 1, 2 and 3 projections with odd widths, rows of three slots and none."""
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-// A fork-join pool for the CPU kernels in cpu_kernels.cpp: why not torch's OpenMP pool.
+// A fork-join pool for the CPU kernels in this folder: why not torch's OpenMP pool.
 //
 // A decode step of a small model is ~150 kernel calls of 5-60 us each. With OMP_WAIT_POLICY=PASSIVE
 // (the engine's default, because spinning OpenMP threads collapse when another process holds a

@@ -1,10 +1,32 @@
-"""Builds and loads iterserve's C++ CPU kernels (`iterserve/csrc/cpu_kernels.cpp`).
+"""Builds and loads iterserve's C++ CPU kernels (`iterserve/csrc/`, one .cpp per kernel family;
+iterserve/csrc/README.md says what each file holds and how long the build takes).
 
 The build happens on first use, with gcc and ninja (a declared dependency), and is cached by torch
-(TORCH_EXTENSIONS_DIR, by default under ~/.cache): the first build takes tens of seconds, later
-loads a fraction of a second. It is compiled for the CPU it runs on (-march=native), so the cache
-key includes the CPU's feature flags, and the sources' contents (torch's own check does not cover
-headers). The CPU platform loads it when the engine starts, never at a first request.
+(TORCH_EXTENSIONS_DIR, by default under ~/.cache). Every .cpp is one of torch's ninja sources, so
+ninja compiles one object per file and links them into one extension (one module to load); ninja
+records each object's headers (gcc -MMD), so a change to one family's file, or to a header, rebuilds
+only the objects that include it, then relinks.
+
+For that the build folder must stay the same when the sources change: its name is a hash of what
+decides the machine code other than the sources (the machine, the CPU's feature flags that
+-march=native sees, the compile flags, torch's version and this checkout's csrc/ path), never of the
+sources' contents. So a build made on another CPU, with other flags or from another checkout is
+never loaded, while an edit to a kernel is rebuilt in place. How torch 2.13 behaves then
+(torch/utils/cpp_extension.py, `_jit_compile`): its JIT_EXTENSION_VERSIONER hashes the .cpp files
+only within one process, and a process's first load always runs ninja, which rebuilds whatever
+changed since the last build and is a no-op otherwise, so the extension loaded is the one built from
+the sources on disk (headers included, through ninja's own dependency records). Two processes
+starting at once share the folder through torch's FileBaton (a lock file in it): one builds, the
+other waits and then loads the same build. (A process that finds the baton taken does not run ninja
+itself: sources edited *during* another process's build are built by the next process to start.)
+A process killed mid-build leaves the baton's file behind, and torch then waits on it for ever; with
+a folder that outlives edits that would block every later start, so a lock older than STALE_LOCK_S
+(far longer than a build) is removed first.
+
+It is compiled for the CPU it runs on (-march=native). `load_cpu_kernels(extra_cflags=...)` builds a
+variant with more flags (e.g. ("-mno-avx512f",) for the AVX2 paths on an AVX-512 host) in a folder of
+its own; nothing builds one by default. The CPU platform loads the default build when the engine
+starts, never at a first request.
 
 Nothing depends on it being there: when the build fails (no compiler, an unusual platform),
 `load_cpu_kernels()` logs why once and returns None, and callers keep their torch path.
@@ -17,27 +39,47 @@ import hashlib
 import logging
 import os
 import platform
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from torch.utils.cpp_extension import load
+import torch
+from torch.utils.cpp_extension import _get_build_directory, load
 
 from iterserve.cpu_info import cpu_flags_line
 
 log = logging.getLogger("iterserve.kernels")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCE = CSRC / "cpu_kernels.cpp"  # includes work_pool.h
+# the compiled sources (one object each) and every file they are built from, headers included
+KERNEL_SOURCES = sorted(CSRC.glob("*.cpp"))
+KERNEL_FILES = sorted([*KERNEL_SOURCES, *CSRC.glob("*.h")])
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 1800.0  # a build lock this old is a killed build's (a first build takes ~40 s to minutes)
 
 
-def _build_tag() -> str:
-    """A short hash of what -march=native sees and of every file in csrc/: a build made on another CPU
-    or from other sources is never loaded (torch's own check looks at the .cpp only, not headers)."""
-    key = platform.machine().encode() + cpu_flags_line().encode()
-    for path in sorted(CSRC.iterdir()):
-        key += path.name.encode() + path.read_bytes()
-    return hashlib.sha1(key).hexdigest()[:12]
+def build_tag(cflags: Sequence[str]) -> str:
+    """A short hash of what decides the build's machine code besides the sources: the machine and the
+    CPU flags -march=native sees, the compile flags, torch's version, and which checkout's sources
+    (a folder shared by two checkouts would load one's build for the other's process). Not the
+    sources' contents: ninja rebuilds what changed in the same folder (see the module docstring)."""
+    key = "\n".join([platform.machine(), cpu_flags_line(), " ".join(cflags), " ".join(LDFLAGS),
+                     torch.__version__, str(CSRC)])
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Removes torch's build lock (FileBaton's file) when a killed build left it: torch would wait on it."""
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock (%.0f s old, a killed build's): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _put_ninja_on_path() -> None:
@@ -53,13 +95,17 @@ def _put_ninja_on_path() -> None:
 
 
 @functools.cache
-def load_cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None when the build failed (logged once)."""
+def load_cpu_kernels(extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
+    """The compiled module, or None when the build failed (logged once). extra_cflags: a variant
+    built with these flags after the default ones (e.g. ("-mno-avx512f",)), in its own folder."""
+    cflags = [*CFLAGS, *extra_cflags]
+    name = f"iterserve_cpu_{build_tag(cflags)}"
     try:
         _put_ninja_on_path()
+        _clear_stale_lock(name)
         log.info("loading CPU kernels (built on first use, which takes a while once)")
-        return load(name=f"iterserve_cpu_{_build_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], verbose=False)
+        return load(name=name, sources=[str(p) for p in KERNEL_SOURCES],
+                    extra_cflags=cflags, extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=False)
     except Exception as exc:  # no compiler / ninja, or an unsupported platform: keep the torch path
         log.warning("CPU kernels unavailable, using the torch path instead: %s", str(exc).strip()[:500])
         return None

@@ -50,6 +50,7 @@ from iterserve.attention.cpu_backend import CpuKernelAttentionBackend
 from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
+from iterserve.platform.cpu_kernels import KERNEL_FILES
 from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16w_gemm_vectorised, four_bit_twin,
                                            gguf_twin_name, prepack_available, random_shards, tiled_gemm_amx,
                                            tiled_gemm_vectorised)
@@ -65,9 +66,9 @@ TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed it
 COPIES_BYTES = 48 << 20  # bf16 bytes of distinct weights one timed call of a projection reads
 MAX_COPIES = 32
 ATTENTION_CONTEXT = 256  # tokens of context per sequence when timing decode attention
-# the files whose contents decide what a candidate computes and how fast
-SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py")] + sorted(
-    (Path(__file__).resolve().parent.parent / "csrc").iterdir())
+# the files whose contents decide what a candidate computes and how fast: these two and every C++
+# source and header of the kernels
+SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py")] + KERNEL_FILES
 
 
 def kernel_choice_dir() -> Path:

@@ -1,0 +1,321 @@
+// paged_decode_attention: one query row per sequence against its paged K/V blocks, read in place.
+// The torch path copies every sequence's blocks into a padded tensor (index_select) and runs masked
+// SDPA over the copy: ~15 small ops per layer, each waking the second thread. Takes a layer's sliding
+// window (W > 0: a query at position p sees keys max(0, p - W + 1) .. p; the keys before are never
+// read, nor their blocks' ids checked: they may be freed) and its logit soft-cap (c > 0: each scaled
+// score s becomes c * tanh(s / c) before the softmax), as Hugging Face defines them for Mistral and
+// Gemma 2 / 3; 0 turns either off. float32 or bf16 q and caches; float32 accumulation.
+#include "kernel_common.h"
+#include "kernels.h"
+#include "lanes.h"
+#include "work_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace iterserve {
+namespace {
+
+// q . k and acc += p * v over one head's D values (float q/acc; k, v float or bf16 bits). Written
+// over the lanes (lanes.h) when D is a multiple of a vector (16 floats on AVX-512, 8 on AVX2): the
+// vectoriser left the bf16 loops scalar, and the float32 dot too (it may not reorder a float sum).
+// A dot keeps kDotChains accumulators: AVX2's one FMA chain would wait on its own latency, so it
+// runs two (even and odd vectors, added before the reduction); AVX-512 runs one. The scalar build
+// keeps the plain loops.
+#if defined(__AVX512F__)
+constexpr int kDotChains = 1;
+#else
+constexpr int kDotChains = 2;
+#endif
+
+template <typename C>
+inline float dot(const float* q, const C* k, int64_t D) {
+#if ISV_LANES
+  if (D % kLW == 0) {
+    LVec a0 = lv_zero(), a1 = lv_zero();
+    int64_t d = 0;
+    if constexpr (kDotChains == 2) {
+      for (; d + 2 * kLW <= D; d += 2 * kLW) {
+        a0 = lv_fma(lv_load(q + d), lv_load(k + d), a0);
+        a1 = lv_fma(lv_load(q + d + kLW), lv_load(k + d + kLW), a1);
+      }
+    }
+    for (; d < D; d += kLW) a0 = lv_fma(lv_load(q + d), lv_load(k + d), a0);
+    return lv_sum(kDotChains == 2 ? lv_add(a0, a1) : a0);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * load(k[d]);
+  return s;
+}
+
+template <typename C>
+inline void axpy(float p, const C* v, float* acc, int64_t D) {
+#if ISV_LANES
+  if (D % kLW == 0) {
+    const LVec pv = lv_set1(p);
+    for (int64_t d = 0; d < D; d += kLW) lv_store(acc + d, lv_fma(pv, lv_load(v + d), lv_load(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * load(v[d]);
+}
+
+// The GQA group's query heads share each key and value load: GB heads (one pass; a group of more
+// than kMaxPass heads runs in passes of near-equal size) take their GB dot products from one read
+// of a key, and their GB axpys from one read of a value. Before, each (sequence, query head) was
+// its own work item and re-read its group's K/V: the cache streamed at ~9 GB/s (Zen 5). Per head
+// the arithmetic and its order are the old ones, so results are bit-identical to one head at a time.
+#if defined(__AVX512F__)
+#define ISV_DECODE_REGS_64 1  // decode_heads' register accumulators for head_dim 64
+constexpr int kMaxPass = 8;  // 8 accumulators + the key: well inside 32 zmm registers
+#else
+#define ISV_DECODE_REGS_64 0
+constexpr int kMaxPass = 4;  // two accumulators a head on AVX2: 8 of the 16 ymm registers
+#endif
+
+// s[g] = q[g] . k for the GB query rows q (stride D; float) against one key (float or bf16 bits),
+// each head's chains and order as dot()'s.
+template <int GB, typename C>
+inline void dot_group(const float* q, const C* k, int64_t D, float* s) {
+#if ISV_LANES
+  if (D % kLW == 0) {
+    LVec a0[GB], a1[GB];
+    for (int g = 0; g < GB; ++g) a0[g] = a1[g] = lv_zero();
+    int64_t d = 0;
+    if constexpr (kDotChains == 2) {
+      for (; d + 2 * kLW <= D; d += 2 * kLW) {
+        const LVec k0 = lv_load(k + d), k1 = lv_load(k + d + kLW);
+        for (int g = 0; g < GB; ++g) {
+          a0[g] = lv_fma(lv_load(q + g * D + d), k0, a0[g]);
+          a1[g] = lv_fma(lv_load(q + g * D + d + kLW), k1, a1[g]);
+        }
+      }
+    }
+    for (; d < D; d += kLW) {
+      const LVec k0 = lv_load(k + d);
+      for (int g = 0; g < GB; ++g) a0[g] = lv_fma(lv_load(q + g * D + d), k0, a0[g]);
+    }
+    for (int g = 0; g < GB; ++g) s[g] = lv_sum(kDotChains == 2 ? lv_add(a0[g], a1[g]) : a0[g]);
+    return;
+  }
+#endif
+  for (int g = 0; g < GB; ++g) s[g] = dot(q + g * D, k, D);
+}
+
+// acc[g] += p[g] * v for the GB accumulator rows acc (stride D) from one read of v.
+template <int GB, typename C>
+inline void axpy_group(const float* p, const C* v, float* acc, int64_t D) {
+#if ISV_LANES
+  if (D % kLW == 0) {
+    LVec pv[GB];
+    for (int g = 0; g < GB; ++g) pv[g] = lv_set1(p[g]);
+    for (int64_t d = 0; d < D; d += kLW) {
+      const LVec vv = lv_load(v + d);
+      for (int g = 0; g < GB; ++g) lv_store(acc + g * D + d, lv_fma(pv[g], vv, lv_load(acc + g * D + d)));
+    }
+    return;
+  }
+#endif
+  for (int g = 0; g < GB; ++g) axpy(p[g], v, acc + g * D, D);
+}
+
+
+
+// A block's rows of one KV head (BS token rows token_stride apart, `row_bytes` each) asked into
+// cache ahead of their use. The decode loops walk a block's keys (then values) one token row at a
+// time, 1 KiB or more apart; once the step's weights have pushed the KV out of cache, each row was
+// a wait on memory (2-2.5x slower at 16 rows, docs/profile.md). So each loop asks for the rows
+// kAheadBlocks blocks ahead as it enters a block, and the first blocks of both before the scores.
+constexpr int64_t kAheadBlocks = 2;
+template <typename C>
+inline void prefetch_block_rows(const C* rows, int64_t BS, int64_t token_stride, int64_t row_bytes) {
+#if defined(__AVX512F__) || ISV_AVX2_FMA
+  for (int64_t o = 0; o < BS; ++o) prefetch(rows + o * token_stride, row_bytes);
+#endif
+}
+
+// One pass: query heads h0 .. h0 + GB - 1 (all of KV head kvh) of sequence b.
+template <int GB, typename T, typename C>
+void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t len,
+                  int64_t first, T* out, int64_t b, int64_t h0, int64_t kvh, int64_t H, int64_t D, int64_t BS,
+                  int64_t token_stride, int64_t block_stride, float scale, float softcap) {
+  thread_local std::vector<float> qf, acc, scores;  // a thread keeps its scratch across items
+  qf.resize(GB * D);
+  acc.resize(GB * D);
+  for (int g = 0; g < GB; ++g) {
+    const T* qrow = q + (b * H + h0 + g) * D;
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qrow[d]) * scale;
+  }
+  const int64_t keys = len - first;
+  scores.resize(GB * keys);
+  float* sc = scores.data();  // sc[g * keys + i]: head h0 + g's score of the key at position first + i
+  float mx[GB], s[GB];
+  for (int g = 0; g < GB; ++g) mx[g] = -INFINITY;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C)), last_block = (len - 1) / BS;
+  for (int64_t j = first / BS; len > first && j < std::min(last_block + 1, first / BS + kAheadBlocks); ++j) {
+    // the first key blocks, and the first value blocks for after the scores
+    prefetch_block_rows(k_cache + table[j] * block_stride + kvh * D, BS, token_stride, row_bytes);
+    prefetch_block_rows(v_cache + table[j] * block_stride + kvh * D, BS, token_stride, row_bytes);
+  }
+  // the keys a block at a time: slots [o0, o1) of the block holding position t0 (o0 > 0 only in
+  // the window's first block)
+  for (int64_t t0 = first; t0 < len;) {
+    const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
+    const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * D;
+    if (t0 / BS + kAheadBlocks <= last_block)
+      prefetch_block_rows(k_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
+    for (int64_t o = o0; o < o1; ++o, ++t0) {
+      dot_group<GB>(qf.data(), kb + o * token_stride, D, s);
+      for (int g = 0; g < GB; ++g) {
+        if (softcap > 0.f) s[g] = softcap * std::tanh(s[g] / softcap);
+        sc[g * keys + t0 - first] = s[g];
+        mx[g] = std::max(mx[g], s[g]);
+      }
+    }
+  }
+  float inv[GB];
+  for (int g = 0; g < GB; ++g) {
+    float* row = sc + g * keys;
+    const float m = mx[g];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < keys; ++i) {
+      row[i] = exp_nonpositive(row[i] - m);
+      sum += row[i];
+    }
+    inv[g] = len > 0 ? 1.f / sum : 0.f;
+  }
+  std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX512F__)
+  // head_dim 64 (SmolLM2, Llama 3.2 1B): the GB x 4 accumulators stay in registers for the whole
+  // value loop instead of a load and store per head per value; same FMAs, same order
+  if constexpr (GB <= 6) {
+    if (D == 64) {
+      __m512 a[GB][4];
+      for (int g = 0; g < GB; ++g)
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+      for (int64_t t0 = first; t0 < len;) {
+        const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
+        const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+        if (t0 / BS + kAheadBlocks <= last_block)
+          prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
+        for (int64_t o = o0; o < o1; ++o, ++t0) {
+          const C* v = vb + o * token_stride;
+          const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+          for (int g = 0; g < GB; ++g) {
+            const __m512 pv = _mm512_set1_ps(sc[g * keys + t0 - first]);
+            a[g][0] = _mm512_fmadd_ps(pv, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(pv, v1, a[g][1]);
+            a[g][2] = _mm512_fmadd_ps(pv, v2, a[g][2]);
+            a[g][3] = _mm512_fmadd_ps(pv, v3, a[g][3]);
+          }
+        }
+      }
+      for (int g = 0; g < GB; ++g)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc.data() + g * D + 16 * j, a[g][j]);
+    }
+  }
+#endif
+  float p[GB];
+  for (int64_t t0 = first; t0 < len && !(ISV_DECODE_REGS_64 && GB <= 6 && D == 64);) {
+    const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
+    const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+    if (t0 / BS + kAheadBlocks <= last_block)
+      prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
+    for (int64_t o = o0; o < o1; ++o, ++t0) {
+      for (int g = 0; g < GB; ++g) p[g] = sc[g * keys + t0 - first];
+      axpy_group<GB>(p, vb + o * token_stride, acc.data(), D);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    T* orow = out + (b * H + h0 + g) * D;
+    for (int64_t d = 0; d < D; ++d) store(orow + d, acc[g * D + d] * inv[g]);
+  }
+}
+
+// T: the element type of q/out (float or bf16 bits); C: of the caches.
+template <typename T, typename C>
+void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
+                           const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                           int64_t BS, int64_t table_width, float scale, int64_t window, float softcap) {
+  const int64_t group = H / KVH;
+  const int64_t token_stride = KVH * D;   // elements between consecutive slots
+  const int64_t block_stride = BS * token_stride;
+  const int64_t passes = (group + kMaxPass - 1) / kMaxPass;
+  // one item = one (sequence, KV head, pass over its query heads); each row's result is its own
+  // arithmetic only, whatever else shares the call (the batch-invariant backend relies on it)
+  WorkPool::instance().run(B * KVH * passes, [&](int64_t item) {
+    const int64_t b = item / (KVH * passes), kvh = item / passes % KVH, pass = item % passes;
+    // passes of near-equal size: heads [lo, hi) of the group
+    const int64_t lo = pass * group / passes, hi = (pass + 1) * group / passes;
+    const int64_t len = lens[b];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the window's first key
+    const int64_t* table = tables + b * table_width;
+    const int64_t h0 = kvh * group + lo;
+#define ISV_PASS(N)                                                                                            \
+  case N:                                                                                                      \
+    decode_heads<N>(q, k_cache, v_cache, table, len, first, out, b, h0, kvh, H, D, BS, token_stride,           \
+                    block_stride, scale, softcap);                                                             \
+    break
+    switch (hi - lo) {
+      ISV_PASS(1); ISV_PASS(2); ISV_PASS(3); ISV_PASS(4);
+#if defined(__AVX512F__)
+      ISV_PASS(5); ISV_PASS(6); ISV_PASS(7); ISV_PASS(8);
+#endif
+      default: break;  // unreachable: 1 <= hi - lo <= kMaxPass (and no torch calls off the calling thread)
+    }
+#undef ISV_PASS
+  });
+}
+
+}  // namespace
+
+// q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, width] int64;
+// context_lens [B] int64 (tokens in cache, this step's included) -> [B, H, D] in q's dtype. window,
+// softcap: see the top of this file (0: off).
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window, double softcap) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [B, H, D] and the caches [num_blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "the caches must be contiguous and of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or the GQA ratio does not match the caches");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per sequence");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
+  at::Tensor out = at::empty_like(q);
+  if (B == 0) return out;
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= tables.size(1) * BS, "context length ", lp[b], " exceeds its block table");
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0;  // blocks before: never read
+    for (int64_t j = first / BS; j < (lp[b] + BS - 1) / BS; ++j)
+      TORCH_CHECK(tp[b * tables.size(1) + j] >= 0 && tp[b * tables.size(1) + j] < k_cache.size(0),
+                  "block id ", tp[b * tables.size(1) + j], " is outside the cache");
+  }
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && (ct == at::kFloat || ct == at::kBFloat16),
+              "float32 or bfloat16 only");
+#define ISV_CALL(T, C)                                                                                       \
+  decode_attention_impl<T, C>(ptr<T>(q), ptr<C>(k_cache), ptr<C>(v_cache), tp,                              \
+                              lp, reinterpret_cast<T*>(out.data_ptr()), B, H, KVH, D, BS, tables.size(1),    \
+                              static_cast<float>(scale), window, static_cast<float>(softcap))
+  if (qt == at::kBFloat16 && ct == at::kBFloat16) ISV_CALL(uint16_t, uint16_t);
+  else if (qt == at::kFloat && ct == at::kBFloat16) ISV_CALL(float, uint16_t);
+  else if (qt == at::kBFloat16 && ct == at::kFloat) ISV_CALL(uint16_t, float);
+  else ISV_CALL(float, float);
+#undef ISV_CALL
+  return out;
+}
+
+}  // namespace iterserve

@@ -1,0 +1,50 @@
+// The extension's Python module: one m.def per kernel, the kernels themselves in their family's file
+// (declared in kernels.h). The names, signatures and defaults here are what Python calls.
+#include <torch/extension.h>
+
+#include "kernels.h"
+#include "work_pool.h"
+
+using namespace iterserve;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lora_sgmv", &lora_sgmv, "out[r] += B[s] (A[s] x[r]) for each row's adapter slot s = row_slot[r] >= 0, "
+        "in place, from the diagonal blocks of B only (layout in lora.cpp)");
+  m.def("pool_threads", [] { return WorkPool::instance().num_threads(); }, "threads of the kernels' work pool");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence against its paged K/V, read in place; window and softcap 0: off (see attention_decode.cpp)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "a chunk's queries, causal, against its sequence's paged K/V (bf16, AVX512-BF16); window and softcap 0: "
+        "off (see attention_prefill.cpp)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("ctx"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows in Hugging Face's order of rounding; unit_offset: Gemma's "
+        "(1 + w) form (see norm.cpp)", py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("unit_offset") = false);
+  m.def("add_rms_norm", &add_rms_norm, "(x + a, rms_norm(x + a)) of bf16 rows: a residual add and the norm after "
+        "it in one pass (see norm.cpp)", py::arg("x"), py::arg("a"), py::arg("w"), py::arg("eps"),
+        py::arg("unit_offset") = false);
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :F]) * x[:, F:] of x [T, 2F] (float32 or bf16) in torch's order "
+        "of rounding (see elementwise.cpp)", py::arg("x"));
+  m.def("rope", &rope, "rotate-half RoPE of x [T, heads, D] by cos, sin [T, rd] (partial when rd < D) in torch's "
+        "order of rounding; a new contiguous tensor (see elementwise.cpp)", py::arg("x"), py::arg("cos"), py::arg("sin"));
+  m.def("q4_gemm", &q4_gemm, "x @ w.T for 4-bit w (GGUF Q4_1 levels; layout in gemm_quant.cpp)");
+  m.def("q4_gemm_is_vectorised", &q4_gemm_is_vectorised, "whether q4_gemm was built with AVX512-VNNI or AVX2 + FMA");
+  m.def("bf16_gemm", &bf16_gemm, "x @ w.T for bf16 w packed by pack_bf16 (layout in gemm_bf16.cpp); steps of "
+        ">= amx_min_rows (> 0) rows on AMX tiles where available", py::arg("x"), py::arg("w"), py::arg("N"),
+        py::arg("amx_min_rows") = 0);
+  m.def("bf16_gemm_amx_available", &bf16_gemm_amx_available,
+        "whether bf16_gemm can run on AMX tiles here (built with AMX-BF16, and Linux lent the tile state)");
+  m.def("bf16_gemm_is_vectorised", &bf16_gemm_is_vectorised, "whether bf16_gemm was built with AVX512-BF16");
+  m.def("f32_bf16w_gemm", &f32_bf16w_gemm,
+        "float32 x @ w.T for bf16 w packed by pack_bf16_f32 (AVX2 + FMA; layout in gemm_f32_bf16w.cpp)");
+  m.def("f32_bf16w_gemm_is_vectorised", &f32_bf16w_gemm_is_vectorised,
+        "whether f32_bf16w_gemm was built with AVX2 and FMA");
+  m.def("q8_0_gemm", &q8_0_gemm, "x @ w.T for int8 w with a float scale per 32 inputs (GGUF Q8_0)");
+  m.def("gguf_gemm", &gguf_gemm, "x @ w.T from GGUF blocks (K-quants as stored, 32-input blocks repacked four "
+        "to a group by pack_gguf_x4); a row range per shard, meta [S, 4]: type, rows, bytes per row, offset "
+        "(layout in gemm_gguf.cpp)", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("N"));
+  m.def("gguf_gemm_isa", &gguf_gemm_isa, "the instruction set gguf_gemm was built for: avx512-vnni, avx2 or scalar");
+}
+

@@ -1,0 +1,603 @@
+// gguf_gemm: the decode twins of a GGUF checkpoint, x @ w.T from the file's own blocks (Q4_K, Q5_K,
+// Q6_K, Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), several block types per fused projection, so that the twins
+// compute with the values the file stores, not a re-quantisation of them.
+#include "kernel_common.h"
+#include "kernels.h"
+#include "lanes.h"
+#include "work_pool.h"
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace iterserve {
+namespace {
+
+// ---- GGUF block GEMM: x @ w.T from a GGUF's own quantised blocks ---------------------------------------
+// The decode twins of a GGUF checkpoint's projections and LM head compute with the values the file
+// stores, not a re-quantisation of them. Each call quantises its activation rows as q4_gemm does
+// (int16, one scale a row: llama.cpp's int8 per 32 or per 256 moved SmolLM2's logits 30-90x further
+// from float32, docs/profile.md) and runs every 32 inputs as one s16 x s16 dot instruction (vpdpwssd; vpmaddwd on
+// AVX2). The weights stay in their blocks:
+// - K-quants (Q4_K, Q5_K, Q6_K; super-blocks of 256 inputs), read as the file stores them. Their
+//   sub-block scales are small integers (6-bit for Q4_K/Q5_K, int8 for Q6_K), so each 32 inputs'
+//   levels are widened to int16 and multiplied by their scale *before* the dot ((q - 32) * sc for
+//   Q6_K: at most 4096), the super-block's dots add up in int32 (<= 16 products a lane: no overflow),
+//   and a row pays one float multiply-add per 256 inputs for d; Q4_K/Q5_K's mins are
+//   dmin * m * (the float32 sum of x over the sub-block, not quantised), 8 at once.
+// - 32-input blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1) have a float16 scale per 32, which a dot cannot
+//   fold in: one float multiply-add per block and row would cost as much as the dot. So they are
+//   repacked at load (pack_gguf_x4 in cpu_linear.py: a permutation, every stored value kept) four
+//   blocks to a group: a 32-lane load holds 8 inputs of each of the 4 blocks, so one int32
+//   accumulator's lanes 4b..4b+3 belong to block b, and 4 blocks cost one float multiply-add with
+//   the vector (d0 x4, d1 x4, d2 x4, d3 x4). Group layout: d[4] f16, [m[4] f16 (Q4_1, Q5_1)],
+//   [high bits: 4 x u32, word j bit i = bit 4 of position 32j + i (Q5_0, Q5_1)], then the levels in
+//   positions 0..127 (position p holds input 8 * (p / 32) + p % 8 of block (p % 32) / 8): Q8_0 one
+//   int8 each; the 4/5-bit types a nibble each, byte 32c + i = p[64c + i] | p[64c + 32 + i] << 4.
+//   K is padded to a multiple of 128 with zero blocks (d = 0).
+// One call runs every shard of a fused projection (row ranges of different block types, e.g. Q4_K
+// q/k and Q6_K v), the activations quantised once; meta [S, 4] int64: ggml type, rows, bytes per
+// row, byte offset in buf.
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+constexpr bool is_kquant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+constexpr int64_t kquant_bytes(int64_t t) { return t == kQ4_K ? 144 : t == kQ5_K ? 176 : 210; }  // per 256 inputs
+constexpr int64_t x4_header(int64_t t) {  // bytes before a group's levels
+  return 8 + ((t == kQ4_1 || t == kQ5_1) ? 8 : 0) + ((t == kQ5_0 || t == kQ5_1) ? 16 : 0);
+}
+constexpr int64_t x4_bytes(int64_t t) { return x4_header(t) + (t == kQ8_0 ? 128 : 64); }  // per 128 inputs
+constexpr bool has_min(int64_t t) { return t == kQ4_1 || t == kQ5_1 || t == kQ4_K || t == kQ5_K; }
+constexpr int x4_offset(int64_t t) { return t == kQ4_0 ? 8 : t == kQ5_0 ? 16 : 0; }  // level - offset
+
+#if ISV_Q4_VNNI && ISV_AVX2_FMA && defined(__F16C__)
+#define ISV_GG_AVX512 1
+#else
+#define ISV_GG_AVX512 0
+#endif
+#if ISV_AVX2_FMA && defined(__F16C__)
+#define ISV_GG_AVX2 1
+#else
+#define ISV_GG_AVX2 0
+#endif
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 packed bytes, a byte each in
+// two words (llama.cpp's get_scale_min_k4, on whole words: no byte stores for a vector load to wait on)
+inline void k4_scales(const uint8_t* q, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  sc = (u[0] & k1) | static_cast<uint64_t>((u[2] & k2) | (((u[0] >> 6) & k3) << 4)) << 32;
+  mn = (u[1] & k1) | static_cast<uint64_t>(((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)) << 32;
+}
+inline int16_t byte_of(uint64_t v, int i) { return static_cast<int16_t>((v >> (8 * i)) & 0xFF); }
+
+struct GgRows {  // the quantised activation rows
+  const int16_t* xq;   // [M, K], in input order (K-quant blocks)
+  const int16_t* xq4;  // [M, K4], each 128 inputs in the x4 order (32-input blocks); null when unused
+  const float* dx;     // [M]: one scale a row
+  const float* sx;     // [M, K4 / 32]: float32 sum of x over each 32 inputs (not quantised), zero past K
+  int64_t K, K4;
+  GgRows at(int64_t m) const {
+    return {xq + m * K, xq4 ? xq4 + m * K4 : nullptr, dx + m, sx + m * (K4 / 32), K, K4};
+  }
+};
+
+#if ISV_GG_AVX512 || ISV_GG_AVX2
+// The mins term of gg_rows (K-quants' 8 sub-block mins, Q4_1/Q5_1's one min per 32 inputs) times
+// the activations' sums: 8 and 4 lanes wide on either ISA, so both vector paths keep it here.
+template <int64_t TYPE, int MB>
+struct GgMins {
+  __m256 k[MB];  // K-quant mins, 8 sub-blocks at once
+  __m128 b4[MB];  // 32-input blocks' mins, 4 at once
+
+  GgMins() {
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) k[m] = _mm256_setzero_ps(), b4[m] = _mm_setzero_ps();
+  }
+  // super-block sb: mins `mn` (8 bytes) scaled by its dmin, at `b`
+  void add_kquant(const uint8_t* b, uint64_t mn, const GgRows& a, int64_t B4, int64_t sb) {
+    const __m256i m8 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
+    const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)), _mm256_cvtepi32_ps(m8));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) k[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx + m * B4 + sb * 8), k[m]);
+  }
+  // group g of four 32-input blocks, whose four f16 mins sit at gb + 8
+  void add_blocks(const uint8_t* gb, const GgRows& a, int64_t B4, int64_t g) {
+    const __m128 mv = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 8)));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) b4[m] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + m * B4 + 4 * g), b4[m]);
+  }
+  float total(int m) const {
+    if constexpr (!has_min(TYPE)) return 0.f;
+    else if constexpr (is_kquant(TYPE)) return -reduce_add8(k[m]);
+    else return reduce_add8(_mm256_insertf128_ps(_mm256_setzero_ps(), b4[m], 0));
+  }
+};
+#endif
+
+// Out[m, n] for n in [n0, n1) of one shard: w its first row, `last` its last row index (prefetch).
+template <int64_t TYPE, int MB, typename T>
+void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0, int64_t n1,
+             int64_t last) {
+  const int64_t K = a.K, B4 = a.K4 / 32;
+  constexpr bool KQ = is_kquant(TYPE);
+  [[maybe_unused]] const uint8_t* wend = w + (last + 1) * row_bytes;  // the shard's end
+#if ISV_GG_AVX512
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m512 acc[MB];
+    GgMins<TYPE, MB> mins;
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    if constexpr (KQ) {
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* b = wr + sb * kquant_bytes(TYPE);
+        prefetch_stream(b, kquant_bytes(TYPE), wend);
+        // NA int32 accumulators a row (few rows: a single chain of dependent dots would bound the loop)
+        constexpr int NA = MB == 1 ? 4 : MB == 2 ? 2 : 1;
+        __m512i is[MB][NA];
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)
+          for (int i = 0; i < NA; ++i) is[m][i] = _mm512_setzero_si512();
+        float d;
+        if constexpr (TYPE == kQ6_K) {
+          const uint8_t *ql = b, *qh = b + 128;
+          d = f16_at(b + 208);
+          const __m512i sc = _mm512_castsi256_si512(
+              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+          const __m256i m30 = _mm256_set1_epi8(0x30);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
+            for (int s = 0; s < 4; ++s) {
+              // lanes 0-15 take scale 8h + 2s, lanes 16-31 the next
+              const int16_t i0 = static_cast<int16_t>(8 * h + 2 * s);
+              const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16(i0), _mm256_set1_epi16(i0 + 1), 1);
+              const __m512i wv = _mm512_mullo_epi16(
+                  _mm512_sub_epi16(_mm512_cvtepu8_epi16(q[s]), _mm512_set1_epi16(32)),
+                  _mm512_permutexvar_epi16(idx, sc));
+#pragma GCC unroll 8
+              for (int m = 0; m < MB; ++m)
+                is[m][s % NA] = _mm512_dpwssd_epi32(is[m][s % NA], wv,
+                                                    _mm512_loadu_si512(a.xq + m * K + sb * 256 + 128 * h + 32 * s));
+            }
+          }
+        } else {
+          uint64_t sc, mn;
+          d = f16_at(b);
+          k4_scales(b + 4, sc, mn);
+          mins.add_kquant(b, mn, a, B4, sb);
+          const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
+          __m256i qh = _mm256_setzero_si256();
+          if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const __m256i m10 = _mm256_set1_epi8(0x10);
+          const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+          for (int j = 0; j < 4; ++j) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if constexpr (TYPE == kQ5_K) {  // bit s of qh[i]: bit 4 of sub-block s's input i
+              const int s = 2 * j;  // s <= 6: shift left by 4 - s or right by s - 4, then keep bit 4
+              const __m256i h0 = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+              const __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - s) : _mm256_srli_epi16(qh, s - 3);
+              lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
+            }
+            const __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16(2 * j), scz);  // sub-block 2j's scale
+            const __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16(2 * j + 1), scz);
+            const __m512i w0 = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(lo), s0);
+            const __m512i w1 = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(hi), s1);
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; ++m) {
+              const int16_t* xr = a.xq + m * K + sb * 256 + 64 * j;
+              is[m][(2 * j) % NA] = _mm512_dpwssd_epi32(is[m][(2 * j) % NA], w0, _mm512_loadu_si512(xr));
+              is[m][(2 * j + 1) % NA] = _mm512_dpwssd_epi32(is[m][(2 * j + 1) % NA], w1, _mm512_loadu_si512(xr + 32));
+            }
+          }
+        }
+        const __m512 dv = _mm512_set1_ps(d);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          __m512i sum = is[m][0];  // the parts of one super-block: within the int32 bound above
+          for (int i = 1; i < NA; ++i) sum = _mm512_add_epi32(sum, is[m][i]);
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), dv, acc[m]);
+        }
+      }
+    } else {
+      const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+      const __m256i m10 = _mm256_set1_epi8(0x10);
+      for (int64_t g = 0; g < a.K4 / 128; ++g) {
+        const uint8_t* gb = wr + g * x4_bytes(TYPE);
+        prefetch_stream(gb, x4_bytes(TYPE), wend);
+        const __m512 dv = _mm512_permutexvar_ps(
+            by4, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb)))));
+        const uint8_t* lv = gb + x4_header(TYPE);
+        __m512i wv[4];
+        if constexpr (TYPE == kQ8_0) {
+          for (int j = 0; j < 4; ++j)
+            wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * j)));
+        } else {
+          const uint8_t* hbits = gb + 8 + (has_min(TYPE) ? 8 : 0);
+          for (int c = 0; c < 2; ++c) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * c));
+            __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) {
+              uint32_t b0, b1;
+              std::memcpy(&b0, hbits + 8 * c, 4);
+              std::memcpy(&b1, hbits + 8 * c + 4, 4);
+              lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(b0, m10));
+              hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(b1, m10));
+            }
+            wv[2 * c] = _mm512_cvtepu8_epi16(lo);
+            wv[2 * c + 1] = _mm512_cvtepu8_epi16(hi);
+            if constexpr (x4_offset(TYPE) != 0) {
+              wv[2 * c] = _mm512_sub_epi16(wv[2 * c], _mm512_set1_epi16(x4_offset(TYPE)));
+              wv[2 * c + 1] = _mm512_sub_epi16(wv[2 * c + 1], _mm512_set1_epi16(x4_offset(TYPE)));
+            }
+          }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* xr = a.xq4 + m * a.K4 + g * 128;
+          __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[0], _mm512_loadu_si512(xr));
+          __m512i i1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[1], _mm512_loadu_si512(xr + 32));
+          i0 = _mm512_dpwssd_epi32(i0, wv[2], _mm512_loadu_si512(xr + 64));
+          i1 = _mm512_dpwssd_epi32(i1, wv[3], _mm512_loadu_si512(xr + 96));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), dv, acc[m]);
+        }
+        if constexpr (has_min(TYPE)) mins.add_blocks(gb, a, B4, g);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, _mm512_reduce_add_ps(acc[m]) * a.dx[m] + mins.total(m));
+  }
+#elif ISV_GG_AVX2
+  // AVX2 (+ F16C): the same integer sums on 16 lanes, vpmaddwd + vpaddd; two int32 accumulators a
+  // super-block (inputs 0-15 and 16-31 of every 32), so no lane sums more than 16 products.
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[MB];
+    GgMins<TYPE, MB> mins;
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    if constexpr (KQ) {
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* b = wr + sb * kquant_bytes(TYPE);
+        prefetch_stream(b, kquant_bytes(TYPE), wend);
+        __m256i is0[MB], is1[MB];
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) is0[m] = _mm256_setzero_si256(), is1[m] = _mm256_setzero_si256();
+        // one 32-input piece: levels (32 u8, input order) times its two 16-input scales, at input offset off
+        auto piece = [&](__m256i q, int16_t s0, int16_t s1, int64_t off, int sub) {
+          __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+          __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+          if (sub) w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(sub)), w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(sub));
+          w0 = _mm256_mullo_epi16(w0, _mm256_set1_epi16(s0));
+          w1 = _mm256_mullo_epi16(w1, _mm256_set1_epi16(s1));
+#pragma GCC unroll 8
+          for (int m = 0; m < MB; ++m) {
+            const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq + m * K + sb * 256 + off);
+            is0[m] = _mm256_add_epi32(is0[m], _mm256_madd_epi16(w0, _mm256_loadu_si256(xr)));
+            is1[m] = _mm256_add_epi32(is1[m], _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1)));
+          }
+        };
+        float d;
+        if constexpr (TYPE == kQ6_K) {
+          const uint8_t *ql = b, *qh = b + 128;
+          const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+          d = f16_at(b + 208);
+          const __m256i m30 = _mm256_set1_epi8(0x30);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
+            for (int s = 0; s < 4; ++s) piece(q[s], sc[8 * h + 2 * s], sc[8 * h + 2 * s + 1], 128 * h + 32 * s, 32);
+          }
+        } else {
+          uint64_t sc, mn;
+          d = f16_at(b);
+          k4_scales(b + 4, sc, mn);
+          mins.add_kquant(b, mn, a, B4, sb);
+          const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
+          __m256i qh = _mm256_setzero_si256();
+          if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const __m256i m10 = _mm256_set1_epi8(0x10);
+          for (int j = 0; j < 4; ++j) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if constexpr (TYPE == kQ5_K) {
+              const int s = 2 * j;
+              const __m256i h0 = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+              const __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - s) : _mm256_srli_epi16(qh, s - 3);
+              lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
+              hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
+            }
+            piece(lo, byte_of(sc, 2 * j), byte_of(sc, 2 * j), 64 * j, 0);
+            piece(hi, byte_of(sc, 2 * j + 1), byte_of(sc, 2 * j + 1), 64 * j + 32, 0);
+          }
+        }
+        const __m256 dv = _mm256_set1_ps(d);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1[m]), dv,
+                                   _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0[m]), dv, acc[m]));
+      }
+    } else {
+      const __m256i lo2 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), hi2 = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+      for (int64_t g = 0; g < a.K4 / 128; ++g) {
+        const uint8_t* gb = wr + g * x4_bytes(TYPE);
+        prefetch_stream(gb, x4_bytes(TYPE), wend);
+        const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb))));
+        const __m256 dA = _mm256_permutevar8x32_ps(d4, lo2), dB = _mm256_permutevar8x32_ps(d4, hi2);
+        const uint8_t* lv = gb + x4_header(TYPE);
+        __m256i q[4];  // the 4 x 32 positions' levels as u8 (i8 for Q8_0)
+        if constexpr (TYPE == kQ8_0) {
+          for (int j = 0; j < 4; ++j) q[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * j));
+        } else {
+          const uint8_t* hbits = gb + 8 + (has_min(TYPE) ? 8 : 0);
+          for (int c = 0; c < 2; ++c) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * c));
+            q[2 * c] = _mm256_and_si256(bytes, low4);
+            q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) {
+              for (int t = 0; t < 2; ++t) {  // 32 bits -> 32 bytes of 0x10 / 0 (llama.cpp's bytes_from_bits_32)
+                uint32_t bits;
+                std::memcpy(&bits, hbits + 8 * c + 4 * t, 4);
+                const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+                __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), shuf);
+                v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+                v = _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+                q[2 * c + t] = _mm256_or_si256(q[2 * c + t], _mm256_and_si256(v, _mm256_set1_epi8(0x10)));
+              }
+            }
+          }
+        }
+        __m256i wa[4], wb[4];  // positions 0-15 (blocks 0, 1) and 16-31 (blocks 2, 3) of each 32, as int16
+        for (int j = 0; j < 4; ++j) {
+          if constexpr (TYPE == kQ8_0) {
+            wa[j] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q[j]));
+            wb[j] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q[j], 1));
+          } else {
+            const __m256i off = _mm256_set1_epi16(x4_offset(TYPE));
+            wa[j] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[j])), off);
+            wb[j] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[j], 1)), off);
+          }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq4 + m * a.K4 + g * 128);
+          __m256i ia = _mm256_madd_epi16(wa[0], _mm256_loadu_si256(xr));
+          __m256i ib = _mm256_madd_epi16(wb[0], _mm256_loadu_si256(xr + 1));
+          for (int j = 1; j < 4; ++j) {
+            ia = _mm256_add_epi32(ia, _mm256_madd_epi16(wa[j], _mm256_loadu_si256(xr + 2 * j)));
+            ib = _mm256_add_epi32(ib, _mm256_madd_epi16(wb[j], _mm256_loadu_si256(xr + 2 * j + 1)));
+          }
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), dB, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dA, acc[m]));
+        }
+        if constexpr (has_min(TYPE)) mins.add_blocks(gb, a, B4, g);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, reduce_add8(acc[m]) * a.dx[m] + mins.total(m));
+  }
+#else
+  // portable: the same integer sums, one input at a time
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    float acc[MB] = {}, mins[MB] = {};
+    if constexpr (KQ) {
+      for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t* b = wr + sb * kquant_bytes(TYPE);
+        int64_t is[MB] = {};  // up to 256 products of 2^12 x 2^15: past int32
+        float d;
+        if constexpr (TYPE == kQ6_K) {
+          d = f16_at(b + 208);
+          const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+          for (int i = 0; i < 256; ++i) {
+            const int h = i / 128, s = (i % 128) / 32, l = i % 32;
+            const int lb = b[64 * h + 32 * (s & 1) + l], hb = b[128 + 32 * h + l];
+            const int q = ((s < 2 ? lb & 0xF : lb >> 4) | (((hb >> (2 * s)) & 3) << 4)) - 32;
+            const int32_t wq = q * sc[i / 16];
+            for (int m = 0; m < MB; ++m) is[m] += wq * a.xq[m * K + sb * 256 + i];
+          }
+        } else {
+          uint64_t sc, mn;
+          d = f16_at(b);
+          const float dmin = f16_at(b + 2);
+          k4_scales(b + 4, sc, mn);
+          const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
+          for (int i = 0; i < 256; ++i) {
+            const int j = i / 64, l = i % 32, s = i / 32;
+            int q = (i % 64) < 32 ? qs[32 * j + l] & 0xF : qs[32 * j + l] >> 4;
+            if constexpr (TYPE == kQ5_K) q |= ((b[16 + l] >> s) & 1) << 4;
+            const int32_t wq = q * byte_of(sc, s);
+            for (int m = 0; m < MB; ++m) is[m] += wq * a.xq[m * K + sb * 256 + i];
+          }
+          for (int s = 0; s < 8; ++s)
+            for (int m = 0; m < MB; ++m) mins[m] -= dmin * static_cast<float>(byte_of(mn, s)) * a.sx[m * B4 + sb * 8 + s];
+        }
+        for (int m = 0; m < MB; ++m) acc[m] += d * static_cast<float>(is[m]);
+      }
+    } else {
+      for (int64_t g = 0; g < a.K4 / 128; ++g) {
+        const uint8_t* gb = wr + g * x4_bytes(TYPE);
+        const uint8_t* lv = gb + x4_header(TYPE);
+        const uint8_t* hbits = gb + 8 + (has_min(TYPE) ? 8 : 0);
+        int32_t is[MB][4] = {};
+        for (int p = 0; p < 128; ++p) {
+          int q;
+          if constexpr (TYPE == kQ8_0) {
+            q = static_cast<int8_t>(lv[p]);
+          } else {
+            const int byte = lv[32 * (p / 64) + p % 32];
+            q = (p % 64) < 32 ? byte & 0xF : byte >> 4;
+            if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) q |= ((hbits[4 * (p / 32) + (p % 32) / 8] >> (p % 8)) & 1) << 4;
+            q -= x4_offset(TYPE);
+          }
+          for (int m = 0; m < MB; ++m) is[m][(p % 32) / 8] += q * a.xq4[m * a.K4 + g * 128 + p];
+        }
+        for (int b4 = 0; b4 < 4; ++b4) {
+          const float db = f16_at(gb + 2 * b4);
+          for (int m = 0; m < MB; ++m) {
+            acc[m] += db * static_cast<float>(is[m][b4]);
+            if constexpr (has_min(TYPE)) mins[m] += f16_at(gb + 8 + 2 * b4) * a.sx[m * B4 + 4 * g + b4];
+          }
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, acc[m] * a.dx[m] + mins[m]);
+  }
+#endif
+}
+
+template <int64_t TYPE, typename T>
+void gg_shard(const GgRows& rows, int64_t M, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0,
+              int64_t n1, int64_t last) {
+  for (int64_t t0 = n0; t0 < n1; t0 += 32) {  // a tile of weight rows stays in cache for every row group
+    const int64_t t1 = std::min(n1, t0 + 32);
+    for (int64_t m = 0; m < M;) {
+      const int64_t left = M - m;
+      T* o = out + m * ldo;
+      if (left >= 8) { gg_rows<TYPE, 8>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 8; }
+      else if (left >= 4) { gg_rows<TYPE, 4>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 4; }
+      else if (left >= 2) { gg_rows<TYPE, 2>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 2; }
+      else { gg_rows<TYPE, 1>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 1; }
+    }
+  }
+}
+
+template <typename T>
+void gg_dispatch(int64_t type, const GgRows& rows, int64_t M, const uint8_t* w, int64_t row_bytes, T* out,
+                 int64_t ldo, int64_t n0, int64_t n1, int64_t last) {
+  switch (type) {
+    case kQ4_0: return gg_shard<kQ4_0>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+    case kQ4_1: return gg_shard<kQ4_1>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+    case kQ5_0: return gg_shard<kQ5_0>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+    case kQ5_1: return gg_shard<kQ5_1>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+    case kQ8_0: return gg_shard<kQ8_0>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+    case kQ4_K: return gg_shard<kQ4_K>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+    case kQ5_K: return gg_shard<kQ5_K>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+    case kQ6_K: return gg_shard<kQ6_K>(rows, M, w, row_bytes, out, ldo, n0, n1, last);
+  }
+}
+
+// One activation row -> int16 levels q = round(x * 32767 / amax) (to nearest even, as nearbyint),
+// its scale amax / 32767, and the float32 sum of x over each 32 inputs (K a multiple of 32).
+template <typename X>
+void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
+#if defined(__AVX512F__)
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
+  const float amax = _mm512_reduce_max_ps(mx);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = load16(xr + k);
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // to nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm512_cvtepi32_epi16(r));
+  }
+  for (int64_t b = 0; b < K / 32; ++b)
+    sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(load16(xr + 32 * b), load16(xr + 32 * b + 16)));
+#else
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(load(xr[k])));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(load(xr[k]) * inv));
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float sum = 0.f;
+    for (int i = 0; i < 32; ++i) sum += load(xr[b * 32 + i]);
+    sx[b] = sum;
+  }
+#endif
+  *dx = amax / 32767.f;
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16; buf uint8 (every shard's rows, see above); meta [S, 4] int64 -> [M, N].
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be [M, K] float32 or bfloat16");
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "buf must be contiguous uint8");
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
+              "meta must be contiguous [S, 4] int64 (type, rows, bytes per row, offset)");
+  const int64_t M = x.size(0), K = x.size(1), S = meta.size(0);
+  TORCH_CHECK(K % 32 == 0 && K > 0, "gguf_gemm needs K a multiple of 32");
+  const int64_t K4 = (K + 127) / 128 * 128;
+  const int64_t* mt = meta.const_data_ptr<int64_t>();
+  int64_t total = 0;
+  bool x4 = false;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t t = mt[4 * s], rows = mt[4 * s + 1], rb = mt[4 * s + 2], off = mt[4 * s + 3];
+    const bool known = t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || is_kquant(t);
+    TORCH_CHECK(known, "gguf_gemm: unsupported ggml type ", t);
+    const int64_t want = is_kquant(t) ? K / 256 * kquant_bytes(t) : K4 / 128 * x4_bytes(t);
+    TORCH_CHECK(!is_kquant(t) || K % 256 == 0, "gguf_gemm: K-quant blocks need K a multiple of 256, got ", K);
+    TORCH_CHECK(rb == want, "gguf_gemm: shard ", s, " has ", rb, " bytes a row, type ", t, " at K ", K, " takes ", want);
+    TORCH_CHECK(rows >= 0 && off >= 0 && off + rows * rb <= buf.numel(), "gguf_gemm: shard ", s, " lies outside buf");
+    x4 = x4 || !is_kquant(t);
+    total += rows;
+  }
+  TORCH_CHECK(total == N, "gguf_gemm: the shards have ", total, " rows, N is ", N);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  // the activations, quantised once on the calling thread as q4_gemm does (M x K is tiny next to the weights)
+  const int64_t B4 = K4 / 32;
+  std::vector<int16_t> xq(M * K), xq4(x4 ? M * K4 : 0, 0);
+  std::vector<float> dx(M), sx(M * B4, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    if (x.scalar_type() == at::kFloat)
+      gg_quantise_row(xc.const_data_ptr<float>() + m * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
+    else
+      gg_quantise_row(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + m * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
+    if (x4)  // position p of group g: input 8 * (p / 32) + p % 8 of block 4g + (p % 32) / 8, 8 inputs at a time
+      for (int64_t k = 0; k < K; k += 8)
+        std::memcpy(&xq4[m * K4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &xq[m * K + k], 16);
+  }
+  const GgRows rows{xq.data(), x4 ? xq4.data() : nullptr, dx.data(), sx.data(), K, K4};
+  const uint8_t* bp = buf.const_data_ptr<uint8_t>();
+  auto run = [&](auto* op) {
+    iterserve::parallel_ranges(N, kRanges, [&](int64_t begin, int64_t end) {  // as in q8_0_gemm
+      int64_t first = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t rows_s = mt[4 * s + 1], lo = std::max(begin, first), hi = std::min(end, first + rows_s);
+        if (lo < hi)
+          gg_dispatch(mt[4 * s], rows, M, bp + mt[4 * s + 3], mt[4 * s + 2], op + first, N, lo - first, hi - first,
+                      rows_s - 1);
+        first += rows_s;
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+// which gguf_gemm path this build runs: "avx512-vnni", "avx2" or "scalar"
+std::string gguf_gemm_isa() { return ISV_GG_AVX512 ? "avx512-vnni" : ISV_GG_AVX2 ? "avx2" : "scalar"; }
+
+}  // namespace iterserve

@@ -1,0 +1,55 @@
+// The kernels Python calls, one declaration each, grouped by the file that defines them; bindings.cpp
+// exposes them (names, argument names and defaults there). Each file's header says what its kernels
+// do and why; the arguments' shapes and layouts are documented at each definition.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace iterserve {
+
+// attention_decode.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window, double softcap);
+
+// attention_prefill.cpp
+at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_table, int64_t ctx, double scale, int64_t window,
+                                   double softcap);
+
+// gemm_quant.cpp
+at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales);
+at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn);
+bool q4_gemm_is_vectorised();
+
+// gemm_gguf.cpp
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N);
+std::string gguf_gemm_isa();
+
+// gemm_bf16.cpp
+at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N, int64_t amx_min_rows);
+bool bf16_gemm_amx_available();
+bool bf16_gemm_is_vectorised();
+
+// gemm_f32_bf16w.cpp
+at::Tensor f32_bf16w_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N);
+bool f32_bf16w_gemm_is_vectorised();
+
+// norm.cpp
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, bool unit_offset);
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& a_in, const at::Tensor& w,
+                                     double eps, bool unit_offset);
+
+// elementwise.cpp
+at::Tensor silu_and_mul(const at::Tensor& x_in);
+at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in);
+
+// lora.cpp
+void lora_sgmv(const at::Tensor& x_in, const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& row_slot_in,
+               const std::vector<int64_t>& bounds, at::Tensor& out);
+
+}  // namespace iterserve

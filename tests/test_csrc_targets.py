@@ -1,0 +1,63 @@
+"""Every C++ kernel file compiles for each kind of x86-64 host we ship to, not only this one.
+
+The kernels pick their instruction-set branch at compile time (-march=native: AVX-512 with VNNI,
+BF16 and AMX, AVX2 + FMA, or plain C++), so a host runs one branch and a mistake in another (an
+intrinsic outside its #if, a helper that only one branch declares) would only show on a host of that
+kind. This compiles each iterserve/csrc/*.cpp with g++ for one -march per branch: x86-64 (the scalar
+fallback), znver3 (AVX2 + FMA, no AVX-512), znver4 (AVX-512 with VNNI and BF16; gcc older than 13
+lacks the name, so its AVX-512 extensions are spelled out on znver3) and sapphirerapids (AMX as
+well). `-c -O0` rather than -fsyntax-only: an intrinsic used without its instruction set is an error
+only when gcc generates the code. Slow (minutes on 2 cores: torch's headers per file and target).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from iterserve.platform.cpu_kernels import CFLAGS, CSRC, KERNEL_SOURCES
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")]
+
+ZNVER4_AS_FLAGS = ["-march=znver3", "-mavx512f", "-mavx512dq", "-mavx512cd", "-mavx512bw", "-mavx512vl",
+                   "-mavx512ifma", "-mavx512vbmi", "-mavx512vbmi2", "-mavx512vnni", "-mavx512bitalg",
+                   "-mavx512vpopcntdq", "-mavx512bf16", "-mgfni", "-mvaes", "-mvpclmulqdq"]
+TARGETS = ("x86-64", "znver3", "znver4", "sapphirerapids")
+
+
+def _gcc_knows(march: str) -> bool:
+    probe = subprocess.run(["g++", f"-march={march}", "-x", "c++", "-E", "-o", "/dev/null", "-"], input="",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+def _march_flags(target: str) -> list[str]:
+    if target == "znver4" and not _gcc_knows("znver4"):
+        return ZNVER4_AS_FLAGS
+    return [f"-march={target}"]
+
+
+def _include_flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+    return [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], str(CSRC)]]
+
+
+def test_every_kernel_source_is_built() -> None:
+    """The loader's sources are exactly csrc's .cpp files (a new family file is built, none twice)."""
+    assert KERNEL_SOURCES == sorted(CSRC.glob("*.cpp")) and len(KERNEL_SOURCES) > 1
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_csrc_compiles_for(target: str, tmp_path: Path) -> None:
+    flags = [f for f in CFLAGS if not f.startswith(("-march", "-O"))]
+    failures = []
+    for source in KERNEL_SOURCES:
+        cmd = ["g++", "-std=c++20", "-O0", "-fPIC", *flags, *_march_flags(target), *_include_flags(),
+               "-DTORCH_EXTENSION_NAME=iterserve_target_check", "-c", str(source), "-o", str(tmp_path / "x.o")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            failures.append(f"{source.name}:\n{done.stderr[-3000:]}")
+    assert not failures, f"-march={target}: " + "\n".join(failures)
