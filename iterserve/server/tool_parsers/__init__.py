@@ -47,4 +47,34 @@ def detect_parser(chat_template: str | None) -> str | None:
 
 
 __all__ = ["PARSERS", "DEFAULT_PARSER", "ToolParser", "ToolParserStream", "call_deltas", "detect_parser",
-           "make_call", "new_call_id", "parser_class"]
+           "make_call", "new_call_id", "parser_class", "resolve_parser"]
+
+
+def resolve_parser(name: str | None, tokenizer) -> tuple[str, bool]:
+    """The server's parser (the one named, else the one the tokenizer's chat template writes, else
+    hermes, whose format the instructions for templates without tools use), logged; and whether any
+    of its markers is a special token, which the decoded text must then keep. ValueError for an
+    unknown name."""
+    import logging
+
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    if name is not None:
+        parser_class(name)
+        how = "--tool-call-parser"
+    else:
+        detected = detect_parser(template)
+        name, how = (detected, "the chat template") if detected else (DEFAULT_PARSER, "the default")
+    keeps = any(_is_special(tokenizer, m) for m in parser_class(name).markers)
+    logging.getLogger("iterserve.server").info("tool-call parser: %s (from %s)%s", name, how,
+                                               "; special tokens kept in tool_choice auto output" if keeps else "")
+    return name, keeps
+
+
+def _is_special(tokenizer, marker: str) -> bool:
+    """Whether marker is one token that decoding with skip_special_tokens drops."""
+    try:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
+    except Exception:  # noqa: BLE001 - a tokenizer without these methods keeps its text as it is
+        return False
