@@ -108,3 +108,13 @@ def test_registry_and_template_detection():
     assert detect_parser("<|start_of_role|>available_tools<|end_of_role|><|tool_call|>") == "granite"
     assert detect_parser("[func_name1(params_name1=params_value1)]") == "pythonic"
     assert detect_parser("{{ messages }}") is None and detect_parser(None) is None
+
+
+def test_unknown_parser_fails_at_start_up_with_the_names(capsys):
+    from iterserve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+    assert "'granite', 'hermes', 'llama3_json', 'mistral', 'pythonic', 'qwen3_coder'" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "pythonic"
