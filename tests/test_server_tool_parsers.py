@@ -1,8 +1,9 @@
 """Tool calls per model family over real HTTP (uvicorn on 127.0.0.1) with the openai client, in all
 three tool_choice modes, streamed and not.
 
-The model is the session's tiny random-weight Llama with a tokenizer made to look like each family's:
-a chat template that writes the family's call format (so the server picks the parser from it), and
+The model is a tiny random-weight model of each family's architecture (Qwen3 for hermes and
+qwen3_coder, Llama for llama3_json and pythonic, Mistral, Granite) with a tokenizer made to look like
+the family's: SmolLM2's vocabulary with a chat template that writes the family's call format (so the server picks the parser from it), and
 for Mistral, Llama 3 and Granite the family's marker as a real special token (renamed from one of
 SmolLM2's own special tokens). The scripted model: with tool_choice "auto" the test server adds a
 Lark grammar that forces the output to a known script (the special marker as its token id, then the
@@ -34,6 +35,13 @@ TOOLS = [WEATHER, TIME]
 EXPECTED = [("get_weather", {"city": "Oslo"}), ("get_time", {})]
 RENAMED = {"[TOOL_CALLS]": "<gh_stars>", "<|python_tag|>": "<issue_start>", "<|tool_call|>": "<issue_comment>"}
 
+# parser: the model type of its family's tiny random model
+MODEL_TYPES = {"hermes": "qwen3", "llama3_json": "llama", "mistral": "mistral", "granite": "granite",
+               "pythonic": "llama", "qwen3_coder": "qwen3"}
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_hidden_layers=2, max_position_embeddings=2048, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+
 # parser: (what the chat template says about calls, the special marker or None, the call text after it)
 FAMILIES = {
     "hermes": (None, None, 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
@@ -56,10 +64,22 @@ SCRIPT: dict[str, str] = {}  # the grammar the test server forces on tool_choice
 
 
 def family_dir(tiny_model_dir, tmp_path_factory, name: str):
+    """A Hugging Face folder: the family's random model, SmolLM2's tokenizer dressed as the family's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     says, _, _ = FAMILIES[name]
     folder = tmp_path_factory.mktemp(f"tiny-{name}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(MODEL_TYPES[name], **TINY))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" not in pname:
+                p.normal_(0.0, 1.0 if "embed" in pname else 0.25)
+    model.save_pretrained(folder, safe_serialization=True)
     for f in tiny_model_dir.iterdir():
-        shutil.copy(f, folder)
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(f, folder)
     if says is None:
         return folder  # SmolLM2's own template: no tools section, the Hermes instructions
     for fname in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -131,13 +151,12 @@ def scripted():
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tiny_model_dir, tiny_loaded, tmp_path_factory):
-    from iterserve.model.loader import load_tokenizer, resolve_model
+def family(request, tiny_model_dir, tmp_path_factory):
+    from iterserve.model.loader import load_model
 
     name = request.param
     folder = family_dir(tiny_model_dir, tmp_path_factory, name)
-    tok = load_tokenizer(resolve_model(str(folder)))
-    model, cfg, _ = tiny_loaded
+    model, cfg, tok, _ = load_model(str(folder))
     SCRIPT["grammar"] = scripted_grammar(tok, name)
     with HttpServer([str(folder), "--max-model-len", "1024", "--kv-cache-memory", "64MiB"], (model, cfg, tok)) as srv:
         yield name, tok, openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
