@@ -29,6 +29,13 @@ CASES = [  # parser, text, content, calls
      [("searchTool", {"query": "test"}), ("getOpenIncidentsTool", {})]),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Oslo"}}', None, [OSLO]),
     ("llama3_json", 'The answer is {"a": 1}', 'The answer is {"a": 1}', []),
+    ("llama3_json", 'Here is the result: {"name": "getOpenIncidentsTool", "parameters": {}} Would you like to know more?',
+     "Here is the result:  Would you like to know more?", [("getOpenIncidentsTool", {})]),
+    ("llama3_json", '{"name": "searchTool", "parameters": {"query": "test1"}} ; '
+                    '{"name": "parserTool", "parameters": {"text": "He said \\"Hello {world}\\" [x]"}}', None,
+     [("searchTool", {"query": "test1"}), ("parserTool", {"text": 'He said "Hello {world}" [x]'})]),
+    ("llama3_json", '{"name": "invalidTool", "parameters": {invalid json}', '{"name": "invalidTool", "parameters": {invalid json}',
+     []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": ', '{"name": "get_weather", "parameters": {"city": ',
      []),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
@@ -79,6 +86,9 @@ def test_whole_and_streamed_agree(name, text, content, calls):
             assert made == bool(calls)
             streamed = "".join(d.get("content", "") for d in deltas)
             assert (streamed.strip() or None) == content if calls else streamed == text
+            if calls and content is None:  # no content after the first call delta
+                first = next(k for k, d in enumerate(deltas) if "tool_calls" in d)
+                assert not "".join(d.get("content", "") for d in deltas[first:]).strip()
             names, args, ids = {}, {}, {}
             for d in deltas:
                 assert set(d) <= {"content", "tool_calls"}

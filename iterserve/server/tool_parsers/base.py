@@ -54,6 +54,11 @@ class ToolParser:
         ToolCallFormatError (or ValueError, KeyError, TypeError) when it is not well formed."""
         raise NotImplementedError
 
+    def parse_section(self, section: str) -> tuple[list[dict], int]:
+        """The calls and how many chars of the section they take; text after them is content again.
+        By default the calls take the whole section (parse_calls)."""
+        return self.parse_calls(section), len(section)
+
     def call_start(self, text: str) -> int | None:
         """Where the call section begins in text, or None: by default the first marker."""
         found = [i for i in (text.find(m) for m in self.markers) if i != -1]
@@ -70,19 +75,26 @@ class ToolParser:
     # ---- the interface --------------------------------------------------------------------------------
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, calls) of a finished output. Text without a call section, or whose call section
-        is malformed, is all content with no calls; otherwise content is the text before the section
+        is malformed, is all content with no calls; otherwise content is the text around the calls
         (stripped; None when empty)."""
+        found = self.split(text)
+        if found is None:
+            return text, []
+        start, end, calls = found
+        content = (text[:start] + text[end:]).strip()
+        return content or None, calls
+
+    def split(self, text: str) -> tuple[int, int, list[dict]] | None:
+        """(start, end, calls) of the call section in a finished text; None when there are no
+        well-formed calls."""
         start = self.call_start(text)
         if start is None:
-            return text, []
+            return None
         try:
-            calls = self.parse_calls(text[start:])
+            calls, used = self.parse_section(text[start:])
         except (ValueError, KeyError, TypeError, AttributeError, SyntaxError, RecursionError):
-            return text, []
-        if not calls:
-            return text, []
-        content = text[:start].strip()
-        return content or None, calls
+            return None
+        return (start, start + used, calls) if calls else None
 
     def stream(self) -> ToolParserStream:
         return ToolParserStream(self)
@@ -120,12 +132,15 @@ class ToolParserStream:
 
     def finish(self) -> tuple[list[dict], bool]:
         """The last deltas, and whether tool calls were made."""
-        content, calls = self.parser.extract(self._text)
-        if not calls:
+        found = self.parser.split(self._text)
+        if found is None:
             return self._content(len(self._text)), False
-        start = self.parser.call_start(self._text)
-        deltas = self._content(start if start is not None else 0)
+        start, end, calls = found
+        deltas = self._content(start)
         deltas.extend(call_deltas(calls))
+        if end < len(self._text):  # text after the calls (llama3_json): content again
+            self._sent = end
+            deltas.extend(self._content(len(self._text)))
         return deltas, True
 
     def _content(self, upto: int) -> list[dict]:

@@ -1,15 +1,20 @@
-"""Llama 3.1 / 3.2 / 3.3 JSON calls (vLLM's `llama3_json`): the output is one or more JSON objects
-`{"name": ..., "parameters": {...}}` (or "arguments"), separated by `;` when parallel, either bare
-(the output starts with `{`) or after the `<|python_tag|>` token, which is a special token: the server
-keeps special tokens in the text while this parser reads it.
+"""Llama 3.1 / 3.2 / 3.3 JSON calls (vLLM's `llama3_json`): one or more JSON objects
+`{"name": ..., "parameters": {...}}` (or "arguments"), separated by `;` when parallel, bare or after
+the `<|python_tag|>` token (a special token: the server keeps special tokens in the text while this
+parser reads it).
 
-    {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}
+    Here is the call: {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}
 
-A bare output is a call only when it starts with `{`: JSON inside prose is the model's answer.
+As in vLLM's parser the calls may sit inside text (Llama models often say what they are about to
+call); unlike vLLM's, that text stays `content` rather than being dropped. The calls start at the
+first `{` (or the tag); if what starts there is not a run of call objects, the whole text is
+content. Streamed, content is held from the first `{` on until the output ends.
 """
 from __future__ import annotations
 
-from iterserve.server.tool_parsers.base import ToolParser, json_objects, make_call, name_and_arguments
+import json
+
+from iterserve.server.tool_parsers.base import ToolParser, make_call, name_and_arguments
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -19,18 +24,25 @@ class Llama3JsonToolParser(ToolParser):
     markers = (PYTHON_TAG,)
 
     def call_start(self, text: str) -> int | None:
-        j = text.find(PYTHON_TAG)
-        if j != -1:
-            return j
-        stripped = text.lstrip()
-        return len(text) - len(stripped) if stripped.startswith("{") else None
+        found = [j for j in (text.find(PYTHON_TAG), text.find("{")) if j != -1]
+        return min(found) if found else None
 
-    def held(self, text: str) -> int:
-        if not text.strip():  # only whitespace so far: a bare "{" may still open the output
-            return len(text)
-        return super().held(text)
-
-    def parse_calls(self, section: str) -> list[dict]:
-        if section.startswith(PYTHON_TAG):
-            section = section[len(PYTHON_TAG):]
-        return [make_call(*name_and_arguments(o)) for o in json_objects(section, separators=";")]
+    def parse_section(self, section: str) -> tuple[list[dict], int]:
+        i = len(PYTHON_TAG) if section.startswith(PYTHON_TAG) else 0
+        dec = json.JSONDecoder()
+        calls, end = [], i
+        while True:  # call objects separated by ";" and whitespace, up to the first other text
+            j = end
+            while j < len(section) and (section[j].isspace() or section[j] == ";"):
+                j += 1
+            if j == len(section) or section[j] != "{":
+                break
+            try:
+                obj, j = dec.raw_decode(section, j)
+            except ValueError:
+                if not calls:
+                    raise
+                break
+            calls.append(make_call(*name_and_arguments(obj)))
+            end = j
+        return calls, end
