@@ -12,7 +12,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                      "metric": {"type": "boolean"}, "temp": {"type": "number"},
                                      "tags": {"type": "array"}}}}}
-TOOLS = [WEATHER, {"type": "function", "function": {"name": "get_time"}}]
+AREA = {"type": "function", "function": {"name": "area", "parameters": {"type": "object", "properties": {
+    "dimensions": {"type": "object"}, "precision": {"type": "int"}, "ratio": {"type": "float"}, "note": {"type": "string"}}}}}
+TOOLS = [WEATHER, {"type": "function", "function": {"name": "get_time"}}, AREA]
 OSLO = ("get_weather", {"city": "Oslo"})
 
 CASES = [  # parser, text, content, calls
@@ -63,6 +65,10 @@ CASES = [  # parser, text, content, calls
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\nmany\n</parameter>\n"
                     "<parameter=tags>\n[1, 2]\n</parameter>\n</function>", None,
      [("get_weather", {"days": "many", "tags": [1, 2]})]),
+    ("qwen3_coder", "<tool_call>\n<function=area>\n<parameter=dimensions>\n{\"width\": 10, \n \"height\": 20}\n</parameter>\n"
+                    "<parameter=precision>\n2\n</parameter>\n<parameter=ratio>\n3.14\n</parameter>\n"
+                    "<parameter=note>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>", None,
+     [("area", {"dimensions": {"width": 10, "height": 20}, "precision": 2, "ratio": 3.14, "note": "line 1\nline 2"})]),
     ("qwen3_coder", "<tool_call>\nno function here\n</tool_call>", "<tool_call>\nno function here\n</tool_call>", []),
 ]
 

@@ -60,27 +60,27 @@ def _trim(value: str) -> str:
 
 
 def convert(value: str, kind) -> object:
-    """A parameter's text as its schema type says; text that does not convert stays a string."""
+    """A parameter's text as its schema type says (with the aliases vLLM's parser accepts: int...,
+    float / num..., bool...); text that does not convert stays a string."""
     if isinstance(kind, list):  # ["integer", "null"]: the first non-null type
         kind = next((k for k in kind if k != "null"), None)
-    if value.strip().lower() == "null" and kind != "string":
+    kind = kind.lower() if isinstance(kind, str) else None
+    if kind is None or kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return value
+    if value.strip().lower() == "null":
         return None
+    v = value.strip()
     try:
-        if kind == "integer":
-            return int(value.strip())
-        if kind == "number":
-            f = float(value.strip())
-            return int(f) if f.is_integer() and "." not in value and "e" not in value.lower() else f
-        if kind == "boolean":
-            low = value.strip().lower()
-            if low in ("true", "false"):
-                return low == "true"
-            return value
-        if kind in ("object", "array"):
-            try:
-                return json.loads(value)
-            except ValueError:
-                return ast.literal_eval(value.strip())
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(v)
+        if kind.startswith(("num", "float", "double")):
+            f = float(v)
+            return int(f) if f.is_integer() and not any(c in v for c in ".eE") else f
+        if kind.startswith("bool"):
+            return v.lower() == "true" if v.lower() in ("true", "false") else value
+        try:  # object, array, dict, list and anything else: JSON, else a Python literal
+            return json.loads(v)
+        except ValueError:
+            return ast.literal_eval(v)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return value
-    return value
