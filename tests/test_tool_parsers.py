@@ -45,6 +45,10 @@ CASES = [  # parser, text, content, calls
     ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}', "Sure.",
      [OSLO, ("get_time", {})]),
     ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+    ("mistral", '[TOOL_CALLS]add{"a": 3.5, "b": 4}', None, [("add", {"a": 3.5, "b": 4})]),  # v11
+    ("mistral", '[TOOL_CALLS]  [ {"name":"add" , "arguments" : {"a": 3, "b": 4} } ]', None, [("add", {"a": 3, "b": 4})]),
+    ("mistral", '[TOOL_CALLS] [{"arguments":{"name": "John Doe"}, "name": "get_age"}]', None,
+     [("get_age", {"name": "John Doe"})]),
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
                 '{"name": "get_time", "arguments": {}}]', None, [OSLO, ("get_time", {})]),
     ("granite", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', None, [OSLO]),

@@ -2,7 +2,8 @@
 two forms Mistral's tokenizers use:
 
     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": ..., ...}]
-    [TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}      (tokenizer v11+)
+    [TOOL_CALLS]get_weather{"city": "Oslo"}                                       (tokenizer v11)
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}      (v13)
 
 Call ids are 9 letters and digits, as vLLM makes them: Mistral's chat templates refuse any other id
 when the calls come back in the conversation.
@@ -31,11 +32,11 @@ class MistralToolParser(ToolParser):
         parts = section.split(TOOL_CALLS)[1:]
         calls = []
         for part in parts:
-            if ARGS in part:  # name[ARGS]{...}
-                name, args = part.split(ARGS, 1)
+            if not part.lstrip().startswith(("[", "{")):  # name[ARGS]{...} or name{...}
+                name, args = part.split(ARGS, 1) if ARGS in part else (part[:part.index("{")], part[part.index("{"):])
                 name, obj = name.strip(), json.loads(args)
                 if not name or not isinstance(obj, dict):
-                    raise ToolCallFormatError("a [ARGS] call needs a name and an object")
+                    raise ToolCallFormatError("a named call needs a name and an object")
                 calls.append(make_call(name, obj, self.new_call_id()))
                 continue
             for value in json_objects(part):  # a list of calls, or one call object
