@@ -138,3 +138,31 @@ def test_unknown_parser_fails_at_start_up_with_the_names(capsys):
     assert "'granite', 'hermes', 'llama3_json', 'mistral', 'pythonic', 'qwen3_coder'" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "pythonic"
+
+
+ROUND_TRIP = [("get_weather", {"city": 'Martha\'s "Vineyard" {x}', "days": 3, "metric": False, "temp": -1.5,
+                               "tags": ["a", {"b": None}]}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_format_calls_is_read_back(name):
+    """format_calls writes earlier calls (and the example in the instructions) for templates without
+    a tools section; what it writes must parse back to the same calls."""
+    parser = parser_class(name)(TOOLS)
+    content, calls = parser.extract(parser.format_calls(ROUND_TRIP))
+    assert content is None and _calls(calls) == ROUND_TRIP
+    assert parser.format_calls([("function_name", {"argument": "value"})]) in parser.instructions() or name == "hermes"
+
+
+def test_fallback_prompt_uses_the_parser_format():
+    from iterserve.server.protocol import ChatCompletionRequest
+    from iterserve.server.tool_calls import ToolMode, prompt_messages
+
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3 C"}], "tools": [WEATHER]})
+    msgs = prompt_messages(body.messages, ToolMode.from_body(body, "pythonic"), native_tools=False)
+    assert msgs[2]["content"] == "[get_weather(city='Oslo')]"
+    assert "[function_name(argument='value')]" in msgs[0]["content"] and "<tool_call>" not in msgs[0]["content"]

@@ -25,7 +25,6 @@ from iterserve.server.tool_parsers import (DEFAULT_PARSER, ToolParser, ToolParse
                                           parser_class)
 from iterserve.structured.params import StructuredOutputsParams
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 FALLBACK_INSTRUCTIONS = """# Tools
 
@@ -36,10 +35,7 @@ You are provided with function signatures within <tools></tools> XML tags:
 {tools}
 </tools>
 
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+{how}"""
 
 
 def template_has_tools(chat_template: str | None) -> bool:
@@ -102,7 +98,9 @@ def _parameters(tool: ToolDef) -> dict:
 
 def prompt_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: bool) -> list[dict]:
     """Chat messages as the template takes them. With `native_tools` the template renders tools,
-    assistant tool calls and tool results itself; otherwise they are written into the text."""
+    assistant tool calls and tool results itself; otherwise they are written into the text, the
+    calls in the format of the server's tool-call parser."""
+    parser = mode.new_parser()
     out = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
@@ -113,10 +111,9 @@ def prompt_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: b
                      for c in m.tool_calls]
             if native_tools:
                 msg["tool_calls"] = calls
-            else:
-                msg["content"] += "".join(
-                    f"{CALL_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
-                    f"\n{CALL_CLOSE}" for c in calls)
+            else:  # in the server's parser's format, as the instructions ask the model to write them
+                msg["content"] += parser.format_calls([(c["function"]["name"], c["function"]["arguments"])
+                                                       for c in calls])
         if m.role == "tool":
             if native_tools:
                 msg["tool_call_id"] = m.tool_call_id
@@ -124,7 +121,8 @@ def prompt_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: b
                 msg["content"] = f"<tool_response>\n{msg['content']}\n</tool_response>"
         out.append(msg)
     if mode.active and not native_tools:
-        text = FALLBACK_INSTRUCTIONS.format(tools="\n".join(json.dumps(t) for t in mode.template_tools()))
+        text = FALLBACK_INSTRUCTIONS.format(tools="\n".join(json.dumps(t) for t in mode.template_tools()),
+                                            how=parser.instructions())
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
         else:

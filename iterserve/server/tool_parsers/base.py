@@ -72,6 +72,17 @@ class ToolParser:
     def new_call_id(self) -> str:
         return new_call_id()
 
+    def format_calls(self, calls: list[tuple[str, Any]]) -> str:
+        """The text the model would write for these (name, arguments) calls: the inverse of
+        extract, used to write an assistant's earlier calls into a template that has no tools
+        section, and to tell the model the format (`instructions`)."""
+        raise NotImplementedError
+
+    def instructions(self) -> str:
+        """How to call, for a system message written by the server (templates without tools)."""
+        return ("To call functions, answer with the calls in this form and nothing else:\n"
+                + self.format_calls([("function_name", {"argument": "value"})]))
+
     # ---- the interface --------------------------------------------------------------------------------
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, calls) of a finished output. Text without a call section, or whose call section

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import json
+
 from iterserve.server.tool_parsers.base import ToolCallFormatError, ToolParser, json_objects, make_call, name_and_arguments
 
 GRANITE_TOOL_CALL = "<|tool_call|>"
@@ -14,6 +16,9 @@ TOOL_CALL = "<tool_call>"
 class GraniteToolParser(ToolParser):
     name = "granite"
     markers = (GRANITE_TOOL_CALL, TOOL_CALL)
+
+    def format_calls(self, calls) -> str:
+        return GRANITE_TOOL_CALL + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
     def parse_calls(self, section: str) -> list[dict]:
         for m in self.markers:

@@ -23,6 +23,14 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     markers = (CALL_OPEN,)
 
+    def format_calls(self, calls) -> str:
+        return "".join(f"{CALL_OPEN}\n{json.dumps({'name': n, 'arguments': a})}\n{CALL_CLOSE}" for n, a in calls)
+
+    def instructions(self) -> str:
+        return ("For each function call, return a json object with function name and arguments within "
+                f"{CALL_OPEN}{CALL_CLOSE} XML tags:\n{CALL_OPEN}\n"
+                '{"name": <function-name>, "arguments": <args-json-object>}\n' + CALL_CLOSE)
+
     def parse_calls(self, section: str) -> list[dict]:
         calls = []
         for m in _BLOCK_RE.finditer(section):

@@ -27,6 +27,9 @@ class Llama3JsonToolParser(ToolParser):
         found = [j for j in (text.find(PYTHON_TAG), text.find("{")) if j != -1]
         return min(found) if found else None
 
+    def format_calls(self, calls) -> str:
+        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+
     def parse_section(self, section: str) -> tuple[list[dict], int]:
         i = len(PYTHON_TAG) if section.startswith(PYTHON_TAG) else 0
         dec = json.JSONDecoder()

@@ -28,6 +28,9 @@ class MistralToolParser(ToolParser):
     def new_call_id(self) -> str:
         return "".join(random.choices(_ID_CHARS, k=9))
 
+    def format_calls(self, calls) -> str:
+        return TOOL_CALLS + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
     def parse_calls(self, section: str) -> list[dict]:
         parts = section.split(TOOL_CALLS)[1:]
         calls = []

@@ -31,6 +31,12 @@ class PythonicToolParser(ToolParser):
             return len(text)  # may still open with "[" or <|python_start|>
         return 0
 
+    def format_calls(self, calls) -> str:
+        def one(name, args) -> str:
+            items = args.items() if isinstance(args, dict) else ()
+            return f"{name}({', '.join(f'{k}={v!r}' for k, v in items)})"
+        return "[" + ", ".join(one(n, a) for n, a in calls) + "]"
+
     def parse_calls(self, section: str) -> list[dict]:
         section = section.strip()
         if section.startswith(PYTHON_START):

@@ -33,6 +33,14 @@ class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
     markers = (TOOL_CALL, FUNCTION)
 
+    def format_calls(self, calls) -> str:
+        def value(v) -> str:
+            return v if isinstance(v, str) else json.dumps(v)
+        return "\n".join(
+            f"{TOOL_CALL}\n<function={n}>\n"
+            + "".join(f"<parameter={k}>\n{value(v)}\n</parameter>\n" for k, v in (a.items() if isinstance(a, dict) else ()))
+            + "</function>\n</tool_call>" for n, a in calls)
+
     def parse_calls(self, section: str) -> list[dict]:
         calls = []
         for fm in _FUNCTION_RE.finditer(section):
