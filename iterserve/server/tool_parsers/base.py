@@ -148,10 +148,10 @@ class ToolParserStream:
             return self._content(len(self._text)), False
         start, end, calls = found
         deltas = self._content(start)
-        deltas.extend(call_deltas(calls))
-        if end < len(self._text):  # text after the calls (llama3_json): content again
-            self._sent = end
+        if end < len(self._text):  # text after the calls (llama3_json): content too, sent before them
+            self._sent = end       # so that a message is whole before the calls begin (Responses items)
             deltas.extend(self._content(len(self._text)))
+        deltas.extend(call_deltas(calls))
         return deltas, True
 
     def _content(self, upto: int) -> list[dict]:
