@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
@@ -44,6 +44,7 @@ class ToolParser:
 
     name: ClassVar[str] = ""
     markers: ClassVar[tuple[str, ...]] = ()
+    only_at_start: ClassVar[bool] = False  # calls only where the output starts (pythonic)
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools or []
@@ -59,9 +60,10 @@ class ToolParser:
         By default the calls take the whole section (parse_calls)."""
         return self.parse_calls(section), len(section)
 
-    def call_start(self, text: str) -> int | None:
-        """Where the call section begins in text, or None: by default the first marker."""
-        found = [i for i in (text.find(m) for m in self.markers) if i != -1]
+    def call_start(self, text: str, pos: int = 0) -> int | None:
+        """Where the call section begins in text (looking from pos on), or None: by default the
+        first marker."""
+        found = [i for i in (text.find(m, pos) for m in self.markers) if i != -1]
         return min(found) if found else None
 
     def held(self, text: str) -> int:
@@ -128,14 +130,16 @@ class ToolParserStream:
     _text: str = ""
     _sent: int = 0  # chars of _text already sent as content
     _in_calls: bool = False
-    _done: bool = field(default=False, repr=False)
 
     def feed(self, delta: str) -> list[dict]:
         """Chat deltas ({"content": ...}) for this piece of text."""
         self._text += delta
         if self._in_calls:
             return []
-        start = self.parser.call_start(self._text)
+        if self.parser.only_at_start and self._sent:  # content has begun: no call can follow
+            return self._content(len(self._text))
+        # a marker cannot start before the held-back tail: look from there, not from 0 (linear time)
+        start = self.parser.call_start(self._text, max(0, self._sent - 1))
         if start is not None:
             self._in_calls = True
             return self._content(start)

@@ -23,8 +23,8 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     markers = (PYTHON_TAG,)
 
-    def call_start(self, text: str) -> int | None:
-        found = [j for j in (text.find(PYTHON_TAG), text.find("{")) if j != -1]
+    def call_start(self, text: str, pos: int = 0) -> int | None:
+        found = [j for j in (text.find(PYTHON_TAG, pos), text.find("{", pos)) if j != -1]
         return min(found) if found else None
 
     def format_calls(self, calls) -> str:

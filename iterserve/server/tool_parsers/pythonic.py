@@ -18,8 +18,9 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     markers = (PYTHON_START,)
+    only_at_start = True
 
-    def call_start(self, text: str) -> int | None:
+    def call_start(self, text: str, pos: int = 0) -> int | None:
         stripped = text.lstrip()
         if stripped.startswith("[") or stripped.startswith(PYTHON_START):
             return len(text) - len(stripped)
