@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
-import time
 
 import jsonschema
 import openai
 import pytest
+from http_server import HttpServer
 
 from iterserve.server import serving
 from iterserve.server.tool_parsers import resolve_parser
@@ -101,38 +99,6 @@ def scripted_grammar(tok, name: str) -> str:
         assert len(ids) == 1
         head = f"<[{ids[0]}]> "
     return f"start: {head}{json.dumps(text)}"
-
-
-class HttpServer:
-    """`iterserve serve` as build_server wires it, under uvicorn on a free loopback port, in a thread."""
-
-    def __init__(self, argv: list[str], loaded) -> None:
-        import uvicorn
-
-        from iterserve.cli import build_parser
-        from iterserve.server.cli_serve import build_server, resolve_args
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        args = resolve_args(build_parser().parse_args(["serve", *argv, "--port", str(port)]))
-        self.engine, app = build_server(args, loaded)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-
-    def __enter__(self) -> HttpServer:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -67,3 +67,30 @@ def test_digit_loop_ends_in_valid_json(make_engine, kind, value_type):
     unbounded.structured.config.bound_numbers = False
     out = _run(unbounded, params, prompt)
     assert out.finish_reason == "length", out.output_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_over_http_the_digit_loop_ends(tiny_model_dir, tiny_loaded, stream):
+    """The same through `iterserve serve` and the openai client: response_format with an unbounded
+    integer, logit_bias toward "1", and the answer is whole JSON well before max_tokens."""
+    import openai
+    from http_server import HttpServer
+
+    tok = tiny_loaded[2]
+    one = tok.encode("1", add_special_tokens=False)[0]
+    schema = {"type": "object", "properties": {"population": {"type": "integer"}}, "required": ["population"]}
+    with HttpServer([str(tiny_model_dir), "--max-model-len", "512", "--kv-cache-memory", "64MiB"], tiny_loaded) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model=str(tiny_model_dir), messages=[{"role": "user", "content": "Population of Oslo?"}],
+                  max_tokens=120, temperature=0, logit_bias={str(one): 100},
+                  response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+            used = chunks[-1].usage.completion_tokens
+        else:
+            out = client.chat.completions.create(**kw)
+            text, reason, used = out.choices[0].message.content, out.choices[0].finish_reason, out.usage.completion_tokens
+    assert reason == "stop" and used < 60, text
+    assert str(json.loads(text)["population"]).startswith("111")
