@@ -63,8 +63,7 @@ def test_digit_loop_ends_in_valid_json(make_engine, kind, value_type):
     value = json.loads(out.output_text)["population"]
     assert isinstance(value, value_type) and str(int(value)).startswith("111") and abs(value) < 2**63
 
-    unbounded = make_engine()
-    unbounded.structured.config.bound_numbers = False
+    unbounded = make_engine(structured_outputs_bound_numbers=False)
     out = _run(unbounded, params, prompt)
     assert out.finish_reason == "length", out.output_text
 

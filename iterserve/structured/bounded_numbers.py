@@ -9,8 +9,8 @@ significant digits in all, a double's 17 and a little). llguidance takes bounds 
 2**63-1 rounds to 2**63 and fails to compile, so the integer bounds are +-(2**63 - 1024), the largest
 double below it. Bounds a schema states itself are kept (only the missing side is added); a number
 with `multipleOf` is left with it. The cost: a `number` under this rewrite has no exponent form and
-no values beyond 1e15 or finer than 1e-6 (StructuredOutputConfig.bound_numbers=False keeps JSON
-Schema's unbounded numbers).
+no values beyond 1e15 or finer than 1e-6 (--no-structured-outputs-bound-numbers keeps
+JSON Schema's unbounded numbers).
 """
 from __future__ import annotations
 
