@@ -127,6 +127,7 @@ def test_registry_and_template_detection():
     assert detect_parser("[AVAILABLE_TOOLS]...[TOOL_CALLS]") == "mistral"
     assert detect_parser("<|start_of_role|>available_tools<|end_of_role|><|tool_call|>") == "granite"
     assert detect_parser("[func_name1(params_name1=params_value1)]") == "pythonic"
+    assert detect_parser("{{- '<|python_start|>' }}") == "pythonic"
     assert detect_parser("{{ messages }}") is None and detect_parser(None) is None
 
 

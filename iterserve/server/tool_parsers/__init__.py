@@ -20,6 +20,7 @@ DEFAULT_PARSER = "hermes"  # the format of the instructions written for template
 _TEMPLATE_SIGNS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("<function=",), "qwen3_coder"),
     (("[func_name1(",), "pythonic"),
+    (("<|python_start|>",), "pythonic"),  # Llama 4
     (("<|tool_call|>",), "granite"),
     (("<|start_of_role|>", "<tool_call>"), "granite"),
     (("[TOOL_CALLS]",), "mistral"),
