@@ -31,6 +31,9 @@ CASES = [  # parser, text, content, calls
      [("searchTool", {"query": "test"}), ("getOpenIncidentsTool", {})]),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Oslo"}}', None, [OSLO]),
     ("llama3_json", 'The answer is {"a": 1}', 'The answer is {"a": 1}', []),
+    ("llama3_json", 'In C: if (x) { y(); } then {"name": "get_time", "parameters": {}}', "In C: if (x) { y(); } then",
+     [("get_time", {})]),
+    ("llama3_json", "{" + " " * 80 + '"name": "get_time", "parameters": {}}', None, [("get_time", {})]),
     ("llama3_json", 'Here is the result: {"name": "getOpenIncidentsTool", "parameters": {}} Would you like to know more?',
      "Here is the result:  Would you like to know more?", [("getOpenIncidentsTool", {})]),
     ("llama3_json", '{"name": "searchTool", "parameters": {"query": "test1"}} ; '

@@ -7,8 +7,9 @@ parser reads it).
 
 As in vLLM's parser the calls may sit inside text (Llama models often say what they are about to
 call); unlike vLLM's, that text stays `content` rather than being dropped. The calls start at the
-first `{` (or the tag); if what starts there is not a run of call objects, the whole text is
-content. Streamed, content is held from the first `{` on until the output ends.
+tag or at the first `{` that opens `{"name"`; if what starts there is not a run of call objects,
+the whole text is content. Other braces (JSON or code in an answer) stream as content at once; a
+`{` is held back only while it may still become `{"name"`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 from iterserve.server.tool_parsers.base import ToolParser, make_call, name_and_arguments
 
 PYTHON_TAG = "<|python_tag|>"
+_NAME_KEY = '"name"'
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -24,8 +26,27 @@ class Llama3JsonToolParser(ToolParser):
     markers = (PYTHON_TAG,)
 
     def call_start(self, text: str, pos: int = 0) -> int | None:
-        found = [j for j in (text.find(PYTHON_TAG, pos), text.find("{", pos)) if j != -1]
+        found = [j for j in (text.find(PYTHON_TAG, pos), self._brace(text, pos)[0]) if j is not None and j != -1]
         return min(found) if found else None
+
+    def held(self, text: str) -> int:
+        last = text.rfind("{")  # only the last brace can still become `{"name"`
+        maybe = self._brace(text, last)[1] if last != -1 else None
+        return max(super().held(text), len(text) - maybe if maybe is not None else 0)
+
+    @staticmethod
+    def _brace(text: str, pos: int) -> tuple[int | None, int | None]:
+        """(the first `{` from pos that opens `{"name"`, a last `{` that still may): only such a
+        brace starts calls, so braces in prose and code stream as content at once."""
+        j = text.find("{", pos)
+        while j != -1:
+            rest = text[j + 1:].lstrip()
+            if rest.startswith(_NAME_KEY):
+                return j, None
+            if _NAME_KEY.startswith(rest):
+                return None, j
+            j = text.find("{", j + 1)
+        return None, None
 
     def format_calls(self, calls) -> str:
         return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
