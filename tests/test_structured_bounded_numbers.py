@@ -29,6 +29,12 @@ def test_rewrite_adds_only_missing_bounds_at_any_depth():
     assert bound_numbers(schema)["$defs"]["d"] == {"type": "number", "maximum": 3, "minimum": -NUMBER_BOUND,
                                                      "multipleOf": 1e-6}
     assert schema["properties"]["n"] == {"type": "integer"}  # a copy: the request's own schema is untouched
+    # a stated bound beyond the limit: the other side is not added (it would empty the range)
+    assert bound_numbers({"type": "integer", "minimum": 2**64}) == {"type": "integer", "minimum": 2**64}
+    assert bound_numbers({"type": "number", "exclusiveMaximum": -1e16}) == {"type": "number", "exclusiveMaximum": -1e16,
+                                                                              "multipleOf": 1e-6}
+    tiny = {"type": "number", "minimum": 1e-7, "maximum": 5e-7}  # no multiple of 1e-6 inside: no step added
+    assert bound_numbers(tiny) == tiny
 
 
 def _run(engine, params: SamplingParams, prompt: list[int]):

@@ -15,6 +15,7 @@ JSON Schema's unbounded numbers).
 from __future__ import annotations
 
 import json
+import math
 
 INT_BOUND = 2**63 - 1024
 NUMBER_BOUND = 1e15
@@ -48,16 +49,33 @@ def bound_numbers(schema):
         _bound(out, INT_BOUND)
     elif "number" in types:
         _bound(out, NUMBER_BOUND)
-        if "multipleOf" not in out and "integer" not in types:
+        if "multipleOf" not in out and "integer" not in types and _has_step(out):
             out["multipleOf"] = NUMBER_STEP
     return out
 
 
 def _bound(schema: dict, limit) -> None:
-    if "minimum" not in schema and "exclusiveMinimum" not in schema:
+    """Adds the missing side(s) of +-limit, unless the stated other side lies beyond it (the range
+    would be empty: such a schema is left as written)."""
+    lo = _number(schema.get("minimum", schema.get("exclusiveMinimum")))
+    hi = _number(schema.get("maximum", schema.get("exclusiveMaximum")))
+    if "minimum" not in schema and "exclusiveMinimum" not in schema and (hi is None or hi > -limit):
         schema["minimum"] = -limit
-    if "maximum" not in schema and "exclusiveMaximum" not in schema:
+    if "maximum" not in schema and "exclusiveMaximum" not in schema and (lo is None or lo < limit):
         schema["maximum"] = limit
+
+
+def _has_step(schema: dict) -> bool:
+    """Whether some multiple of NUMBER_STEP lies within the schema's stated bounds."""
+    lo = _number(schema.get("minimum", schema.get("exclusiveMinimum")))
+    hi = _number(schema.get("maximum", schema.get("exclusiveMaximum")))
+    if lo is None or hi is None:
+        return True
+    return math.floor(hi / NUMBER_STEP) - math.ceil(lo / NUMBER_STEP) >= 2  # room for exclusive ends
+
+
+def _number(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def bound_numbers_text(text: str) -> str:
