@@ -59,6 +59,7 @@ TEMPLATE = ("{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}. Cal
             "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
             "<|im_start|>assistant\n")
 SCRIPT: dict[str, str] = {}  # the grammar the test server forces on tool_choice "auto" requests
+ANSWER = 'start: "It is clear in Oslo."'  # ... and once the conversation holds tool results
 
 
 def family_dir(tiny_model_dir, tmp_path_factory, name: str):
@@ -108,7 +109,8 @@ def scripted():
 
     def sampling_params(self, body, max_tokens, logprobs, structured=None, prompt_logprobs=None):
         if structured is None and getattr(body, "tools", None) and body.tool_choice in (None, "auto"):
-            structured = StructuredOutputsParams(grammar=SCRIPT["grammar"])
+            answered = any(m.role == "tool" for m in body.messages)  # the tool results are in: answer
+            structured = StructuredOutputsParams(grammar=ANSWER if answered else SCRIPT["grammar"])
         return original(self, body, max_tokens, logprobs, structured, prompt_logprobs)
 
     serving.OpenAIServing.sampling_params = sampling_params
@@ -194,3 +196,23 @@ def test_malformed_call_text_is_content(family):
             assert calls == [] and reason == "stop" and content == broken.strip()
     finally:
         SCRIPT["grammar"] = scripted_grammar(tok, name)
+
+
+def test_agent_loop_as_documented(family):
+    """docs/server.md's agent loop: the calls, their results sent back with the call ids, the answer."""
+    _, _, client = family
+    impl = {"get_weather": lambda city: {"city": city, "sky": "clear"}, "get_time": lambda: {"utc": "12:00"}}
+    messages = [{"role": "user", "content": "Weather in Oslo, and the time?"}]
+    model = client.models.list().data[0].id
+    for _ in range(3):
+        out = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="auto",
+                                             max_tokens=200, temperature=0)
+        msg = out.choices[0].message
+        if out.choices[0].finish_reason != "tool_calls":
+            break
+        messages.append({"role": "assistant", "content": msg.content,
+                         "tool_calls": [c.model_dump() for c in msg.tool_calls]})
+        for call in msg.tool_calls:
+            result = impl[call.function.name](**json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    assert msg.content == "It is clear in Oslo." and len(messages) == 4  # user, assistant calls, two results
