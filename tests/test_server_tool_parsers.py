@@ -216,3 +216,22 @@ def test_agent_loop_as_documented(family):
             result = impl[call.function.name](**json.loads(call.function.arguments))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
     assert msg.content == "It is clear in Oslo." and len(messages) == 4  # user, assistant calls, two results
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api_reads_the_family_format(family, stream):
+    """/v1/responses shares the chat path: the family's calls become function_call items."""
+    _, _, client = family
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    kw = dict(model=client.models.list().data[0].id, input="Weather in Oslo, and the time?", tools=tools,
+              max_output_tokens=200, temperature=0)
+    if stream:
+        with client.responses.stream(**kw) as events:
+            kinds = [e.type for e in events]
+            r = events.get_final_response()
+        assert kinds.count("response.function_call_arguments.done") == 2
+    else:
+        r = client.responses.create(**kw)
+    calls = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
+    assert calls == EXPECTED and r.status == "completed"
