@@ -170,3 +170,39 @@ def test_fallback_prompt_uses_the_parser_format():
     msgs = prompt_messages(body.messages, ToolMode.from_body(body, "pythonic"), native_tools=False)
     assert msgs[2]["content"] == "[get_weather(city='Oslo')]"
     assert "[function_name(argument='value')]" in msgs[0]["content"] and "<tool_call>" not in msgs[0]["content"]
+
+
+PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|tool_call|>", "<function=f>",
+          "<parameter=city>", "</parameter>", "</function>", "<|python_start|>", "[", "]", "(", ")", "{", "}", '"name"',
+          '"arguments"', '"parameters"', ":", ",", ";", " ", "\n", '"x"', "1", "f", "=", "get_time", "'", "\\"]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_random_text_never_raises_and_streams_as_whole(name):
+    """Any text, whole or fed in random pieces: no exception, and the same content and calls."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    parser = parser_class(name)(TOOLS)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sampled_from(PIECES) | st.text(max_size=3), max_size=25), st.randoms())
+    def check(parts, rnd):
+        text = "".join(parts)
+        content, calls = parser.extract(text)
+        s = parser.stream()
+        cuts = sorted(rnd.sample(range(len(text) + 1), min(len(text) + 1, 4)))
+        deltas = [d for a, b in zip([0] + cuts, cuts + [len(text)]) for d in s.feed(text[a:b])]
+        tail, made = s.finish()
+        deltas += tail
+        streamed = "".join(d.get("content", "") for d in deltas)
+        assert made == bool(calls)
+        assert (streamed.strip() or None) == content if calls else streamed == text
+        got = {}
+        for d in deltas:
+            for tc in d.get("tool_calls", []):
+                got.setdefault(tc["index"], [tc["function"].get("name"), ""])[1] += tc["function"].get("arguments", "")
+        assert [tuple(v) for _, v in sorted(got.items())] == [(c["function"]["name"], c["function"]["arguments"])
+                                                              for c in calls]
+
+    check()
