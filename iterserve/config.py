@@ -265,6 +265,9 @@ class EngineConfig:
     # besides its own (False, vLLM's xgrammar default and OpenAI's strict schemas), or any (True,
     # JSON Schema's own default: a small model then invents keys until max_tokens cuts the JSON off)
     structured_outputs_allow_additional_properties: bool = False
+    # structured outputs: JSON-schema integers and numbers without bounds get digit-bounding ones
+    # (True: structured/bounded_numbers.py; a small model otherwise writes digits until max_tokens)
+    structured_outputs_bound_numbers: bool = True
     # embeddings (/v1/embeddings): how a prompt's final hidden states become one vector: last, mean
     # or cls (pooling.py); None = the model folder's own sentence-transformers pooling config, else last
     pooling: Literal["last", "mean", "cls"] | None = None

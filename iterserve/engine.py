@@ -140,7 +140,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             tokenizer, mcfg.vocab_size, mcfg.eos_token_ids,
             StructuredOutputConfig(any_whitespace=config.structured_outputs_any_whitespace,
-                                   allow_additional_properties=config.structured_outputs_allow_additional_properties))
+                                   allow_additional_properties=config.structured_outputs_allow_additional_properties,
+                                   bound_numbers=config.structured_outputs_bound_numbers))
         self.pooling = self._resolve_pooling()
         self.spec = SpecController(config.speculative_config, self._build_proposer(),
                                    predictions=config.batching == "continuous")

@@ -151,6 +151,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default backend and OpenAI's strict schemas: such an object gets exactly its own "
                         "keys (a small model otherwise invents keys until max_tokens cuts the JSON off). A "
                         "schema that states additionalProperties is kept as written either way")
+    g.add_argument("--structured-outputs-bound-numbers", action=argparse.BooleanOptionalAction,
+                   default=d.structured_outputs_bound_numbers,
+                   help="JSON-schema outputs: an integer without minimum / maximum is held to the 64-bit range "
+                        "(at most 19 digits) and a number to +-1e15 in steps of 1e-6, so that a small model "
+                        "cannot write digits until max_tokens. On by default; bounds a schema states are kept")
     g.add_argument("--pooling", choices=["last", "mean", "cls"], default=d.pooling,
                    help="how /v1/embeddings pools the prompt's final hidden states: last (the last token's, "
                         "Qwen3-Embedding's convention), mean (all tokens'), cls (the first token's). Default: "

@@ -234,8 +234,9 @@ class Request:
         ids = self.output_token_ids
         if self.stop_reason is not None and isinstance(self.stop_reason, int) and ids and ids[-1] == self.stop_reason:
             ids = ids[:-1]  # the stop token itself is not part of the text
-        prefix = tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        full = tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        skip = self.params.skip_special_tokens
+        prefix = tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        full = tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.output_text += full[len(prefix):]
             self._prefix_offset = self._read_offset

@@ -50,6 +50,10 @@ class SamplingParams:
     # the LoRA adapter the request runs under (lora/; the server takes it from `model`); None: the base
     # model. It travels with the params, as pooling does, so every path to the engine carries it
     lora_name: str | None = None
+    # vLLM's: special tokens are left out of the output text. The server turns it off for tool_choice
+    # "auto" when its tool-call parser's markers are special tokens (Mistral's [TOOL_CALLS], Llama's
+    # <|python_tag|>), which the parser must see
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -56,7 +56,8 @@ class FrontEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, info.vocab_size, info.eos_token_ids,
             StructuredOutputConfig(any_whitespace=cfg.structured_outputs_any_whitespace,
-                                   allow_additional_properties=cfg.structured_outputs_allow_additional_properties))
+                                   allow_additional_properties=cfg.structured_outputs_allow_additional_properties,
+                                   bound_numbers=cfg.structured_outputs_bound_numbers))
 
 
 class RemoteStream:

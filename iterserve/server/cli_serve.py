@@ -20,6 +20,7 @@ from typing import Any
 from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 from iterserve.config import parse_size
 from iterserve.routing import POLICIES, RouterConfig
+from iterserve.server.tool_parsers import PARSERS
 
 log = logging.getLogger("iterserve.server")
 
@@ -90,6 +91,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "the oldest go first; 0 keeps none (default 64MiB)")
     g.add_argument("--responses-store-ttl", type=float, default=3600.0,
                    help="seconds a stored response is kept (default 3600)")
+    t = p.add_argument_group("tool calling (docs/server.md)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                   help="accepted for vLLM's command lines: tool_choice \"auto\" is always on here (tools in "
+                        "the prompt, the output read by the tool-call parser)")
+    t.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="the format tool_choice \"auto\" reads calls in (vLLM's names); default: the one the "
+                        "model's chat template writes, else hermes (logged at start-up)")
     r = p.add_argument_group("scale-out on Ray Serve (docs/scale-out.md; needs pip install 'iterserve[ray]')")
     r.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas on Ray Serve behind one OpenAI-compatible ingress (default: one "
@@ -217,7 +225,7 @@ def server_settings(args: argparse.Namespace):
                           retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
                           metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
                           vllm_metrics=args.vllm_metrics, responses_store_bytes=args.responses_store_size,
-                          responses_store_ttl_s=args.responses_store_ttl)
+                          responses_store_ttl_s=args.responses_store_ttl, tool_call_parser=args.tool_call_parser)
 
 
 def prepare(args: argparse.Namespace) -> argparse.Namespace:

@@ -41,6 +41,7 @@ from iterserve.server.protocol import (RESPONSES_UNSUPPORTED_FIELDS, APIError, C
 from iterserve.server.responses import (DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_S, ResponsesFormat, ResponseStore,
                                         to_chat_request)
 from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls, prompt_messages, template_has_tools
+from iterserve.server.tool_parsers import resolve_parser
 from iterserve.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -61,6 +62,9 @@ class ServerSettings:
     # the Responses API's store of finished responses (responses.py): bytes kept, and their lifetime
     responses_store_bytes: int = DEFAULT_STORE_BYTES
     responses_store_ttl_s: float = DEFAULT_STORE_TTL_S
+    # vLLM's --tool-call-parser: which format tool_choice "auto" reads (tool_parsers/); None: the one
+    # the chat template writes, else hermes
+    tool_call_parser: str | None = None
 
 
 def max_token_chars(tokenizer) -> int:
@@ -143,6 +147,7 @@ class OpenAIServing:
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i]))
         self.max_token_chars = max_token_chars(tok)
         self.responses_store = ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl_s)
+        self.tool_parser, self.tool_parser_special = resolve_parser(settings.tool_call_parser, tok)
 
     def check_text_length(self, num_chars: int, max_tokens: int, what: str, param: str) -> None:
         """Refuses text that cannot fit in max_tokens tokens, before any tokenisation."""
@@ -296,7 +301,7 @@ class OpenAIServing:
         self.check_text_length(message_chars(body.messages), self.llm.max_input_len, "messages", "messages")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
-        tools = ToolMode.from_body(body)
+        tools = ToolMode.from_body(body, self.tool_parser)
         structured, param = structured_outputs_from(body)
         forced = tools.structured_outputs()
         if forced is not None:
@@ -309,6 +314,8 @@ class OpenAIServing:
             1, min(self.llm.max_output_len, self.llm.max_model_len - len(ids)))
         params = self.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                       structured, prompt_logprobs=body.prompt_logprobs)
+        if tools.choice == "auto" and self.tool_parser_special:  # the parser reads special tokens
+            params.skip_special_tokens = False
         await self.compile_grammar(structured, param)
         return tools, ids, params
 

@@ -1,14 +1,15 @@
 """Tool calling on chat completions: the tools in the prompt, the grammar that forces a call, and the
 output parsed back into OpenAI's `tool_calls` (whole or as streaming deltas).
 
-The call format is Hermes' (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), which
-Qwen, Hermes and SmolLM3 templates use and vLLM's `hermes` parser reads. A chat template that has
-a tools section gets `tools=` as transformers passes it; one without (SmolLM2's) gets the same
-instructions in the system message instead, so that the model still sees the functions.
+With tool_choice "auto" the server's tool-call parser (tool_parsers/, vLLM's --tool-call-parser
+names; by default the one the chat template's format names) reads the calls. A chat template that
+has a tools section gets `tools=` as transformers passes it; one without (SmolLM2's) gets
+instructions for Hermes' format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) in the
+system message instead, so that the model still sees the functions.
 
 `tool_choice`:
 - "none": no tools in the prompt, nothing parsed (plain content);
-- "auto": tools in the prompt; `<tool_call>` blocks in the output become tool calls;
+- "auto": tools in the prompt; calls in the parser's format become tool calls;
 - "required": the output is forced (JSON schema) to a list of {"name", "parameters"} objects, one
   per call, each name one of the tools and its parameters valid for that tool (vLLM's form);
 - a named function: the output is forced to that function's parameters, which become the call's
@@ -17,15 +18,13 @@ instructions in the system message instead, so that the model still sees the fun
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from iterserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage, ToolDef
+from iterserve.server.tool_parsers import (DEFAULT_PARSER, ToolParser, ToolParserStream, call_deltas, make_call,
+                                          parser_class)
 from iterserve.structured.params import StructuredOutputsParams
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
 
 FALLBACK_INSTRUCTIONS = """# Tools
 
@@ -36,18 +35,11 @@ You are provided with function signatures within <tools></tools> XML tags:
 {tools}
 </tools>
 
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+{how}"""
 
 
 def template_has_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass
@@ -58,9 +50,10 @@ class ToolMode:
     choice: str
     named: bool = False
     parallel: bool = True  # "required" may make several calls (parallel_tool_calls=false: one)
+    parser: str = DEFAULT_PARSER  # the --tool-call-parser that reads "auto" output (tool_parsers/)
 
     @classmethod
-    def from_body(cls, body: ChatCompletionRequest) -> ToolMode:
+    def from_body(cls, body: ChatCompletionRequest, parser: str = DEFAULT_PARSER) -> ToolMode:
         tools = body.tools or []
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
         if not isinstance(choice, str):  # {"type": "function", "function": {"name": ...}}
@@ -68,14 +61,17 @@ class ToolMode:
             if name not in {t.function.name for t in tools}:
                 raise APIError(f"tool_choice names function {name!r}, which is not among the tools",
                                param="tool_choice")
-            return cls(tools, name, named=True)
+            return cls(tools, name, named=True, parser=parser)
         if choice in ("auto", "required") and not tools:
             raise APIError(f'tool_choice "{choice}" needs tools', param="tool_choice")
-        return cls(tools, choice, parallel=body.parallel_tool_calls is not False)
+        return cls(tools, choice, parallel=body.parallel_tool_calls is not False, parser=parser)
 
     @property
     def active(self) -> bool:
         return self.choice != "none"
+
+    def new_parser(self) -> ToolParser:
+        return parser_class(self.parser)([t.model_dump(exclude_none=True) for t in self.tools])
 
     def function(self, name: str) -> ToolDef:
         return next(t for t in self.tools if t.function.name == name)
@@ -102,7 +98,9 @@ def _parameters(tool: ToolDef) -> dict:
 
 def prompt_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: bool) -> list[dict]:
     """Chat messages as the template takes them. With `native_tools` the template renders tools,
-    assistant tool calls and tool results itself; otherwise they are written into the text."""
+    assistant tool calls and tool results itself; otherwise they are written into the text, the
+    calls in the format of the server's tool-call parser."""
+    parser = mode.new_parser()
     out = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
@@ -113,10 +111,9 @@ def prompt_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: b
                      for c in m.tool_calls]
             if native_tools:
                 msg["tool_calls"] = calls
-            else:
-                msg["content"] += "".join(
-                    f"{CALL_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
-                    f"\n{CALL_CLOSE}" for c in calls)
+            else:  # in the server's parser's format, as the instructions ask the model to write them
+                msg["content"] += parser.format_calls([(c["function"]["name"], c["function"]["arguments"])
+                                                       for c in calls])
         if m.role == "tool":
             if native_tools:
                 msg["tool_call_id"] = m.tool_call_id
@@ -124,7 +121,8 @@ def prompt_messages(messages: list[ChatMessage], mode: ToolMode, native_tools: b
                 msg["content"] = f"<tool_response>\n{msg['content']}\n</tool_response>"
         out.append(msg)
     if mode.active and not native_tools:
-        text = FALLBACK_INSTRUCTIONS.format(tools="\n".join(json.dumps(t) for t in mode.template_tools()))
+        text = FALLBACK_INSTRUCTIONS.format(tools="\n".join(json.dumps(t) for t in mode.template_tools()),
+                                            how=parser.instructions())
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
         else:
@@ -140,50 +138,46 @@ def _arguments_obj(arguments: str):
         return arguments
 
 
-def _call(name: str, arguments) -> dict:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
-
-
 def parse_tool_calls(text: str, mode: ToolMode) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) from a finished output. Text that does not parse as the forced form
-    (e.g. cut off by max_tokens) stays content with no calls."""
+    """(content, tool calls) from a finished output. "auto" reads the text with the mode's parser
+    (tool_parsers/); "required" and a named function read the JSON their grammar forced, whatever
+    the parser. Text that does not parse (malformed, or cut off by max_tokens) stays content with
+    no calls."""
+    parser = mode.new_parser()
     if mode.named:
-        return None, [_call(mode.choice, text)]
+        return None, [make_call(mode.choice, text, parser.new_call_id())]
     if mode.choice == "required":
         try:
             items = json.loads(text)
-            return None, [_call(it["name"], it["parameters"]) for it in items]
+            return None, [make_call(it["name"], it["parameters"], parser.new_call_id()) for it in items]
         except (ValueError, TypeError, KeyError):
             return text, []
     if mode.choice == "auto":
-        calls = []
-        for m in _CALL_RE.finditer(text):
-            try:
-                obj = json.loads(m.group(1))
-                calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-            except (ValueError, TypeError, KeyError):
-                return text, []  # not a well-formed call: leave the text as the model wrote it
-        if calls:
-            content = text[: text.index(CALL_OPEN)].strip()
-            return content or None, calls
+        return parser.extract(text)
     return text, []
 
 
 @dataclass
 class ToolCallStream:
     """Turns text deltas into chat deltas for one streamed request. A named function streams its
-    arguments as they come; "required" and "auto" hold back what may be a call until it is whole
-    (content before an auto call streams as it comes)."""
+    arguments as they come; "required" holds the forced JSON until it is whole; "auto" is the
+    parser's stream (content as it comes up to the call section, the calls at the end)."""
 
     mode: ToolMode
     _text: str = ""
-    _sent: int = 0  # chars of _text already sent as content
-    _in_call: bool = False
-    _named_id: str = field(default_factory=new_call_id)
+    _named_id: str = ""
     _named_started: bool = False
+    _auto: ToolParserStream | None = None
+
+    def __post_init__(self) -> None:
+        parser = self.mode.new_parser()
+        self._named_id = parser.new_call_id()
+        if self.mode.choice == "auto":
+            self._auto = parser.stream()
 
     def feed(self, delta: str) -> list[dict]:
+        if self._auto is not None:
+            return self._auto.feed(delta)
         self._text += delta
         if self.mode.named:
             if not delta:
@@ -194,39 +188,18 @@ class ToolCallStream:
                 return [{"tool_calls": [{"index": 0, "id": self._named_id, "type": "function",
                                          "function": {"name": self.mode.choice, **fn}}]}]
             return [{"tool_calls": [{"index": 0, "function": fn}]}]
-        if self.mode.choice == "required" or self._in_call:
-            return []
-        j = self._text.find(CALL_OPEN, self._sent)
-        if j != -1:
-            self._in_call = True
-            return self._content(j)
-        return self._content(len(self._text) - _partial_suffix(self._text, CALL_OPEN))
+        return []
 
     def finish(self) -> tuple[list[dict], bool]:
         """The last deltas, and whether tool calls were made."""
+        if self._auto is not None:
+            return self._auto.finish()
         if self.mode.named:
             if not self._named_started:  # empty output: still announce the call
-                return self.feed("") or [{"tool_calls": [{"index": 0, "id": self._named_id, "type": "function",
-                                                           "function": {"name": self.mode.choice,
-                                                                        "arguments": ""}}]}], True
+                return [{"tool_calls": [{"index": 0, "id": self._named_id, "type": "function",
+                                         "function": {"name": self.mode.choice, "arguments": ""}}]}], True
             return [], True
         content, calls = parse_tool_calls(self._text, self.mode)
         if not calls:
-            return self._content(len(self._text)), False
-        deltas = self._content(self._text.find(CALL_OPEN)) if self.mode.choice == "auto" else []
-        deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-        return deltas, True
-
-    def _content(self, upto: int) -> list[dict]:
-        if upto <= self._sent:
-            return []
-        piece, self._sent = self._text[self._sent:upto], upto
-        return [{"content": piece}]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest tail of text that is a proper prefix of marker (held back)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
+            return ([{"content": self._text}] if self._text else []), False
+        return call_deltas(calls), True

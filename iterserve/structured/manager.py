@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import llguidance
 import llguidance.hf
 
+from iterserve.structured.bounded_numbers import bound_numbers_text
 from iterserve.structured.grammar import RequestGrammar
 from iterserve.structured.params import StructuredOutputError, StructuredOutputsParams
 
@@ -50,6 +51,9 @@ class StructuredOutputConfig:
     # JSON schemas: an object schema with properties but no additionalProperties allows other keys
     # (True: JSON Schema's default) or not (False: vLLM's xgrammar default, OpenAI's strict mode)
     allow_additional_properties: bool = False
+    # JSON schemas: integers and numbers without bounds get digit-bounding ones (bounded_numbers.py),
+    # so that a small model cannot run a digit loop until max_tokens
+    bound_numbers: bool = True
 
 
 class StructuredOutputManager:
@@ -129,6 +133,8 @@ class StructuredOutputManager:
             return llguidance.grammar_from(fmt, text)
         if not self.config.allow_additional_properties:
             text = strict_objects_text(text)
+        if self.config.bound_numbers:
+            text = bound_numbers_text(text)
         ws = {"whitespace_flexible": self.config.any_whitespace}
         if not self.config.any_whitespace:
             ws.update(item_separator=", ", key_separator=": ")
