@@ -196,6 +196,16 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description='false: tool_choice "required" makes one call')
+    # reasoning models (vLLM's names): template switches, the thinking budget, whether to answer the thinking
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extension (vLLM): extra variables for the chat template, e.g. {\"enable_thinking\": false}; "
+                          "over the server's --default-chat-template-kwargs")
+    thinking_token_budget: Int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="extension (vLLM): thinking tokens before the end-of-thinking marker "
+                                               "is forced (-1: unlimited; default --reasoning-budget); needs "
+                                               "--reasoning-parser")
+    include_reasoning: bool | None = Field(True, description="extension (vLLM): false leaves the thinking out of "
+                                                             "the answer")
 
 
 class EmbeddingRequest(StrictModel):
