@@ -374,7 +374,8 @@ def _no_reasoning(value) -> bool:
 
 # the Responses API's own (its tools and input items are checked by type where they are read)
 RESPONSES_UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
-    Unsupported("reasoning", _no_reasoning, "no model served here has a reasoning switch"),
+    Unsupported("reasoning", _no_reasoning, "reasoning effort and summaries are not implemented; with "
+                "--reasoning-parser the thinking comes as a reasoning item"),
     Unsupported("background", _off),
     Unsupported("include", _off),
     Unsupported("conversation", _off, "use previous_response_id"),
