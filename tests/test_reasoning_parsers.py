@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from iterserve.server.protocol import APIError
 from iterserve.server.reasoning import PromptState, get_parser, parser_names
+from iterserve.server.reasoning.request import check_default_template_kwargs, request_reasoning, template_kwargs
 from iterserve.thinking import Phase, ThinkingSpec, ThinkingState
 
 R, C = "This is a reasoning section", "This is the rest"
@@ -132,3 +134,34 @@ def test_thinking_state_phases_and_budget():
     assert st.forced_token(True) == 6 and st.forced_token(False) is None  # under a grammar: completed
     with pytest.raises(ValueError):
         ThinkingSpec(START, (), Phase.THINKING)
+
+
+class _Tok:
+    """encode/decode over characters: enough for request_reasoning."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def test_request_reasoning_and_template_kwargs():
+    tok = _Tok()
+    prompt = tok.encode("<|im_start|>assistant\n<think>\n")
+    r = request_reasoning(get_parser("qwen3"), tok, prompt, None, -1, False, None)
+    assert r.parser.prompt_state == PromptState.THINKING and r.spec is None and r.include
+    r = request_reasoning(get_parser("qwen3"), tok, prompt, 4, -1, False, False)
+    assert r.spec.budget == 4 and r.spec.phase == Phase.THINKING and r.spec.end_ids == tuple(map(ord, "</think>"))
+    assert not r.include
+    assert request_reasoning(get_parser("qwen3"), tok, prompt, None, 7, False, None).spec.budget == 7
+    assert request_reasoning(get_parser("qwen3"), tok, prompt, -1, 7, True, None).spec.budget is None
+    assert request_reasoning(None, tok, prompt, -1, -1, True, None).parser is None
+    with pytest.raises(APIError, match="thinking_token_budget needs a reasoning model"):
+        request_reasoning(None, tok, prompt, 3, -1, False, None)
+    assert template_kwargs({"a": 1, "b": 2}, {"b": 3}) == {"a": 1, "b": 3}
+    assert template_kwargs(None, None) is None
+    with pytest.raises(APIError, match="'tools'"):
+        template_kwargs(None, {"tools": []})
+    with pytest.raises(ValueError, match="JSON object"):
+        check_default_template_kwargs([1])

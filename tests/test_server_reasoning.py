@@ -169,6 +169,11 @@ def test_responses_reasoning_item(client):
     assert final.output[0].content[0].text == "Okay, let" and final.output_text == ANSWER
     assert kinds.index("response.reasoning_text.delta") < kinds.index("response.reasoning_text.done") \
         < kinds.index("response.output_text.delta")
+    # the output given back as input (the SDK's way to hold a conversation): the reasoning item is taken
+    again = client.responses.create(model=MODEL, input=[{"role": "user", "content": "What is 2+2?"}, *r.output,
+                                                        {"role": "user", "content": "And 3+3?"}],
+                                    max_output_tokens=5, temperature=0)
+    assert again.status == "incomplete"
 
 
 @pytest.mark.parametrize("extra,param", [

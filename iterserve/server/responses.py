@@ -147,9 +147,11 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
                 raise APIError(f"{where}: a function_call_output needs call_id and output", param=where)
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                    content=_text(item.output, f"{where}.output")))
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking, given back with its output: templates leave it out
         else:
             raise APIError(f"{where}: input items of type {kind!r} are not supported by this server (messages, "
-                           "function_call and function_call_output only)", param=f"{where}.type",
+                           "function_call, function_call_output and reasoning only)", param=f"{where}.type",
                            code="unsupported_field")
     return out
 
