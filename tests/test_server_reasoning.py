@@ -124,10 +124,14 @@ def test_thinking_split_from_the_answer(client):
     assert message_of(chat(client, include_reasoning=False, **FREE)) == (None, ANSWER)
 
 
-def test_chat_template_kwargs_turn_thinking_off(client):
+def test_chat_template_kwargs_turn_thinking_off(client, base_url):
     off = {"chat_template_kwargs": {"enable_thinking": False}, **FREE}  # the request's key wins over the default
     assert message_of(chat(client, **off)) == (None, ANSWER)
     assert streamed(client, **off)[:2] == (None, ANSWER)
+    on, off_ = (httpx.post(base_url + "/tokenize", json={"messages": QUESTION, **kw}).json()["count"]
+                for kw in ({}, {"chat_template_kwargs": {"enable_thinking": False}}))
+    assert off_ == on + 4  # <think>, "\n\n", </think>, "\n\n": /tokenize renders as the chat route does
+    assert chat(client, **off).usage.prompt_tokens == off_
 
 
 @pytest.mark.parametrize("budget,reasoning", [(None, "Okay, let"), (1, "Okay"), (0, None), (5, "Okay, let me add")])

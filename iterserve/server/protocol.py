@@ -331,6 +331,8 @@ class TokenizeRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extension (vLLM): with messages, as on "
+                                                                          "chat completions")
 
 
 class DetokenizeRequest(StrictModel):
