@@ -122,6 +122,16 @@ def test_thinking_split_from_the_answer(client):
     assert (reasoning, content) == (REASONING, ANSWER)
     assert kinds.index("content") > 0 and "reasoning" not in kinds[kinds.index("content"):]
     assert message_of(chat(client, include_reasoning=False, **FREE)) == (None, ANSWER)
+    reasoning, content, kinds = streamed(client, include_reasoning=False, **FREE)
+    assert (reasoning, content, set(kinds)) == (None, ANSWER, {"content"})
+    # n = 2: each choice has its own stream of thinking and answer
+    got = {0: ["", ""], 1: ["", ""]}
+    for chunk in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, n=2,
+                                                stream=True, extra_body=FREE):
+        for c in chunk.choices:
+            got[c.index][0] += getattr(c.delta, "reasoning_content", None) or ""
+            got[c.index][1] += c.delta.content or ""
+    assert got == {0: [REASONING, ANSWER], 1: [REASONING, ANSWER]}
 
 
 def test_chat_template_kwargs_turn_thinking_off(client, base_url):
