@@ -60,7 +60,8 @@ def base_url(model_dir, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("reasoning-server") / "server.log", "w+")
     proc = _serve([str(model_dir), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                   "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--reasoning-parser", "qwen3",
+                   "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--no-cpu-kernels",  # torch is enough here
+                   "--reasoning-parser", "qwen3",
                    "--reasoning-budget", "3", "--default-chat-template-kwargs", '{"enable_thinking": true}'], log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -206,7 +207,7 @@ def test_bad_fields_are_400(client, extra, param):
 
 def test_unknown_parser_fails_at_start_up(model_dir, tmp_path):
     with open(tmp_path / "log", "w+") as log:
-        proc = _serve([str(model_dir), "--reasoning-parser", "qwen4"], log)
+        proc = _serve([str(model_dir), "--no-cpu-kernels", "--reasoning-parser", "qwen4"], log)
         assert proc.wait(120) != 0
         log.seek(0)
         text = log.read()
