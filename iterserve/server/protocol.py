@@ -363,6 +363,8 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
     Unsupported("audio", _off),
     Unsupported("modalities", lambda v: v in (None, ["text"]), "only [\"text\"]"),
     Unsupported("web_search_options", _off),
+    Unsupported("reasoning_effort", lambda v: v is None, "switch thinking with chat_template_kwargs (e.g. "
+                "enable_thinking) and cap it with thinking_token_budget"),
     # vLLM's older structured-output knobs (the constraints themselves are implemented)
     Unsupported("guided_whitespace_pattern", _off),
     Unsupported("guided_decoding_backend", lambda v: v in (None, "auto", "guidance", "llguidance"),
