@@ -175,6 +175,7 @@ def test_responses_reasoning_item(client):
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].type == "reasoning_text" and r.output[0].content[0].text == "Okay, let"
     assert r.output[0].summary == [] and r.output_text == ANSWER
+    assert r.usage.output_tokens_details.reasoning_tokens == 3  # "Okay", ",", " let": the budget of 3
     kinds = []
     with client.responses.stream(model=MODEL, input="What is 2+2?", max_output_tokens=40, temperature=0) as st:
         for event in st:

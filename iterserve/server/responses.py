@@ -285,7 +285,8 @@ class ResponsesFormat:
         usage = None
         if last is not None:
             usage = {"input_tokens": last.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens": last.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": last.num_output_tokens,
+                     "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(output)},
                      "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
         done = status in ("completed", "incomplete", "failed")
         obj = {
@@ -305,6 +306,11 @@ class ResponsesFormat:
         if last is not None and done:
             obj["iterserve"] = last.times.summary()
         return obj
+
+    def reasoning_tokens(self, output: list[dict]) -> int:
+        """The reasoning items' text tokenised again (the markers around it are not counted)."""
+        text = "".join(p["text"] for it in output if it["type"] == "reasoning" for p in it["content"])
+        return len(self.serving.llm.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
     def _finish(self, response_id: str, last: RequestOutput, output: list[dict]) -> dict:
         status = "incomplete" if last.finish_reason == "length" else "completed"
