@@ -153,6 +153,16 @@ def test_thinking_budget_forces_the_end_marker(client, budget, reasoning):
     assert streamed(client, **extra)[:2] == (reasoning, ANSWER)
 
 
+def test_budget_and_grammar_hold_with_predicted_output(client):
+    # OpenAI's `prediction` drafts tokens (speculative decoding): a thinking request drafts nothing, so
+    # its forced end marker and its answer-only grammar are not skipped by verified drafts
+    predicted = {"prediction": {"type": "content", "content": SCRIPT}}
+    assert message_of(chat(client, thinking_token_budget=1, **predicted)) == ("Okay", ANSWER)
+    forced = {"structured_outputs": {"regex": r"The answer is 5\."}, **FREE, **predicted}
+    assert message_of(chat(client, **forced)) == (REASONING, "The answer is 5.")
+    assert message_of(chat(client, **FREE, **predicted)) == (REASONING, ANSWER)
+
+
 def test_grammar_applies_to_the_answer_only(client):
     # the grammar allows neither <think> nor the thinking's words: applied from the start, it would
     # have changed them; from </think> on, the scripted answer fits the first and is forced by the second
