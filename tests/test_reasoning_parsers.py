@@ -3,6 +3,8 @@ every position and character by character (the deltas must add up to the whole-t
 the engine side of thinking (thinking.py): phases, the budget's forced end marker, the grammar gate."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from iterserve.server.protocol import APIError
@@ -84,6 +86,10 @@ def test_split_and_stream(name, state, text, want):
         assert streamed([text[:cut], text[cut:]]) == want, cut
     assert streamed(list(text)) == want
     assert streamed([text]) == want
+    rng = random.Random(len(text))
+    for _ in range(50):  # many cuts at once
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(2, 6))))
+        assert streamed([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]) == want, cuts
 
 
 def test_stream_holds_only_a_possible_marker():

@@ -10,15 +10,15 @@ start (thinking, answering, or undecided: a start marker at the very beginning o
 and the thinking ends at the first end marker. The phase at the start comes from the prompt (a
 template that put the start marker at the end of the prompt leaves the model thinking; one that
 put a closed, empty block there, as Qwen3's and SmolLM3's do with enable_thinking false, leaves it
-answering) and otherwise from the parser (`neutral_phase`). Because the rule only ever extends what
-it has decided, streaming needs no rules of its own: `ReasoningStream` applies `split` to the text
-so far less the tail that may still become a marker (`held`), and sends what grew. The deltas of a
-stream therefore add up to `split` of the whole text, however the text is cut into deltas.
+answering) and otherwise from the parser (`neutral_phase`). The rule only ever extends what it
+has decided (once the start is settled, reasoning grows until the first end marker and content
+after it), so `ReasoningStream` applies the same rule as the text comes, holding back only a tail
+that may still become a marker: the deltas of a stream add up to `split` of the whole text, however
+the text is cut into deltas (tests/test_reasoning_parsers.py cuts every case at every position).
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 from iterserve.thinking import Phase, ThinkingSpec
@@ -93,53 +93,68 @@ class ReasoningParser:
         reasoning, content = self._sections(text)
         return reasoning or None, content or None
 
-    def held(self, text: str) -> int:
-        """How many characters at the end of `text` a stream holds back: they may still turn out to
-        be (part of) a marker."""
-        phase = self.initial_phase
-        if phase == Phase.ANSWER:
-            return 0
-        stripped = text.lstrip()
-        opened = next((m for m in self.start_markers if stripped.startswith(m)), None)
-        if opened is None:
-            if any(m.startswith(stripped) for m in self.start_markers):
-                return len(text)  # nothing but (the beginning of) a start marker yet
-            if phase == Phase.UNDECIDED:
-                return 0
-            body = text
-        else:
-            body = stripped[len(opened):]
-        if any(m in body for m in self.end_markers):
-            return 0
-        return max(_partial_suffix(body, m) for m in self.end_markers)
-
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
 
 
-@dataclass
 class ReasoningStream:
-    """One streamed choice: text deltas in, (reasoning delta, content delta) out."""
+    """One streamed choice: text deltas in, (reasoning delta, content delta) out, by the rule of
+    `ReasoningParser._sections` applied as the text comes. Work per delta is the delta plus a marker's
+    length: the stream keeps only what it has not sent (a tail that may still become a marker; at the
+    start, text that may still become a start marker), never the whole output."""
 
-    parser: ReasoningParser
-    _text: str = ""
-    _sent: tuple[int, int] = (0, 0)  # characters of reasoning and content already sent
-    _done: bool = field(default=False)
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self._mode = "answer" if parser.initial_phase == Phase.ANSWER else "start"
+        self._buf = ""  # received, not sent
 
     def feed(self, delta: str) -> tuple[str, str]:
-        self._text += delta
-        return self._advance(self._text[:len(self._text) - self.parser.held(self._text)])
+        if self._mode == "answer":
+            return "", delta
+        self._buf += delta
+        if self._mode == "start" and not self._resolve_start():
+            return "", ""  # still (the beginning of) a start marker, or nothing but space
+        if self._mode == "answer":
+            content, self._buf = self._buf, ""
+            return "", content
+        return self._thinking()
 
     def finish(self) -> tuple[str, str]:
         """What was held back, at the end of the output."""
-        self._done = True
-        return self._advance(self._text)
+        if self._mode == "start":  # nothing was sent yet: the whole-text rule decides
+            reasoning, content = self.parser._sections(self._buf)
+        elif self._mode == "thinking":  # a tail that never became an end marker is thinking
+            reasoning, content = self._buf, ""
+        else:
+            reasoning, content = "", self._buf
+        self._buf = ""
+        return reasoning, content
 
-    def _advance(self, text: str) -> tuple[str, str]:
-        reasoning, content = self.parser._sections(text)
-        r0, c0 = self._sent
-        self._sent = (max(r0, len(reasoning)), max(c0, len(content)))
-        return reasoning[r0:], content[c0:]
+    def _resolve_start(self) -> bool:
+        """Leaves "start" once the text's beginning decides; False while it cannot yet."""
+        markers = self.parser.start_markers
+        stripped = self._buf.lstrip()
+        opened = next((m for m in markers if stripped.startswith(m)), None)
+        if opened is not None:
+            self._mode, self._buf = "thinking", stripped[len(opened):]
+            return True
+        if any(m.startswith(stripped) for m in markers):
+            return False
+        self._mode = "answer" if self.parser.initial_phase == Phase.UNDECIDED else "thinking"
+        return True
+
+    def _thinking(self) -> tuple[str, str]:
+        """In the thinking: up to the first end marker, or all but a tail that may begin one."""
+        ends = self.parser.end_markers
+        found = [(i, m) for m in ends if (i := self._buf.find(m)) != -1]
+        if found:
+            i, m = min(found)
+            reasoning, content = self._buf[:i], self._buf[i + len(m):]
+            self._mode, self._buf = "answer", ""
+            return reasoning, content
+        hold = max(_partial_suffix(self._buf, m) for m in ends)
+        reasoning, self._buf = self._buf[:len(self._buf) - hold], self._buf[len(self._buf) - hold:]
+        return reasoning, ""
 
 
 def _partial_suffix(text: str, marker: str) -> int:
