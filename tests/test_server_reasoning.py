@@ -224,3 +224,28 @@ def test_unknown_parser_fails_at_start_up(model_dir, tmp_path):
         log.seek(0)
         text = log.read()
     assert re.search(r"unknown reasoning parser 'qwen4'; choose one of: deepseek_r1, granite, qwen3", text), text
+
+
+def test_flags_and_config_file(tmp_path):
+    from iterserve.cli import build_parser
+    from iterserve.server.cli_serve import resolve_args
+
+    def resolve(*argv):
+        return resolve_args(build_parser().parse_args(["serve", *argv]))
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("reasoning_parser: deepseek_r1\ndefault_chat_template_kwargs:\n  enable_thinking: false\n"
+                   "reasoning_budget: 7\n")
+    a = resolve("--config", str(cfg))
+    assert (a.reasoning_parser, a.default_chat_template_kwargs, a.reasoning_budget) == (
+        "deepseek_r1", {"enable_thinking": False}, 7)
+    a = resolve("--config", str(cfg), "--default-chat-template-kwargs", '{"thinking": true}')  # the flag wins
+    assert a.default_chat_template_kwargs == {"thinking": True}
+    assert resolve().reasoning_budget == -1 and resolve().default_chat_template_kwargs is None
+    for argv, message in [(["--default-chat-template-kwargs", "{oops"], "not valid JSON"),
+                          (["--default-chat-template-kwargs", '{"tokenize": true}'], "cannot set tokenize"),
+                          (["--reasoning-budget", "5"], "needs --reasoning-parser"),
+                          (["--reasoning-parser", "qwen3", "--reasoning-budget", "-2"], "-1 \\(unlimited\\)"),
+                          (["--reasoning-parser", "qwen4"], "choose one of: deepseek_r1, granite, qwen3, smollm3")]:
+        with pytest.raises(ValueError, match=message):
+            resolve(*argv)
