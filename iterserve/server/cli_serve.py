@@ -94,7 +94,7 @@ def add_parser(subparsers) -> None:
     t = p.add_argument_group("reasoning models (docs/server.md#reasoning-models)")
     t.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the model's thinking from its answer into reasoning_content / reasoning (chat) "
-                        "and a reasoning item (Responses): qwen3, deepseek_r1, granite, smollm3 (= qwen3)")
+                        "and a reasoning item (Responses): qwen3, deepseek_r1, granite, smollm3 (= deepseek_r1)")
     t.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                    help="a JSON object of chat-template variables for every chat request, e.g. "
                         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override its keys")

@@ -1,4 +1,4 @@
-"""`<think>` ... `</think>` parsers: qwen3 (and SmolLM3, which uses it), deepseek_r1.
+"""`<think>` ... `</think>` parsers: qwen3, deepseek_r1 (and smollm3, the same as deepseek_r1).
 
 They differ only where the prompt leaves the phase open (its generation prompt ends with no marker):
 
@@ -11,9 +11,10 @@ They differ only where the prompt leaves the phase open (its generation prompt e
   the prompt): everything before `</think>` is reasoning, and no `</think>` at all means all
   reasoning, as vLLM's deepseek_r1 parser does.
 
-SmolLM3's template behaves as Qwen3's (`<think>` written by the model; `<think>\\n\\n</think>\\n`
-in the prompt with enable_thinking false or `/no_think`). vLLM has no parser of its own for it and
-its users serve it with `qwen3`; `smollm3` is accepted here as a name for the same parser.
+SmolLM3's template lets the model write `<think>` in its thinking mode and puts an empty block,
+`<think>\\n\\n</think>\\n`, in the prompt with enable_thinking false or `/no_think` (read from the
+prompt: all content). vLLM has no parser of its own for it; its users serve it with `deepseek_r1`,
+so `smollm3` is accepted here as a name for that parser.
 """
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ class ThinkTagParser(ReasoningParser):
     end_markers = ("</think>",)
 
 
-@register("qwen3", "smollm3")
+@register("qwen3")
 class Qwen3ReasoningParser(ThinkTagParser):
     name = "qwen3"
     neutral_phase = Phase.UNDECIDED
 
 
-@register("deepseek_r1")
+@register("deepseek_r1", "smollm3")
 class DeepSeekR1ReasoningParser(ThinkTagParser):
     name = "deepseek_r1"
     neutral_phase = Phase.THINKING
