@@ -178,6 +178,11 @@ def test_grammar_applies_to_the_answer_only(client):
                                          extra_body=FREE)
     assert out.choices[0].message.reasoning_content == REASONING
     assert out.choices[0].message.tool_calls[0].function.arguments == '{"op": "plus"}'
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, tools=[tool],
+                                         tool_choice="required", parallel_tool_calls=False, extra_body=FREE)
+    m = out.choices[0].message
+    assert m.reasoning_content == REASONING and out.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in m.tool_calls] == [("add", '{"op": "plus"}')]
 
 
 def test_responses_reasoning_item(client):
