@@ -265,7 +265,9 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+        """chat_template_kwargs: extra variables for the chat template (vLLM's request field, e.g.
+        Qwen3's enable_thinking); the server refuses the names apply_chat_template itself takes."""
         tok = self.tokenizer
         if messages is not None:
             if not messages:
@@ -273,7 +275,8 @@ class LLMEngine:
             if not getattr(tok, "chat_template", None):
                 raise RequestRejected("this model has no chat template: send a plain prompt")
             try:
-                text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+                text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                              **(chat_template_kwargs or {}))
             except jinja2.TemplateError as exc:  # the template's own refusal (Gemma 2: no system role)
                 raise RequestRejected(f"the model's chat template refused these messages: {exc}") from None
             return tok.encode(text, add_special_tokens=False)
@@ -526,7 +529,8 @@ class LLMEngine:
             if res.spec is not None:
                 self.scheduler.trim_unverified(req)
             spec.verified(req, len(res.scheduled.spec_token_ids), res.spec.num_accepted if res.spec else 0)
-        spec.propose(self.scheduler.running)
+        # a thinking request's forced tokens and answer-only grammar are applied to undrafted rows only
+        spec.propose([r for r in self.scheduler.running if r.thinking is None or r.thinking.allows_drafts])
 
     def _finish_pooling(self, req: Request, now: float, outputs: list[RequestOutput], finished) -> None:
         lo, hi = req.pool_range

@@ -16,6 +16,7 @@ import torch
 from iterserve.pooling import pooled_range
 from iterserve.sampling import SamplingParams
 from iterserve.structured.grammar import RequestGrammar
+from iterserve.thinking import ThinkingState
 
 
 class RequestStatus(enum.Enum):
@@ -108,6 +109,8 @@ class Request:
         self.logprobs: list = []
         self.generator: torch.Generator | None = None
         self.grammar: RequestGrammar | None = None  # set once its structured-output grammar is compiled
+        # a reasoning model's thinking phase (thinking.py): the grammar sees only the answer's tokens
+        self.thinking: ThinkingState | None = ThinkingState(params.thinking) if params.thinking is not None else None
         # prompt logprobs (params.prompt_logprobs): one entry per prompt token computed so far, from the
         # first (None: nothing predicts it); each (logprob, rank, [(token id, logprob), ...top k])
         self.prompt_logprobs: list = [None] if params.prompt_logprobs is not None else []
@@ -208,7 +211,8 @@ class Request:
             self.times.first_token = now
         self.times.last_token = now
         self.times.token_times.append(now)
-        if self.grammar is not None:
+        answer = self.thinking.on_token(token_id) if self.thinking is not None else True
+        if self.grammar is not None and answer:
             self.grammar.accept_token(token_id)
 
     def check_stop_token(self, max_model_len: int) -> RequestStatus | None:

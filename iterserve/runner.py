@@ -30,6 +30,7 @@ from iterserve.request import Request
 from iterserve.sampling import Sampler, SamplingParams
 from iterserve.structured.grammar import RequestGrammar
 from iterserve.structured.logits import TokenConstraints, allocate_bitmask
+from iterserve.structured.thinking_gate import apply_forced, forced_tokens, step_grammar
 
 log = logging.getLogger("iterserve.runner")
 
@@ -234,8 +235,9 @@ class ModelRunner:
             return
         reqs = [s.request for s in rows]
         live = [not s.padding for s in rows]  # static batching's padding rows are sampled, never used
-        logits = self.constraints.apply(logits, [r.grammar if ok else None for r, ok in zip(reqs, live)],
+        logits = self.constraints.apply(logits, [step_grammar(r) if ok else None for r, ok in zip(reqs, live)],
                                         [r.params.logit_bias if ok else None for r, ok in zip(reqs, live)])
+        logits = apply_forced(logits, forced_tokens(reqs, live))  # a spent thinking budget's end marker
         penal = any(r.params.has_penalties for r in reqs)
         sample = self.sampler(
             logits, [r.params for r in reqs],
@@ -256,7 +258,7 @@ class ModelRunner:
         for s in rows:
             req, drafts = s.request, s.spec_token_ids
             masks, n_ok = self._draft_masks(req.grammar, drafts) if req.grammar is not None and drafts \
-                else ([req.grammar] * (len(drafts) + 1), len(drafts))
+                else ([step_grammar(req)] * (len(drafts) + 1), len(drafts))
             kept.append(n_ok)
             penal = req.params.has_penalties
             for j in range(len(drafts) + 1):
@@ -266,6 +268,9 @@ class ModelRunner:
                 histories.append(req.all_token_ids + drafts[:j] if penal else [])
                 plens.append(req.num_prompt_tokens)
         logits = self.constraints.apply(logits, grammars, biases)
+        # rows without drafts may be thinking (only answering requests draft): their forced tokens
+        logits = apply_forced(logits, [f for s in rows for f in forced_tokens([s.request], [True])
+                                       + [None] * len(s.spec_token_ids)])
         raw = logits.float()
         lo = 0
         plain = [r for r, s in enumerate(rows) if not s.spec_token_ids]

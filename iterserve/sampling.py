@@ -12,6 +12,7 @@ import torch
 
 from iterserve.pooling import PoolingParams
 from iterserve.structured.params import StructuredOutputsParams
+from iterserve.thinking import ThinkingSpec
 
 # Below this temperature sampling is greedy: dividing logits by a denormal overflows them to inf, and
 # softmax of inf - inf is NaN. A temperature this small is argmax in all but exact ties anyway.
@@ -54,6 +55,9 @@ class SamplingParams:
     # "auto" when its tool-call parser's markers are special tokens (Mistral's [TOOL_CALLS], Llama's
     # <|python_tag|>), which the parser must see
     skip_special_tokens: bool = True
+    # a reasoning model's thinking markers, phase and budget (thinking.py; the server's reasoning parser
+    # fills it): the budget forces the end marker, and the grammar above constrains only the answer
+    thinking: ThinkingSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

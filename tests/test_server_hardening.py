@@ -222,7 +222,8 @@ USING = {"response_format": {"type": "json_object"}, "tools": [{"type": "functio
          "tool_choice": "auto", "logit_bias": {"50": 10}, "functions": [{"name": "f"}], "function_call": "auto",
          "parallel_tool_calls": True, "suffix": "end", "best_of": 2, "echo": True, "n": 2,
          "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
-         "web_search_options": {}, "guided_whitespace_pattern": " ", "guided_decoding_backend": "xgrammar"}
+         "web_search_options": {}, "guided_whitespace_pattern": " ", "guided_decoding_backend": "xgrammar",
+         "reasoning_effort": "high"}
 NOT_USING = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logit_bias": {},
              "best_of": 1, "echo": False, "n": 1, "modalities": ["text"], "suffix": None,
              "guided_decoding_backend": "guidance"}

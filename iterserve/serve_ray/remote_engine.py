@@ -140,9 +140,10 @@ class RemoteEngine:
         self.shutting_down = False
 
     async def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
-                     tools: list[dict] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         try:
-            return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages, tools)
+            return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages, tools,
+                                           chat_template_kwargs)
         except UnicodeError as e:
             raise RequestRejected(f"the text cannot be tokenised: {e}") from None
 

@@ -38,6 +38,7 @@ from iterserve.server.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, 
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        EmbeddingRequest, LoadLoRAAdapterRequest, ResponsesRequest, TokenizeRequest,
                                        UnloadLoRAAdapterRequest, error_body, validation_message)
+from iterserve.server.reasoning.request import template_kwargs
 from iterserve.server.serving import OpenAIServing, ServerSettings, message_chars
 
 access_log = logging.getLogger("iterserve.access")
@@ -254,7 +255,9 @@ def build_api(serving: OpenAIServing, settings: ServerSettings, count_rejected: 
             if not body.messages:
                 raise APIError("messages must not be empty", param="messages")
             serving.check_text_length(message_chars(body.messages), llm.max_model_len, "messages", "messages")
-            ids = await serving.encode_chat(body.messages)
+            # the chat route's template variables (the server's default, the body's own), so counts agree
+            ids = await serving.encode_chat(body.messages, chat_template_kwargs=template_kwargs(
+                settings.default_chat_template_kwargs, body.chat_template_kwargs))
         else:
             serving.check_text_length(len(body.prompt), llm.max_model_len, "prompt", "prompt")
             ids = await engine.encode(prompt=body.prompt)

@@ -298,10 +298,11 @@ class AsyncEngine:
 
     # ---- requests (event loop side) -----------------------------------------------------------------
     async def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
-                     tools: list[dict] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         """Tokenises off the loop and off the engine thread."""
         try:
-            return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages, tools)
+            return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages, tools,
+                                           chat_template_kwargs)
         except UnicodeError as e:  # e.g. a lone surrogate escaped in the JSON
             raise RequestRejected(f"the text cannot be tokenised: {e}") from None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import ipaddress
 import logging
 import os
@@ -98,6 +99,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the format tool_choice \"auto\" reads calls in (vLLM's names); default: the one the "
                         "model's chat template writes, else hermes (logged at start-up)")
+    t = p.add_argument_group("reasoning models (docs/server.md#reasoning-models)")
+    t.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the model's thinking from its answer into reasoning_content / reasoning (chat) "
+                        "and a reasoning item (Responses): qwen3, deepseek_r1, granite, smollm3 (= deepseek_r1)")
+    t.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="a JSON object of chat-template variables for every chat request, e.g. "
+                        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override its keys")
+    t.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="thinking tokens a request may use before the end-of-thinking marker is forced "
+                        "(-1: unlimited, the default; a request's thinking_token_budget overrides it); needs "
+                        "--reasoning-parser")
     r = p.add_argument_group("scale-out on Ray Serve (docs/scale-out.md; needs pip install 'iterserve[ray]')")
     r.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas on Ray Serve behind one OpenAI-compatible ingress (default: one "
@@ -194,6 +206,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--responses-store-ttl must be > 0")
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1KiB")
+    resolve_reasoning_args(args)
     if getattr(args, "enable_lora", False) and args.replicas is not None:
         raise ValueError("--enable-lora is not available with --replicas yet: the ingress cannot load, unload or "
                          "route adapters")
@@ -202,6 +215,27 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.allowed_hosts is None:
         args.allowed_hosts = default_allowed_hosts(args.host)
     return args
+
+
+def resolve_reasoning_args(args: argparse.Namespace) -> None:
+    """--reasoning-parser must name a parser, --default-chat-template-kwargs be a JSON object (or a
+    YAML mapping in --config), --reasoning-budget -1 or more and only with a parser."""
+    from iterserve.server.reasoning import get_parser
+    from iterserve.server.reasoning.request import check_default_template_kwargs
+
+    if args.reasoning_parser is not None:
+        get_parser(args.reasoning_parser)  # ValueError listing the names
+    kwargs = args.default_chat_template_kwargs
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError as e:
+            raise ValueError(f"--default-chat-template-kwargs is not valid JSON: {e}") from None
+    args.default_chat_template_kwargs = check_default_template_kwargs(kwargs) if kwargs is not None else None
+    if args.reasoning_budget < -1:
+        raise ValueError("--reasoning-budget must be -1 (unlimited) or a number of tokens >= 0")
+    if args.reasoning_budget >= 0 and args.reasoning_parser is None:
+        raise ValueError("--reasoning-budget needs --reasoning-parser (it forces that parser's end-of-thinking marker)")
 
 
 def build_server(args: argparse.Namespace, loaded=None):
@@ -225,7 +259,10 @@ def server_settings(args: argparse.Namespace):
                           retry_after_s=args.retry_after, max_request_bytes=args.max_request_bytes,
                           metrics_without_key=args.metrics_without_key, allowed_hosts=args.allowed_hosts,
                           vllm_metrics=args.vllm_metrics, responses_store_bytes=args.responses_store_size,
-                          responses_store_ttl_s=args.responses_store_ttl, tool_call_parser=args.tool_call_parser)
+                          responses_store_ttl_s=args.responses_store_ttl, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
+                          default_chat_template_kwargs=args.default_chat_template_kwargs,
+                          reasoning_budget=args.reasoning_budget)
 
 
 def prepare(args: argparse.Namespace) -> argparse.Namespace:

@@ -196,6 +196,16 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description='false: tool_choice "required" makes one call')
+    # reasoning models (vLLM's names): template switches, the thinking budget, whether to answer the thinking
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extension (vLLM): extra variables for the chat template, e.g. {\"enable_thinking\": false}; "
+                          "over the server's --default-chat-template-kwargs")
+    thinking_token_budget: Int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="extension (vLLM): thinking tokens before the end-of-thinking marker "
+                                               "is forced (-1: unlimited; default --reasoning-budget); needs "
+                                               "--reasoning-parser")
+    include_reasoning: bool | None = Field(True, description="extension (vLLM): false leaves the thinking out of "
+                                                             "the answer")
 
 
 class EmbeddingRequest(StrictModel):
@@ -321,6 +331,8 @@ class TokenizeRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extension (vLLM): with messages, as on "
+                                                                          "chat completions")
 
 
 class DetokenizeRequest(StrictModel):
@@ -351,6 +363,8 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
     Unsupported("audio", _off),
     Unsupported("modalities", lambda v: v in (None, ["text"]), "only [\"text\"]"),
     Unsupported("web_search_options", _off),
+    Unsupported("reasoning_effort", lambda v: v is None, "switch thinking with chat_template_kwargs (e.g. "
+                "enable_thinking) and cap it with thinking_token_budget"),
     # vLLM's older structured-output knobs (the constraints themselves are implemented)
     Unsupported("guided_whitespace_pattern", _off),
     Unsupported("guided_decoding_backend", lambda v: v in (None, "auto", "guidance", "llguidance"),
@@ -364,7 +378,8 @@ def _no_reasoning(value) -> bool:
 
 # the Responses API's own (its tools and input items are checked by type where they are read)
 RESPONSES_UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
-    Unsupported("reasoning", _no_reasoning, "no model served here has a reasoning switch"),
+    Unsupported("reasoning", _no_reasoning, "reasoning effort and summaries are not implemented; with "
+                "--reasoning-parser the thinking comes as a reasoning item"),
     Unsupported("background", _off),
     Unsupported("include", _off),
     Unsupported("conversation", _off, "use previous_response_id"),

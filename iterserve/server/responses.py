@@ -34,6 +34,7 @@ from iterserve.server.async_engine import RequestStream
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDef,
                                        JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseContentPart,
                                        ResponseFormat, ResponsesRequest, ToolCall, ToolDef)
+from iterserve.server.reasoning.request import RequestReasoning
 from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -146,9 +147,11 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
                 raise APIError(f"{where}: a function_call_output needs call_id and output", param=where)
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                    content=_text(item.output, f"{where}.output")))
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking, given back with its output: templates leave it out
         else:
             raise APIError(f"{where}: input items of type {kind!r} are not supported by this server (messages, "
-                           "function_call and function_call_output only)", param=f"{where}.type",
+                           "function_call, function_call_output and reasoning only)", param=f"{where}.type",
                            code="unsupported_field")
     return out
 
@@ -224,6 +227,16 @@ def output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """OpenAI's reasoning item: the thinking as one reasoning_text part (no summary is written)."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [reasoning_text(text)],
+            "encrypted_content": None, "status": status}
+
+
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -247,8 +260,9 @@ class ResponsesFormat:
     id_prefix = "resp"
 
     def __init__(self, serving, body: ResponsesRequest, chat: ChatCompletionRequest,
-                 tools: ToolMode, conversation: list[ChatMessage]) -> None:
+                 tools: ToolMode, conversation: list[ChatMessage], reasoning: RequestReasoning | None = None) -> None:
         self.serving, self.body, self.chat_body = serving, body, chat
+        self.reasoning = reasoning or RequestReasoning()  # with --reasoning-parser: a reasoning item first
         self.tools = tools if tools.active else None
         self.conversation = [m.model_dump(exclude_none=True) for m in conversation]
         self.created = int(time.time())
@@ -271,7 +285,8 @@ class ResponsesFormat:
         usage = None
         if last is not None:
             usage = {"input_tokens": last.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens": last.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": last.num_output_tokens,
+                     "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(output)},
                      "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
         done = status in ("completed", "incomplete", "failed")
         obj = {
@@ -292,6 +307,11 @@ class ResponsesFormat:
             obj["iterserve"] = last.times.summary()
         return obj
 
+    def reasoning_tokens(self, output: list[dict]) -> int:
+        """The reasoning items' text tokenised again (the markers around it are not counted)."""
+        text = "".join(p["text"] for it in output if it["type"] == "reasoning" for p in it["content"])
+        return len(self.serving.llm.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
     def _finish(self, response_id: str, last: RequestOutput, output: list[dict]) -> dict:
         status = "incomplete" if last.finish_reason == "length" else "completed"
         obj = self.response_object(response_id, status, output, last)
@@ -302,10 +322,15 @@ class ResponsesFormat:
     def response(self, response_id: str, lasts: list[RequestOutput], choices: list, want_lp: bool) -> dict:
         last = lasts[0]
         status = "incomplete" if last.finish_reason == "length" else "completed"
-        text, calls = last.output_text, []
+        text, calls, thought = last.output_text, [], None
+        if self.reasoning.parser is not None:
+            thought, text = self.reasoning.parser.split(text)
+            text = text or ""
         if self.tools is not None:
-            text, calls = parse_tool_calls(last.output_text, self.tools)
+            text, calls = parse_tool_calls(text, self.tools)
         output = []
+        if thought and self.reasoning.include:
+            output.append(reasoning_item(_item_id("rs"), thought, "completed" if text or calls else status))
         if text or not calls:
             output.append(message_item(_item_id("msg"), text or "", status))
         output += [function_call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
@@ -328,6 +353,30 @@ class ResponsesFormat:
         message: dict | None = None  # the open message item
         calls: dict[int, dict] = {}  # tool call index -> its open function_call item
         parser = ToolCallStream(self.tools) if self.tools is not None else None
+        thinking = self.reasoning.parser.stream() if self.reasoning.parser is not None else None
+        reasoning: dict | None = None  # the open reasoning item
+
+        def open_reasoning() -> list[str]:
+            nonlocal reasoning
+            if reasoning is not None:
+                return []
+            reasoning = reasoning_item(_item_id("rs"), "", "in_progress")
+            output.append(reasoning)
+            i = len(output) - 1
+            return [event("response.output_item.added", output_index=i, item=_copy(reasoning, content=[])),
+                    event("response.content_part.added", item_id=reasoning["id"], output_index=i, content_index=0,
+                          part=reasoning_text(""))]
+
+        def close_reasoning(status: str) -> list[str]:
+            if reasoning is None or reasoning["status"] != "in_progress":
+                return []
+            i, text = output.index(reasoning), reasoning["content"][0]["text"]
+            reasoning["status"] = status
+            return [event("response.reasoning_text.done", item_id=reasoning["id"], output_index=i, content_index=0,
+                          text=text),
+                    event("response.content_part.done", item_id=reasoning["id"], output_index=i, content_index=0,
+                          part=reasoning_text(text)),
+                    event("response.output_item.done", output_index=i, item=reasoning)]
 
         def open_message() -> list[str]:
             nonlocal message
@@ -368,6 +417,13 @@ class ResponsesFormat:
 
         def feed(delta: dict) -> list[str]:
             out: list[str] = []
+            if delta.get("reasoning"):
+                out += open_reasoning()
+                reasoning["content"][0]["text"] += delta["reasoning"]
+                out.append(event("response.reasoning_text.delta", item_id=reasoning["id"],
+                                 output_index=output.index(reasoning), content_index=0, delta=delta["reasoning"]))
+            if delta.get("content") or delta.get("tool_calls"):
+                out += close_reasoning("completed")  # the answer begins: the thinking is whole
             if delta.get("content"):
                 out += open_message()
                 message["content"][0]["text"] += delta["content"]
@@ -392,7 +448,7 @@ class ResponsesFormat:
         try:
             yield event("response.created", response=self.response_object(response_id, "in_progress", [], None))
             yield event("response.in_progress", response=self.response_object(response_id, "in_progress", [], None))
-            if parser is None:
+            if parser is None and thinking is None:
                 for e in open_message():
                     yield e
             async for _, out in self.serving._merged([stream]):
@@ -401,7 +457,15 @@ class ResponsesFormat:
                     yield event("response.failed", response=self.response_object(
                         response_id, "failed", output, out, error=error))
                     return
-                deltas = parser.feed(out.text_delta) if parser is not None else [{"content": out.text_delta}]
+                text, pre = out.text_delta, []
+                if thinking is not None:  # the thinking as reasoning deltas, the rest as the answer
+                    thought, text = thinking.feed(text)
+                    if out.finished:
+                        more_thought, more_text = thinking.finish()
+                        thought, text = thought + more_thought, text + more_text
+                    if thought and self.reasoning.include:
+                        pre = [{"reasoning": thought}]
+                deltas = pre + (parser.feed(text) if parser is not None else [{"content": text}])
                 if out.finished and parser is not None:
                     deltas += parser.finish()[0]
                 for d in deltas:
@@ -410,10 +474,10 @@ class ResponsesFormat:
                 if not out.finished:
                     continue
                 status = "incomplete" if out.finish_reason == "length" else "completed"
-                if not output:
-                    for e in open_message():
+                if not any(it["type"] != "reasoning" for it in output):
+                    for e in close_reasoning(status) + open_message():
                         yield e
-                for e in close_message(status) + close_calls():
+                for e in close_reasoning(status) + close_message(status) + close_calls():
                     yield e
                 final = self._finish(response_id, out, output)
                 yield event("response.incomplete" if status == "incomplete" else "response.completed", response=final)

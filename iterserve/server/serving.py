@@ -40,6 +40,8 @@ from iterserve.server.protocol import (RESPONSES_UNSUPPORTED_FIELDS, APIError, C
                                        error_body, unsupported_field)
 from iterserve.server.responses import (DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_S, ResponsesFormat, ResponseStore,
                                         to_chat_request)
+from iterserve.server.reasoning import get_parser
+from iterserve.server.reasoning.request import RequestReasoning, request_reasoning, template_kwargs
 from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls, prompt_messages, template_has_tools
 from iterserve.server.tool_parsers import resolve_parser
 from iterserve.structured.params import StructuredOutputError, StructuredOutputsParams
@@ -65,6 +67,11 @@ class ServerSettings:
     # vLLM's --tool-call-parser: which format tool_choice "auto" reads (tool_parsers/); None: the one
     # the chat template writes, else hermes
     tool_call_parser: str | None = None
+    # reasoning models (server/reasoning/): the parser's --reasoning-parser name, the template variables
+    # every chat request starts from, and the default thinking budget (-1: unlimited)
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict | None = None
+    reasoning_budget: int = -1
 
 
 def max_token_chars(tokenizer) -> int:
@@ -148,6 +155,7 @@ class OpenAIServing:
         self.max_token_chars = max_token_chars(tok)
         self.responses_store = ResponseStore(settings.responses_store_bytes, settings.responses_store_ttl_s)
         self.tool_parser, self.tool_parser_special = resolve_parser(settings.tool_call_parser, tok)
+        self.reasoning_parser = get_parser(settings.reasoning_parser) if settings.reasoning_parser else None
 
     def check_text_length(self, num_chars: int, max_tokens: int, what: str, param: str) -> None:
         """Refuses text that cannot fit in max_tokens tokens, before any tokenisation."""
@@ -221,7 +229,7 @@ class OpenAIServing:
 
     def sampling_params(self, body: GenerationRequest, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, thinking=None) -> SamplingParams:
         given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                                 "stop_token_ids", "presence_penalty", "frequency_penalty",
                                                 "repetition_penalty") if getattr(body, k) is not None}
@@ -229,7 +237,7 @@ class OpenAIServing:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
                                   structured_outputs=structured, logit_bias=self.logit_bias(body),
                                   prompt_logprobs=prompt_logprobs, prediction_token_ids=self.prediction(body),
-                                  lora_name=self.lora_name(body.model),
+                                  lora_name=self.lora_name(body.model), thinking=thinking,
                                   **given)
         except ValueError as e:
             raise APIError(str(e), param="logit_bias" if "logit_bias" in str(e) else None) from None
@@ -287,13 +295,15 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
         arrival = time.monotonic()
-        tools, ids, params = await self.chat_inputs(body)
+        tools, ids, params, reasoning = await self.chat_inputs(body)
         fmt = _Format(True, self, tools if tools.active else None, prompt_ids=ids,
-                      prompt_logprobs=body.prompt_logprobs)
+                      prompt_logprobs=body.prompt_logprobs, reasoning=reasoning)
         return await self._generate(fmt, body, http, ids, params, arrival)
 
-    async def chat_inputs(self, body: ChatCompletionRequest) -> tuple[ToolMode, list[int], SamplingParams]:
-        """A chat body's checks, tools, prompt ids and sampling parameters (the Responses API's too)."""
+    async def chat_inputs(self, body: ChatCompletionRequest) -> tuple[ToolMode, list[int], SamplingParams,
+                                                                      RequestReasoning]:
+        """A chat body's checks, tools, prompt ids, sampling parameters and reasoning settings (the
+        Responses API's too)."""
         self.check_model(body.model)
         self.check_supported(body)
         if not body.messages:
@@ -309,15 +319,18 @@ class OpenAIServing:
                 raise APIError(f'tool_choice "required" or a named function forces the output; drop {param}',
                                param=param)
             structured, param = forced, "tools"
-        ids = await self.encode_chat(body.messages, tools)
+        kwargs = template_kwargs(self.settings.default_chat_template_kwargs, body.chat_template_kwargs)
+        ids = await self.encode_chat(body.messages, tools, kwargs)
+        reasoning = request_reasoning(self.reasoning_parser, self.llm.tokenizer, ids, body.thinking_token_budget,
+                                      self.settings.reasoning_budget, structured is not None, body.include_reasoning)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(
             1, min(self.llm.max_output_len, self.llm.max_model_len - len(ids)))
         params = self.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                                      structured, prompt_logprobs=body.prompt_logprobs)
+                                      structured, prompt_logprobs=body.prompt_logprobs, thinking=reasoning.spec)
         if tools.choice == "auto" and self.tool_parser_special:  # the parser reads special tokens
             params.skip_special_tokens = False
         await self.compile_grammar(structured, param)
-        return tools, ids, params
+        return tools, ids, params, reasoning
 
     async def responses(self, body: ResponsesRequest, http: Request):
         """POST /v1/responses: the chat path (chat_inputs, _generate) with the Responses API's answer."""
@@ -335,9 +348,9 @@ class OpenAIServing:
                                code="not_found")
             history = stored.conversation
         chat, conversation = to_chat_request(body, history)
-        tools, ids, params = await self.chat_inputs(chat)
-        return await self._generate(ResponsesFormat(self, body, chat, tools, conversation), chat, http, ids,
-                                    params, arrival)
+        tools, ids, params, reasoning = await self.chat_inputs(chat)
+        return await self._generate(ResponsesFormat(self, body, chat, tools, conversation, reasoning), chat, http,
+                                    ids, params, arrival)
 
     def get_response(self, response_id: str) -> dict:
         stored = self.responses_store.get(response_id)
@@ -415,12 +428,14 @@ class OpenAIServing:
                 prompts.append(list(one))
         return prompts
 
-    async def encode_chat(self, messages: list[ChatMessage], tools: ToolMode | None = None) -> list[int]:
+    async def encode_chat(self, messages: list[ChatMessage], tools: ToolMode | None = None,
+                          chat_template_kwargs: dict | None = None) -> list[int]:
         tools = tools or ToolMode([], "none")
         native = template_has_tools(getattr(self.llm.tokenizer, "chat_template", None))
         try:
             return await self.engine.encode(messages=prompt_messages(messages, tools, native),
-                                            tools=tools.template_tools() if native else None)
+                                            tools=tools.template_tools() if native else None,
+                                            chat_template_kwargs=chat_template_kwargs)
         except (ValueError, TypeError, KeyError, IndexError) as e:  # template rejected the conversation
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
         except Exception as e:
@@ -560,6 +575,7 @@ class OpenAIServing:
                               | extra)
             offsets = [0] * len(streams)
             calls = [ToolCallStream(fmt.tools) if fmt.tools is not None else None for _ in streams]
+            thinking = [fmt.reasoning.parser.stream() if fmt.reasoning.parser is not None else None for _ in streams]
             started = [False] * len(streams)
             async for i, out in self._merged(streams):
                 if out.error:
@@ -574,8 +590,16 @@ class OpenAIServing:
                 lp, offsets[i] = fmt.logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
                 if out.finished:
                     lasts[i] = out
+                text = out.text_delta
+                if thinking[i] is not None:  # the thinking goes out as reasoning deltas; the rest is the answer
+                    reasoning, text = thinking[i].feed(text)
+                    if out.finished:
+                        more_reasoning, more_text = thinking[i].finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    if reasoning and fmt.reasoning.include:
+                        yield sse(fmt.chunk(request_id, created, reasoning_delta(reasoning), None, None, i) | extra)
                 if calls[i] is not None:  # text becomes content and tool-call deltas; the last chunk ends it
-                    deltas = calls[i].feed(out.text_delta)
+                    deltas = calls[i].feed(text)
                     made = False
                     if out.finished:
                         tail, made = calls[i].finish()
@@ -589,10 +613,10 @@ class OpenAIServing:
                     reason = "tool_calls" if made and out.finish_reason == "stop" else out.finish_reason
                     last_chunk = fmt.chunk(request_id, created, {}, lp, reason, i)
                 elif out.finished:
-                    last_chunk = fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, out.finish_reason, i)
+                    last_chunk = fmt.chunk(request_id, created, fmt.delta(text), lp, out.finish_reason, i)
                 else:
-                    if out.text_delta or lp is not None:
-                        yield sse(fmt.chunk(request_id, created, fmt.delta(out.text_delta), lp, None, i) | extra)
+                    if text or lp is not None:
+                        yield sse(fmt.chunk(request_id, created, fmt.delta(text), lp, None, i) | extra)
                     continue
                 yield sse(last_chunk | extra | {"iterserve": timings(out.times)})
                 if include_usage and len(lasts) == len(streams):  # after the last choice's end
@@ -600,6 +624,11 @@ class OpenAIServing:
             yield sse("[DONE]")
         finally:
             self._abort_unfinished(streams)
+
+
+def reasoning_delta(text: str) -> dict:
+    """A chat delta of thinking, under both names vLLM has used (`reasoning_content`, `reasoning`)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def _max_k(*ks: int | None) -> int | None:
@@ -618,8 +647,10 @@ class _Format:
 
     def __init__(self, chat: bool, serving: OpenAIServing, tools: ToolMode | None = None,
                  prompt_ids: list[int] | None = None, echo: bool = False, echo_text: str | None = None,
-                 echo_logprobs: int | None = None, prompt_logprobs: int | None = None) -> None:
+                 echo_logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 reasoning: RequestReasoning | None = None) -> None:
         self.chat = chat
+        self.reasoning = reasoning or RequestReasoning()  # chat with --reasoning-parser: thinking split off
         self.serving = serving
         self.tools = tools  # chat with tools offered: the text is parsed into tool calls
         self.model = serving.settings.served_model_name
@@ -715,9 +746,15 @@ class _Format:
             choice = ({"message": {"role": "assistant", "content": last.output_text}} if self.chat
                       else {"text": (self.echo_text if self.echo else "") + last.output_text})
             reason = last.finish_reason
+            text, thought = last.output_text, {}
+            if self.reasoning.parser is not None:  # the thinking split off, under both of vLLM's names
+                reasoning, text = self.reasoning.parser.split(text)
+                reasoning = reasoning if self.reasoning.include else None
+                thought = {"reasoning_content": reasoning, "reasoning": reasoning}
+                choice = {"message": {"role": "assistant", "content": text, **thought}}
             if self.tools is not None:
-                content, calls = parse_tool_calls(last.output_text, self.tools)
-                choice = {"message": {"role": "assistant", "content": content,
+                content, calls = parse_tool_calls(text or "", self.tools)
+                choice = {"message": {"role": "assistant", "content": content, **thought,
                                       **({"tool_calls": calls} if calls else {})}}
                 if calls and reason == "stop":
                     reason = "tool_calls"
