@@ -3,6 +3,7 @@ server `iterserve serve` builds (cli_serve.build_server, with --api-key) under u
 port, over the tiny random-weight model. create (the same greedy text as the chat route), stream
 (the raw SSE event order, and the client's own stream reader giving the non-streamed text), stop
 sequences, a forced tool call answered by a tool_result, count_tokens against the rendered prompt,
+output_config.format on the structured-output path,
 x-api-key and Bearer auth, and Anthropic-shaped errors (OpenAI routes keep OpenAI's shape).
 What the text says is not checked: the weights are random."""
 from __future__ import annotations
@@ -228,6 +229,22 @@ def test_count_tokens_is_the_rendered_prompt(client, http):
                                                {"role": "user", "content": "How are you?"}])
     with_tools = client.messages.count_tokens(model=MODEL, system="You are terse.", messages=messages, tools=[TOOL])
     assert with_tools.input_tokens > got.input_tokens  # the tool's definition is in the prompt
+    # a system turn inside the conversation; consecutive turns of one role are one turn (Anthropic's rule)
+    turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be terse."},
+             {"role": "user", "content": "Again"}, {"role": "user", "content": [{"type": "text", "text": "Go"}]}]
+    assert client.messages.count_tokens(model=MODEL, messages=turns).input_tokens == tokenize(http, [
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Again\nGo"}])
+
+
+def test_output_config_format_constrains_the_answer(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    m = client.messages.create(**sdk(model=MODEL, max_tokens=40, temperature=0,
+                                     messages=[{"role": "user", "content": "A number as JSON"}],
+                                     output_config={"format": {"type": "json_schema", "schema": schema}}))
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(m.content[0].text), schema)
 
 
 def test_auth_x_api_key_and_bearer(server, http):
@@ -292,6 +309,10 @@ def test_errors_have_anthropics_shape(client, http):
                     "invalid_request_error", "tool_use", "assistant turn")
     anthropic_error(post(ok | {"messages": [user, {"role": "assistant", "content": "Sure,"}]}), 400,
                     "invalid_request_error", "prefill")
+    anthropic_error(post(ok | {"messages": [{"role": "user", "content": []}]}), 400, "invalid_request_error",
+                    "messages.0.content")
+    anthropic_error(post(ok | {"messages": [{"role": "system", "content": "Be brief."}]}), 400,
+                    "invalid_request_error", "user turn")
     anthropic_error(post(ok | {"tool_choice": {"type": "tool", "name": "nope"}, "tools": [TOOL]}), 400,
                     "invalid_request_error", "nope")
     anthropic_error(post(ok | {"temperature": 1.5}), 400, "invalid_request_error", "temperature")

@@ -256,6 +256,8 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     if pending:
         raise APIError(f"tool_use ids were found without tool_result blocks immediately after: "
                        f"{', '.join(pending)}", param="messages")
+    if not any(role == "user" for role, _, _ in turns):
+        raise APIError("messages: the conversation needs a user turn", param="messages")
     if turns[-1][0] == "assistant":
         raise APIError(f"{turns[-1][2]}: the last message is an assistant turn (a prefill), which this server does "
                        "not continue: end with a user turn", param="messages")

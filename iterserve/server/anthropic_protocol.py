@@ -72,7 +72,7 @@ class MessageParam(StrictModel):
     """A turn; a `system` turn (text only) is an instruction in the middle of the conversation."""
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["user", "assistant", "system"]
-    content: str | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)]
+    content: str | Annotated[list[Block], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
 
 
 class ToolChoice(StrictModel):
