@@ -331,3 +331,34 @@ def test_errors_have_anthropics_shape(client, http):
     openai_400 = http.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert openai_400.status_code == 400 and "param" in openai_400.json()["error"]
     assert post(ok).json()["usage"]["output_tokens"] == 2
+
+
+def test_guards_and_failures_answer_in_anthropics_shape(http):
+    """The body cap (middleware) and a failed request's 503 / 500 from the chat path (re-shaped) on the
+    Messages routes; the same errors elsewhere stay OpenAI's."""
+    from fastapi.responses import JSONResponse
+
+    from iterserve.server.anthropic_messages import anthropic_errors
+    from iterserve.server.middleware import error_response
+    from iterserve.server.protocol import error_body
+
+    big = b'{"model": "' + b"x" * (4 * 2**20) + b'"}'
+    anthropic_error(http.post("/v1/messages", content=big, headers={"content-type": "application/json"}), 413,
+                    "request_too_large", "--max-request-bytes")
+    assert http.post("/v1/chat/completions", content=big).json()["error"]["code"] == "request_too_large"
+    full = anthropic_errors(JSONResponse(error_body("queue full", 503), status_code=503, headers={"Retry-After": "1"}))
+    assert full.status_code == 503 and full.headers["retry-after"] == "1"
+    assert json.loads(full.body) == {"type": "error", "error": {"type": "overloaded_error", "message": "queue full"}}
+    crashed = json.loads(error_response("boom", 500, path="/v1/messages/count_tokens").body)
+    assert crashed == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+    assert json.loads(error_response("boom", 500, path="/v1/chat/completions").body)["error"]["type"] == "server_error"
+
+
+def test_earlier_thinking_blocks_are_left_out_of_the_prompt(client):
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "Again"}]
+    with_thinking = [plain[0], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "The user greets me.", "signature": "sig"},
+        {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Hello!"}]}, plain[2]]
+    assert client.messages.count_tokens(model=MODEL, messages=with_thinking).input_tokens == \
+        client.messages.count_tokens(model=MODEL, messages=plain).input_tokens
