@@ -362,3 +362,24 @@ def test_earlier_thinking_blocks_are_left_out_of_the_prompt(client):
         {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Hello!"}]}, plain[2]]
     assert client.messages.count_tokens(model=MODEL, messages=with_thinking).input_tokens == \
         client.messages.count_tokens(model=MODEL, messages=plain).input_tokens
+
+
+def test_a_failed_engine_step_ends_in_anthropics_error(server, http):
+    """A request the engine fails after admission: 500 api_error, or, streamed, an `error` event after
+    message_start; never a message with partial text. The server serves on."""
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    runner = server.engine.engine.runner
+    real = runner.execute
+
+    def failing(sched):
+        raise RuntimeError("a bad step")
+
+    runner.execute = failing
+    try:
+        anthropic_error(http.post("/v1/messages", json=body), 500, "api_error", "engine step")
+        events = sse_events(http, body)
+    finally:
+        runner.execute = real
+    assert [k for k, _ in events] == ["message_start", "ping", "error"]
+    assert events[-1][1]["error"]["type"] == "api_error" and "engine step" in events[-1][1]["error"]["message"]
+    assert http.post("/v1/messages", json=body).json()["usage"]["output_tokens"] == 4
