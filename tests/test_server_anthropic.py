@@ -383,3 +383,32 @@ def test_a_failed_engine_step_ends_in_anthropics_error(server, http):
     assert [k for k, _ in events] == ["message_start", "ping", "error"]
     assert events[-1][1]["error"]["type"] == "api_error" and "engine step" in events[-1][1]["error"]["message"]
     assert http.post("/v1/messages", json=body).json()["usage"]["output_tokens"] == 4
+
+
+def test_tool_turns_render_as_the_chat_routes_tool_messages(client, http):
+    """tool_use blocks are the assistant's tool_calls and tool_result blocks tool messages: the same
+    prompt /tokenize renders from the OpenAI form of the conversation, which holds the call and result."""
+    conversation = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {"city": "Paris"}},
+            {"type": "tool_use", "id": "toolu_b", "name": "get_weather", "input": {"city": "Rome"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_a", "content": "Sunny"},
+            {"type": "tool_result", "tool_use_id": "toolu_b", "content": [{"type": "text", "text": "Rain"}],
+             "is_error": True},
+            {"type": "text", "text": "Thanks!"}]}]
+    openai_form = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "toolu_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "toolu_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_a", "content": "Sunny"},
+        {"role": "tool", "tool_call_id": "toolu_b", "content": "Error: Rain"},
+        {"role": "user", "content": "Thanks!"}]
+    tokens = http.post("/tokenize", json={"messages": openai_form}).json()["tokens"]
+    assert client.messages.count_tokens(model=MODEL, messages=conversation).input_tokens == len(tokens)
+    prompt = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    for part in ("Checking.", '"Paris"', '"Rome"', "Sunny", "Error: Rain", "Thanks!"):
+        assert part in prompt
