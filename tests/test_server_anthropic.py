@@ -118,6 +118,7 @@ def test_create_is_the_chat_paths_answer(client, http):
               messages=[{"role": "user", "content": "Hello there"}])
     m = client.messages.create(**sdk(**kw))
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert m._request_id == m.id  # the request-id header
     assert [b.type for b in m.content] == ["text"] and m.content[0].text
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None  # 8 random tokens hit no EOS
     chat_messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]

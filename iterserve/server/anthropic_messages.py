@@ -320,7 +320,10 @@ async def create_message(serving, body: MessagesRequest, http: Request):
     chat = to_chat_request(body)
     tools, ids, params = await serving.chat_inputs(chat)
     fmt = MessagesFormat(serving, body, tools, len(ids))
-    return anthropic_errors(await serving._generate(fmt, chat, http, ids, params, arrival))
+    response = anthropic_errors(await serving._generate(fmt, chat, http, ids, params, arrival))
+    if "x-request-id" in response.headers:  # Anthropic's clients read it as `request-id` (the SDK's _request_id)
+        response.headers["request-id"] = response.headers["x-request-id"]
+    return response
 
 
 async def count_tokens(serving, body: CountTokensRequest) -> dict:
