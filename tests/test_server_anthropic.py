@@ -413,3 +413,29 @@ def test_tool_turns_render_as_the_chat_routes_tool_messages(client, http):
     prompt = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
     for part in ("Checking.", '"Paris"', '"Rome"', "Sunny", "Error: Rain", "Thanks!"):
         assert part in prompt
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_real_answers_on_the_embedded_model(smol_loaded):
+    """SmolLM2-135M-Instruct through the Messages API: the system prompt and turns reach its chat
+    template as they should (a right answer), and a forced call's input names the city asked about."""
+    with LiveServer(["smollm2-135m", "--max-model-len", "1024"], smol_loaded) as srv:
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+        m = claude.messages.create(**sdk(model="smollm2-135m", max_tokens=16, temperature=0,
+                                         system="Answer in one word.",
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}]))
+        assert "paris" in m.content[0].text.lower()
+        tool = TOOL | {"input_schema": TOOL["input_schema"] | {"properties": {"city": {"type": "string",
+                                                                                        "maxLength": 20}}}}
+        question = {"role": "user", "content": "What is the weather in Paris?"}
+        asked = claude.messages.create(**sdk(model="smollm2-135m", max_tokens=48, temperature=0, tools=[tool],
+                                             messages=[question], tool_choice={"type": "tool", "name": "get_weather"}))
+        (call,) = asked.content
+        assert call.type == "tool_use" and "paris" in call.input["city"].lower()
+        answer = claude.messages.create(**sdk(model="smollm2-135m", max_tokens=32, temperature=0, tools=[tool],
+                                              tool_choice={"type": "none"}, messages=[question, {"role": "assistant", "content": [
+                                                  call.model_dump(exclude_none=True)]}, {"role": "user", "content": [
+                                                      {"type": "tool_result", "tool_use_id": call.id,
+                                                       "content": "18 C, clear sky"}]}]))
+        assert answer.content and answer.content[0].type == "text" and answer.content[0].text.strip()
