@@ -25,19 +25,19 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from iterserve.request import RequestOutput
-from iterserve.server.anthropic_protocol import (MESSAGES_UNSUPPORTED_FIELDS, UNSUPPORTED_BLOCKS, CacheControl,
-                                                 CountTokensRequest, MessagesRequest, TextBlock, anthropic_error_body)
+from iterserve.server.anthropic_protocol import (MESSAGES_UNSUPPORTED_FIELDS, UNSUPPORTED_BLOCKS, AnthropicTool,
+                                                 CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock,
+                                                 ToolResultBlock, ToolUseBlock, anthropic_error_body)
 from iterserve.server.async_engine import RequestStream
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDef,
-                                       JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, StrictModel,
-                                       ToolCall, ToolDef)
+                                       JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, ToolCall,
+                                       ToolDef)
 from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls
 
 REASONING_MISSING = ("thinking is not supported by this server: the chat path has no reasoning parser "
@@ -46,58 +46,6 @@ REASONING_MISSING = ("thinking is not supported by this server: the chat path ha
 
 
 # ---- content blocks, checked by type -----------------------------------------------------------------
-class Caller(StrictModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["direct"] = Field(description="only direct: no code-execution callers here")
-
-
-class ToolUseBlock(StrictModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: str
-    id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,256}$")
-    name: str = Field(min_length=1, max_length=256)
-    input: dict
-    cache_control: CacheControl | None = None
-    caller: Caller | None = None
-    toolset_name: None = Field(None, description="no toolsets here")
-
-
-class ToolResultBlock(StrictModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: str
-    tool_use_id: str = Field(min_length=1, max_length=256)
-    content: str | list[dict] | None = None
-    is_error: bool | None = None
-    cache_control: CacheControl | None = None
-    toolset_name: None = Field(None, description="no toolsets here")
-
-
-class ThinkingBlock(StrictModel):
-    """An earlier turn's thinking: accepted and left out of the prompt (Anthropic, too, does not
-    put earlier turns' thinking into the context)."""
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: str
-    thinking: str | None = None
-    signature: str | None = None
-    data: str | None = None  # redacted_thinking
-
-
-class AnthropicTool(StrictModel):
-    """A custom (client) tool. `strict` is passed on; `eager_input_streaming` asks for what the stream
-    does anyway (a forced call's input streams as it is made); the rest are refused unless unused."""
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: str | None = None
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    input_schema: dict
-    cache_control: CacheControl | None = None
-    strict: bool | None = None
-    eager_input_streaming: bool | None = None
-    defer_loading: Literal[False] | None = Field(None, description="no tool search here")
-    allowed_callers: list[Literal["direct"]] | None = Field(None, description="only direct")
-    input_examples: list = Field([], max_length=0, description="not supported: only []")
-
-
 BLOCKS: dict[str, dict[str, type[BaseModel]]] = {
     "system": {"text": TextBlock},
     "user": {"text": TextBlock, "tool_result": ToolResultBlock},

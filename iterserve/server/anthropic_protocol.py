@@ -108,6 +108,60 @@ class OutputConfig(StrictModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
+# ---- blocks and tools, validated one by one where the body is read (anthropic_messages.py) ----------
+class Caller(StrictModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["direct"] = Field(description="only direct: no code-execution callers here")
+
+
+class ToolUseBlock(StrictModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: str
+    id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,256}$")
+    name: str = Field(min_length=1, max_length=256)
+    input: dict
+    cache_control: CacheControl | None = None
+    caller: Caller | None = None
+    toolset_name: None = Field(None, description="no toolsets here")
+
+
+class ToolResultBlock(StrictModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: str
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: str | list[dict] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+    toolset_name: None = Field(None, description="no toolsets here")
+
+
+class ThinkingBlock(StrictModel):
+    """An earlier turn's thinking (thinking or redacted_thinking): accepted and left out of the prompt,
+    as Anthropic leaves earlier turns' thinking out of the context for most models; the chat path has
+    no place for it."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: str
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None  # redacted_thinking
+
+
+class AnthropicTool(StrictModel):
+    """A custom (client) tool. `strict` is passed on; `eager_input_streaming` asks for what the stream
+    does anyway (a forced call's input streams as it is made); the rest are refused unless unused."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: str | None = None
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict
+    cache_control: CacheControl | None = None
+    strict: bool | None = None
+    eager_input_streaming: bool | None = None
+    defer_loading: Literal[False] | None = Field(None, description="no tool search here")
+    allowed_callers: list[Literal["direct"]] | None = Field(None, description="only direct")
+    input_examples: list = Field([], max_length=0, description="not supported: only []")
+
+
 class CountTokensRequest(AnthropicModel):
     """`/v1/messages/count_tokens`: what the prompt is made of, without the sampling fields."""
 
