@@ -132,3 +132,25 @@ def test_mapping_onto_the_chat_request():
     assert named.tool_choice.function.name == "get_weather"
     fmt = to_chat_request(body(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}))
     assert fmt.response_format.type == "json_schema" and fmt.response_format.json_schema.schema_ == {"type": "object"}
+
+
+def test_the_reasoning_seam_makes_thinking_blocks():
+    """What the chat path's reasoning split will feed: a thinking block before the answer, whole and
+    streamed (reasoning_content deltas), here with the split faked."""
+    fmt = fmt_for(body())
+    fmt.reasoning = lambda last: ("Let me think.", "Paris")
+    whole = fmt.response("msg_1", [outputs("ignored", "stop", 2)[-1]], [], False)
+    assert whole["content"] == [{"type": "thinking", "thinking": "Let me think.", "signature": ""},
+                                {"type": "text", "text": "Paris"}]
+
+    fmt.chat_deltas = lambda parser, out: ([{"reasoning_content": "Let me "}] if not out.finished else
+                                           [{"reasoning_content": "think."}, {"content": "Paris"}])
+    ev = events(fmt, outputs("xxxxxxxx", "stop", 2))
+    assert [(e["type"], e.get("index")) for e in ev] == [
+        ("message_start", None), ("ping", None), ("content_block_start", 0), ("content_block_delta", 0),
+        ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
+        ("content_block_delta", 1), ("content_block_stop", 1), ("message_delta", None), ("message_stop", None)]
+    assert ev[2]["content_block"]["type"] == "thinking" and ev[6]["content_block"] == {"type": "text", "text": ""}
+    assert [e["delta"] for e in ev if e["type"] == "content_block_delta"] == [
+        {"type": "thinking_delta", "thinking": "Let me "}, {"type": "thinking_delta", "thinking": "think."},
+        {"type": "text_delta", "text": "Paris"}]

@@ -336,12 +336,21 @@ class MessagesFormat:
     def usage(self, last: RequestOutput) -> dict:
         return {"input_tokens": last.num_prompt_tokens, "output_tokens": last.num_output_tokens}
 
+    def reasoning(self, last: RequestOutput) -> tuple[str | None, str]:
+        """(thinking, answer text) of a finished output. The seam for reasoning: with no reasoning
+        parser on the chat path all of the text is the answer; once the chat path splits its
+        `reasoning_content` off, return that split here and it becomes a leading thinking block (the
+        stream already turns `reasoning_content` deltas into one)."""
+        return None, last.output_text
+
     def response(self, request_id: str, lasts: list[RequestOutput], choices: list, want_lp: bool) -> dict:
         last = lasts[0]
-        text, calls = last.output_text, []
+        thinking, text = self.reasoning(last)
+        calls = []
         if self.tools is not None:
-            text, calls = parse_tool_calls(last.output_text, self.tools)
-        content = [{"type": "text", "text": text}] if text else []
+            text, calls = parse_tool_calls(text, self.tools)
+        content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+        content += [{"type": "text", "text": text}] if text else []
         for c in calls:
             args = _input(c["function"]["arguments"])
             if args is None:  # a forced call cut off by max_tokens: its text, as the model wrote it
@@ -355,6 +364,16 @@ class MessagesFormat:
                 "iterserve": last.times.summary()}
 
     # ---- the event stream --------------------------------------------------------------------------------
+    def chat_deltas(self, parser: ToolCallStream | None, out: RequestOutput) -> list[dict]:
+        """The chat path's deltas for one output (`content`, `tool_calls`; `reasoning_content` once the
+        chat path has a reasoning parser: the streamed side of the `reasoning` seam)."""
+        if parser is None:
+            return [{"content": out.text_delta}]
+        deltas = parser.feed(out.text_delta)
+        if out.finished:
+            deltas += parser.finish()[0]
+        return deltas
+
     def stream(self, request_id: str, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
         return self._events(request_id, streams[0])
 
@@ -417,10 +436,7 @@ class MessagesFormat:
                     status = 503 if out.finish_reason == "shutdown" else 500
                     yield event("error", error=anthropic_error_body(out.error, status)["error"])
                     return
-                deltas = parser.feed(out.text_delta) if parser is not None else [{"content": out.text_delta}]
-                if out.finished and parser is not None:
-                    deltas += parser.finish()[0]
-                for d in deltas:
+                for d in self.chat_deltas(parser, out):
                     for e in feed(d):
                         yield e
                 if not out.finished:
