@@ -199,11 +199,12 @@ def test_tool_use_round_trip(client, http):
         final = stream.get_final_message()
     assert final.content[0].type == "tool_use" and final.content[0].input == call.input
     # the client answers with a tool_result and gets a final answer
-    conversation = [question, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in asked.content]},
+    said = [b.model_dump(exclude_none=True) for b in asked.content]
+    conversation = [question, {"role": "assistant", "content": said},
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                                   "content": [{"type": "text", "text": "Sunny, 21 C"}]}]}]
-    answer = client.messages.create(**sdk(model=MODEL, max_tokens=10, temperature=0, tools=[TOOL], messages=conversation,
-                                    tool_choice={"type": "none"}))
+    answer = client.messages.create(**sdk(model=MODEL, max_tokens=10, temperature=0, tools=[TOOL],
+                                          messages=conversation, tool_choice={"type": "none"}))
     assert answer.stop_reason in ("end_turn", "max_tokens") and [b.type for b in answer.content] == ["text"]
     # the tool's definition, the call and its result are in the prompt: count_tokens renders the same one
     assert client.messages.count_tokens(model=MODEL, tools=[TOOL], messages=conversation,
@@ -325,6 +326,7 @@ def test_errors_have_anthropics_shape(client, http):
     anthropic_error(post({"model": MODEL, "messages": [user], "max_tokens": 3}, "/v1/messages/count_tokens"), 400,
                     "invalid_request_error", "max_tokens")
     anthropic_error(http.get("/v1/messages/batches"), 404, "not_found_error")
+    anthropic_error(http.get("/v1/messages"), 405, "invalid_request_error")
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=2, messages=[user], extra_body={"frobnicate": True})
     assert e.value.body["error"]["type"] == "invalid_request_error"
@@ -403,8 +405,10 @@ def test_tool_turns_render_as_the_chat_routes_tool_messages(client, http):
     openai_form = [
         {"role": "user", "content": "Weather in Paris and Rome?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "toolu_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "toolu_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"id": "toolu_a", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "toolu_b", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_a", "content": "Sunny"},
         {"role": "tool", "tool_call_id": "toolu_b", "content": "Error: Rain"},
         {"role": "user", "content": "Thanks!"}]
@@ -433,9 +437,9 @@ def test_real_answers_on_the_embedded_model(smol_loaded):
                                              messages=[question], tool_choice={"type": "tool", "name": "get_weather"}))
         (call,) = asked.content
         assert call.type == "tool_use" and "paris" in call.input["city"].lower()
+        turns = [question, {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                               "content": "18 C, clear sky"}]}]
         answer = claude.messages.create(**sdk(model="smollm2-135m", max_tokens=32, temperature=0, tools=[tool],
-                                              tool_choice={"type": "none"}, messages=[question, {"role": "assistant", "content": [
-                                                  call.model_dump(exclude_none=True)]}, {"role": "user", "content": [
-                                                      {"type": "tool_result", "tool_use_id": call.id,
-                                                       "content": "18 C, clear sky"}]}]))
+                                              tool_choice={"type": "none"}, messages=turns))
         assert answer.content and answer.content[0].type == "text" and answer.content[0].text.strip()

@@ -6,9 +6,9 @@ itself, shared with the Ray Serve ingress (serve_ray/ingress.py), which adds its
 metrics and scheduler routes over its replicas. Every error, including
 FastAPI's own validation errors (422 by default) and unknown routes, is answered in OpenAI's
 JSON error format with the status OpenAI would use, except on Anthropic's Messages API routes
-(/v1/messages...: anthropic_messages.py), which answer in Anthropic's. Nothing in an answer names a file path, and
-with --api-key nothing but /health and the dashboard's page (no data: it asks for the key) answers
-without the key.
+(/v1/messages...: anthropic_messages.py), which answer in Anthropic's. Nothing in an answer names a
+file path, and with --api-key nothing but /health and the dashboard's page (no data: it asks for the
+key) answers without the key.
 """
 from __future__ import annotations
 
