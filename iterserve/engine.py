@@ -562,7 +562,7 @@ class LLMEngine:
             output_text=req.output_text, error=req.error if finished else None,
             prompt_logprobs=prompt_lps, embedding=req.embedding if finished else None,
             spec_num_drafts=req.spec_num_drafts, spec_draft_tokens=req.spec_draft_tokens,
-            spec_accepted_tokens=req.spec_accepted_tokens,
+            spec_accepted_tokens=req.spec_accepted_tokens, stop_reason=req.stop_reason if finished else None,
         )
 
     def _record(self, sched: SchedulerOutput, duration: float, finished, now: float, results=(),

@@ -304,3 +304,7 @@ class RequestOutput:
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # what ended a finished request: the stop string, or the stop token id (EOS included); None for
+    # the grammar's end or a length limit. vLLM's CompletionOutput.stop_reason; the Anthropic
+    # Messages API answers a stop string as its `stop_sequence`.
+    stop_reason: str | int | None = None

@@ -134,6 +134,26 @@ def test_embeddings_echo_and_responses_through_the_ingress(client):
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
+def test_anthropic_messages_through_the_ingress(cluster, client):
+    """/v1/messages is the shared API's too: the chat path over the replicas, Anthropic's answer (the
+    stop reason coming from the replica's outputs) and its error shape."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=cluster, api_key="none", max_retries=0, timeout=60)
+    body = dict(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hi"}],
+                extra_body={"temperature": 0})
+    m = claude.messages.create(**body)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 5
+    chat = client.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=5, temperature=0)
+    assert m.content[0].text == chat.choices[0].message.content
+    with claude.messages.stream(**body) as stream:
+        assert "".join(stream.text_stream) == m.content[0].text
+    assert claude.messages.count_tokens(model=MODEL, messages=body["messages"]).input_tokens == m.usage.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.create(**body | {"model": "nope"})
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+
 def test_streamed_outputs_coalesce_without_losing_tokens(client):
     """Replicas merge the outputs of several steps into one message (stream_interval_s): every
     token still arrives, with its logprob, in order."""

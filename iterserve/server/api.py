@@ -5,9 +5,10 @@ lifespan starts its thread and stops it after the server has drained. `build_api
 itself, shared with the Ray Serve ingress (serve_ray/ingress.py), which adds its own health,
 metrics and scheduler routes over its replicas. Every error, including
 FastAPI's own validation errors (422 by default) and unknown routes, is answered in OpenAI's
-JSON error format with the status OpenAI would use. Nothing in an answer names a file path, and
-with --api-key nothing but /health and the dashboard's page (no data: it asks for the key) answers
-without the key.
+JSON error format with the status OpenAI would use, except on Anthropic's Messages API routes
+(/v1/messages...: anthropic_messages.py), which answer in Anthropic's. Nothing in an answer names a
+file path, and with --api-key nothing but /health and the dashboard's page (no data: it asks for the
+key) answers without the key.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from iterserve.engine import StepRecord
 from iterserve.request import RequestOutput, RequestRejected
+from iterserve.server.anthropic_messages import count_tokens, create_message
+from iterserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, anthropic_error_body
 from iterserve.server.async_engine import AsyncEngine, SpecTotals
 from iterserve.server.dashboard import PAGE_PATHS, SchedulerStream, StreamConfig, add_dashboard, engine_info
 from iterserve.server.engine_ticks import EngineTicks
@@ -48,6 +51,11 @@ ERROR_RESPONSES = {code: {"description": desc, "content": {"application/json": {
                    for code, desc in ((400, "invalid request"), (401, "missing or wrong API key"),
                                       (404, "unknown model"), (413, "request body too large"),
                                       (503, "waiting queue full or shutting down: retry later"))}
+ANTHROPIC_ERROR_RESPONSES = {
+    code: {"description": desc, "content": {"application/json": {"example": anthropic_error_body(desc, code)}}}
+    for code, desc in ((400, "invalid request"), (401, "missing or wrong API key (x-api-key or Bearer)"),
+                       (404, "unknown model"), (413, "request body too large"),
+                       (503, "waiting queue full or shutting down: retry later"))}
 
 
 def log_finished(out: RequestOutput) -> None:
@@ -172,26 +180,27 @@ def build_api(serving: OpenAIServing, settings: ServerSettings, count_rejected: 
     # ---- errors ---------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return error_response(exc.message, exc.status_code, exc.param, exc.code, exc.headers)
+        return error_response(exc.message, exc.status_code, exc.param, exc.code, exc.headers, path=request.url.path)
 
     @app.exception_handler(RequestRejected)
     async def on_rejected(request: Request, exc: RequestRejected):
         headers = {"Retry-After": str(settings.retry_after_s)} if exc.status_code == 503 else None
-        return error_response(str(exc), exc.status_code, headers=headers)
+        return error_response(str(exc), exc.status_code, headers=headers, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
         message, param = validation_message(list(exc.errors()))
-        return error_response(message, 400, param)
+        return error_response(message, 400, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
-        return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
+        return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None),
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(f"internal server error: {type(exc).__name__}", 500)
+        return error_response(f"internal server error: {type(exc).__name__}", 500, path=request.url.path)
 
     # ---- generation -----------------------------------------------------------------------------------
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -220,6 +229,15 @@ def build_api(serving: OpenAIServing, settings: ServerSettings, count_rejected: 
     @app.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
     async def delete_response(response_id: str = response_id):
         return serving.delete_response(response_id)
+
+    # ---- Anthropic's Messages API (anthropic_messages.py: the chat path; errors in Anthropic's shape) ----
+    @app.post("/v1/messages", responses=ANTHROPIC_ERROR_RESPONSES)
+    async def messages(body: MessagesRequest, request: Request):
+        return await create_message(serving, body, request)
+
+    @app.post("/v1/messages/count_tokens", responses=ANTHROPIC_ERROR_RESPONSES)
+    async def messages_count_tokens(body: CountTokensRequest):
+        return await count_tokens(serving, body)
 
     @app.post("/v1/embeddings", responses=ERROR_RESPONSES)
     async def embeddings(body: EmbeddingRequest, request: Request):

@@ -13,10 +13,15 @@ from collections.abc import Callable
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from iterserve.server.anthropic_protocol import anthropic_error_body, is_messages_path
 from iterserve.server.protocol import error_body
 
+
 def error_response(message: str, status_code: int, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: dict[str, str] | None = None, path: str | None = None) -> JSONResponse:
+    """OpenAI's error shape, or Anthropic's for the Messages API's routes (`path`)."""
+    if path is not None and is_messages_path(path):
+        return JSONResponse(anthropic_error_body(message, status_code), status_code=status_code, headers=headers)
     return JSONResponse(error_body(message, status_code, param, code), status_code=status_code, headers=headers)
 
 
@@ -44,16 +49,18 @@ class HostCheckMiddleware:
         if scope["type"] == "http":
             header = _header(scope, b"host")
             if header is None or host_name(header) not in self.allowed:
-                await error_response("Host header not allowed (see --allowed-hosts)", 400,
-                                     code="invalid_host")(scope, receive, send)
+                await error_response("Host header not allowed (see --allowed-hosts)", 400, code="invalid_host",
+                                     path=scope.get("path"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:
-    """Every route needs 'Authorization: Bearer KEY' except /health (probes) and, when asked for,
-    /metrics (scrapers). The scheme is case-insensitive (RFC 9110); the key is compared in constant
-    time so that response timing does not reveal how much of a guess was right."""
+    """Every route needs the key except /health (probes) and, when asked for, /metrics (scrapers):
+    as 'Authorization: Bearer KEY' (OpenAI's clients) or 'x-api-key: KEY' (Anthropic's), on every
+    route alike, since it is one secret either way and an Anthropic client also calls /v1/models.
+    The scheme is case-insensitive (RFC 9110); the key is compared in constant time so that response
+    timing does not reveal how much of a guess was right."""
 
     def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
         self.app = app
@@ -66,13 +73,16 @@ class ApiKeyMiddleware:
         scheme, _, token = header.strip().partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
+    def authorized_x_api_key(self, header: bytes | None) -> bool:
+        return header is not None and hmac.compare_digest(header.strip(), self.key)
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope.get("path", "") not in self.open_paths:
-            header = _header(scope, b"authorization")
-            if not self.authorized(header):
-                msg = "missing API key" if header is None else "wrong API key"
-                await error_response(f"{msg}: send 'Authorization: Bearer <key>'", 401,
-                                     code="invalid_api_key")(scope, receive, send)
+            header, x_api_key = _header(scope, b"authorization"), _header(scope, b"x-api-key")
+            if not (self.authorized(header) or self.authorized_x_api_key(x_api_key)):
+                msg = "missing API key" if header is None and x_api_key is None else "wrong API key"
+                await error_response(f"{msg}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", 401,
+                                     code="invalid_api_key", path=scope.get("path"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -126,8 +136,8 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, scope, receive, send) -> None:
         exc = BodyTooLarge(self.max_bytes)
-        await error_response(exc.detail, 413, code="request_too_large",
-                             headers={"Connection": "close"})(scope, receive, send)
+        await error_response(exc.detail, 413, code="request_too_large", headers={"Connection": "close"},
+                             path=scope.get("path"))(scope, receive, send)
 
 
 class RejectionCounterMiddleware:
