@@ -1,4 +1,4 @@
-"""Decode and prefill attention by iterserve's C++ CPU kernels (iterserve/csrc/cpu_kernels.cpp),
+"""Decode and prefill attention by iterserve's C++ CPU kernels (iterserve/csrc/attention_decode.cpp, attention_prefill.cpp),
 which read each sequence's K/V rows straight from the paged cache instead of gathering a padded
 copy first. The prefill kernel (flash-attention style on AVX512-BF16) replaces torch's SDPA for bf16
 chunks: torch's CPU flash kernel was a third of a 1024-token prefill step (docs/profile.md).

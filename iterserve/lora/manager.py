@@ -32,7 +32,7 @@ log = logging.getLogger("iterserve.lora")
 
 # a platform's LoRA kernel: (x [T, in], a [slots, S * R, in], b [slots, S * R, out], row_slot [T] int32
 # (-1: no adapter), bounds [S + 1], out [T, out] contiguous) adds each row's own slot's delta to out
-# in place (the CPU platform's: cpu_kernels.cpp's lora_sgmv)
+# in place (the CPU platform's: csrc/lora.cpp's lora_sgmv)
 LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor], None]
 
 

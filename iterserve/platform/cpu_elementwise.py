@@ -1,5 +1,5 @@
 """The gated MLP's SiLU-and-multiply and RoPE through iterserve's C++ kernels in eager CPU runs
-(cpu_kernels.cpp, `silu_and_mul` and `rope`).
+(csrc/elementwise.cpp, `silu_and_mul` and `rope`).
 
 Eager torch runs `silu(gate) * up` as three ops (split, silu, mul: two [T, F] temporaries) and RoPE
 as seven (slices, neg, cat, two muls, add: five temporaries), 30 times each per SmolLM2 step; each

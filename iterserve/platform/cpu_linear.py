@@ -7,7 +7,7 @@ each threshold are in docs/profile.md, with the commands that measured them
 - Layouts. A plain `F.linear` in bf16 lets oneDNN re-lay the weight out for its kernel on every
   call; packing it once at load (`mkldnn._reorder_linear_weight`, what inductor's freezing pass
   does) gives bit-identical results without that cost: the "onednn" layout. Where AVX512-BF16
-  exists, our own bf16 GEMM (iterserve/csrc/cpu_kernels.cpp, the "tiled" layout) is faster still at
+  exists, our own bf16 GEMM (iterserve/csrc/gemm_bf16.cpp, the "tiled" layout) is faster still at
   decode sizes; it runs on the kernels' work pool, whose worker stays awake between the calls of a
   step. Numbers: float32 accumulation and one rounding to bf16, as oneDNN, but in another order, so
   not bit-identical to it. On a CPU with AMX the same weight tiles also feed AMX's tile products for
@@ -23,7 +23,7 @@ each threshold are in docs/profile.md, with the commands that measured them
 
 - GGUF twins. A GGUF checkpoint in other block types (the K-quants of a Q4_K_M / Q5_K_M / Q6_K
   file: Q4_K, Q5_K, Q6_K, with Q8_0 / Q5_0 / Q5_1 where a row is not a multiple of 256) keeps the
-  file's own blocks as the twin (`twin="gguf"`, cpu_kernels.cpp's gguf_gemm): the loader hands them
+  file's own blocks as the twin (`twin="gguf"`, csrc/gemm_gguf.cpp's gguf_gemm): the loader hands them
   over per module (`model.gguf_sources`: QuantShard row ranges, several block types per fused
   projection), K-quant blocks as stored, 32-input blocks repacked four to a group
   (`pack_gguf_x4`, a permutation). `dequantize_gguf_twin` reads any twin back: it equals gguf-py's
@@ -50,7 +50,7 @@ from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 
 GROUP_SIZE = 32
-# torch's int4 kernel; ours (cpu_kernels.cpp) for 4 and 8 bits, and from a GGUF's own blocks
+# torch's int4 kernel; ours (csrc/gemm_quant.cpp) for 4 and 8 bits, and from a GGUF's own blocks
 TWINS = ("int4", "q4_1", "q8_0", "gguf")
 
 # ---- GGUF blocks (llama.cpp's layouts; gguf-py's gguf/quants.py dequantises them) -------------------
@@ -104,7 +104,7 @@ def pack_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
 
 def pack_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float weight -> (nibbles [N, K/2] uint8, scales [N, K/32] f16, mins [N, K/32] f16) with
-    w ~= q * scale + min, q in 0..15 (GGUF Q4_1), laid out for cpu_kernels.cpp's q4_gemm: in each
+    w ~= q * scale + min, q in 0..15 (GGUF Q4_1), laid out for csrc/gemm_quant.cpp's q4_gemm: in each
     chunk of 64 inputs, byte i holds input i in its low nibble and input 32 + i in its high one."""
     n, k = weight.shape
     if k % 64:
@@ -117,7 +117,7 @@ def pack_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] weight -> [ceil(N/16), K/2, 16, 2] bf16 (zero-padded outputs), laid out for
-    cpu_kernels.cpp's bf16_gemm: a tile of 16 outputs, an input pair at a time."""
+    csrc/gemm_bf16.cpp's bf16_gemm: a tile of 16 outputs, an input pair at a time."""
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"bf16 packing needs an even in_features, got {k}")
@@ -128,7 +128,7 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weight -> [ceil(N/16), K, 16] bf16 (zero-padded outputs), laid out for cpu_kernels.cpp's
+    """[N, K] weight -> [ceil(N/16), K, 16] bf16 (zero-padded outputs), laid out for csrc/gemm_bf16.cpp's
     f32_bf16w_gemm: a tile of 16 outputs, one input at a time, outputs in the order 0, 8, 1, 9, ...
     (so the kernel widens a tile's row into outputs 0-7 and 8-15 without shuffling lanes)."""
     n, k = weight.shape
@@ -150,7 +150,7 @@ def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch
 
 def _x4_positions() -> torch.Tensor:
     """Position p of a group of 4 blocks -> index b * 32 + e in the group's 4 x 32 levels (block b,
-    input e): p holds input 8 * (p // 32) + p % 8 of block (p % 32) // 8 (cpu_kernels.cpp)."""
+    input e): p holds input 8 * (p // 32) + p % 8 of block (p % 32) // 8 (csrc/gemm_quant.cpp)."""
     p = torch.arange(128)
     return (p % 32) // 8 * 32 + 8 * (p // 32) + p % 8
 
@@ -173,7 +173,7 @@ def _block_levels(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 
 def pack_gguf_x4(data: torch.Tensor, qtype: str) -> torch.Tensor:
     """[rows, K/32 blocks] of a 32-input GGUF type (uint8 as stored) -> [rows, ceil(K/128) groups]
-    laid out for cpu_kernels.cpp's gguf_gemm: per group of 4 blocks, their d (and m) float16 bits as
+    laid out for csrc/gemm_gguf.cpp's gguf_gemm: per group of 4 blocks, their d (and m) float16 bits as
     stored, the Q5 types' high bits as 4 x u32 (word j bit i: bit 4 of position 32j + i), then the
     levels in position order (`_x4_positions`): Q8_0's int8 as they are, the 4/5-bit types' low
     nibbles paired as byte 32c + i = p[64c + i] | p[64c + 32 + i] << 4. Zero blocks pad the last

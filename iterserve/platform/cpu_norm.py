@@ -1,4 +1,4 @@
-"""RMSNorm through iterserve's C++ kernel in eager bf16 runs (cpu_kernels.cpp, `rms_norm`).
+"""RMSNorm through iterserve's C++ kernel in eager bf16 runs (csrc/norm.cpp, `rms_norm`).
 
 Eager torch runs the model's RMSNorm as eight ops (cast to float32, pow, mean, add, rsqrt, mul,
 cast back, weight mul), each with its own dispatch and pass over memory, 61 times a step; the
