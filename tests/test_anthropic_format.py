@@ -14,6 +14,8 @@ from iterserve.request import RequestOutput, RequestTimes
 from iterserve.server.anthropic_messages import MessagesFormat, to_chat_request
 from iterserve.server.anthropic_protocol import MessagesRequest
 from iterserve.server.protocol import APIError, ChatCompletionRequest
+from iterserve.server.reasoning import get_parser
+from iterserve.server.reasoning.request import RequestReasoning
 from iterserve.server.serving import OpenAIServing
 from iterserve.server.tool_calls import ToolMode
 
@@ -43,12 +45,12 @@ class FakeStream:
             yield o
 
 
-def fmt_for(req: MessagesRequest) -> MessagesFormat:
-    chat = to_chat_request(req)
+def fmt_for(req: MessagesRequest, reasoning: RequestReasoning | None = None) -> MessagesFormat:
+    chat = to_chat_request(req, reasoning is not None)
     serving = SimpleNamespace(settings=SimpleNamespace(served_model_name="m"), _merged=OpenAIServing._merged,
                               _abort_unfinished=lambda streams: None)
     return MessagesFormat(serving, req, ToolMode.from_body(ChatCompletionRequest.model_validate(
-        chat.model_dump(exclude_none=True))), 7)
+        chat.model_dump(exclude_none=True))), 7, reasoning)
 
 
 def events(fmt: MessagesFormat, outs: list[RequestOutput]) -> list[dict]:
@@ -116,41 +118,55 @@ def test_a_forced_call_cut_off_by_max_tokens_stays_text():
 ])
 def test_refusals_name_the_field(kw, words):
     with pytest.raises(APIError) as e:
-        to_chat_request(body(**kw))
+        to_chat_request(body(**kw), False)
     assert e.value.status_code == 400 and all(w in e.value.message for w in words), e.value.message
 
 
 def test_mapping_onto_the_chat_request():
     chat = to_chat_request(body(tools=[TOOL], tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                 stop_sequences=["x"], temperature=0.5, top_k=3, metadata={"user_id": "u"},
-                                system=[{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]))
+                                system=[{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]), False)
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False and chat.stop == ["x"]
     assert (chat.temperature, chat.top_k, chat.user, chat.max_tokens) == (0.5, 3, "u", 50)
     assert chat.messages[0].role == "system" and chat.messages[0].content == "A\nB"
     assert chat.tools[0].function.parameters == TOOL["input_schema"]
-    named = to_chat_request(body(tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"}))
+    named = to_chat_request(body(tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"}), False)
     assert named.tool_choice.function.name == "get_weather"
-    fmt = to_chat_request(body(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}))
+    fmt = to_chat_request(body(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+                          False)
     assert fmt.response_format.type == "json_schema" and fmt.response_format.json_schema.schema_ == {"type": "object"}
 
 
-def test_the_reasoning_seam_makes_thinking_blocks():
-    """What the chat path's reasoning split will feed: a thinking block before the answer, whole and
-    streamed (reasoning_content deltas), here with the split faked."""
-    fmt = fmt_for(body())
-    fmt.reasoning = lambda last: ("Let me think.", "Paris")
-    whole = fmt.response("msg_1", [outputs("ignored", "stop", 2)[-1]], [], False)
+def test_thinking_blocks_from_the_reasoning_parser():
+    """With the server's reasoning parser (deepseek_r1 here: thinking up to </think>), the thinking
+    is a leading thinking block, whole and streamed (thinking_delta events, the marker split across
+    pieces), and the streamed text equals the whole."""
+    parser = get_parser("deepseek_r1")
+    text = "Let me think.</think>Paris"
+    fmt = fmt_for(body(), RequestReasoning(parser(parser.prompt_state_of("<think>\n"))))
+    whole = fmt.response("msg_1", [outputs(text, "stop", 2)[-1]], [], False)
     assert whole["content"] == [{"type": "thinking", "thinking": "Let me think.", "signature": ""},
                                 {"type": "text", "text": "Paris"}]
+    fmt = fmt_for(body(), RequestReasoning(parser(parser.prompt_state_of("<think>\n"))))
+    ev = events(fmt, outputs(text, "stop", size=3))
+    kinds = [e["content_block"]["type"] for e in ev if e["type"] == "content_block_start"]
+    assert kinds == ["thinking", "text"]
+    deltas = [e["delta"] for e in ev if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "Let me think."
+    assert "".join(d.get("text", "") for d in deltas) == "Paris"
+    assert ev[-2]["delta"]["stop_reason"] == "end_turn" and ev[-1]["type"] == "message_stop"
 
-    fmt.chat_deltas = lambda parser, out: ([{"reasoning_content": "Let me "}] if not out.finished else
-                                           [{"reasoning_content": "think."}, {"content": "Paris"}])
-    ev = events(fmt, outputs("xxxxxxxx", "stop", 2))
-    assert [(e["type"], e.get("index")) for e in ev] == [
-        ("message_start", None), ("ping", None), ("content_block_start", 0), ("content_block_delta", 0),
-        ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
-        ("content_block_delta", 1), ("content_block_stop", 1), ("message_delta", None), ("message_stop", None)]
-    assert ev[2]["content_block"]["type"] == "thinking" and ev[6]["content_block"] == {"type": "text", "text": ""}
-    assert [e["delta"] for e in ev if e["type"] == "content_block_delta"] == [
-        {"type": "thinking_delta", "thinking": "Let me "}, {"type": "thinking_delta", "thinking": "think."},
-        {"type": "text_delta", "text": "Paris"}]
+
+def test_thinking_maps_onto_the_chat_path():
+    """thinking enabled needs a reasoning parser (refused by name without one); with one it turns the
+    template's switch on and budget_tokens becomes the thinking budget; disabled turns the switch off."""
+    enabled = {"thinking": {"type": "enabled", "budget_tokens": 2048}}
+    with pytest.raises(APIError, match="--reasoning-parser"):
+        to_chat_request(body(**enabled), False)
+    chat = to_chat_request(body(**enabled), True)
+    assert chat.chat_template_kwargs == {"enable_thinking": True} and chat.thinking_token_budget == 2048
+    off = to_chat_request(body(thinking={"type": "disabled"}), True)
+    assert off.chat_template_kwargs == {"enable_thinking": False} and off.thinking_token_budget is None
+    assert to_chat_request(body(thinking={"type": "disabled"}), False).chat_template_kwargs is None
+    with pytest.raises(APIError, match="between_tools"):
+        to_chat_request(body(thinking={"type": "between_tools"}), True)

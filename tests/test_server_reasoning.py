@@ -254,3 +254,27 @@ def test_flags_and_config_file(tmp_path):
                           (["--reasoning-parser", "qwen4"], "choose one of: deepseek_r1, granite, qwen3, smollm3")]:
         with pytest.raises(ValueError, match=message):
             resolve(*argv)
+
+
+def test_anthropic_messages_thinking_blocks(base_url):
+    """Anthropic's Messages API on the same server, with the official SDK: `thinking` enabled (its
+    budget_tokens over the server's 3-token default) gives a thinking block before the text, whole
+    and streamed; disabled turns the template's thinking off; absent keeps the server's defaults
+    (the 3-token budget forces </think>)."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model=MODEL, max_tokens=40, messages=QUESTION)
+    on = client.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **ask)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in on.content] == [
+        ("thinking", REASONING), ("text", ANSWER)]
+    with client.messages.stream(thinking={"type": "enabled", "budget_tokens": 1024}, **ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == REASONING
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == ANSWER
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    off = client.messages.create(thinking={"type": "disabled"}, **ask)
+    assert [(b.type, b.text) for b in off.content] == [("text", ANSWER)]
+    default = client.messages.create(**ask)  # the server's --reasoning-budget 3
+    assert default.content[0].type == "thinking" and len(default.content[0].thinking) < len(REASONING)

@@ -15,9 +15,11 @@ with the stop reason and usage, and `message_stop`).
 
 Only the chat path's results are read (the finished text parsed by parse_tool_calls, the streamed
 deltas of ToolCallStream, finish_reason, stop_reason, token counts), so changes to how the chat path
-finds tool calls or reasoning flow through. Reasoning: a streamed delta with `reasoning_content`
-already becomes a `thinking` block; what is missing is a reasoning switch on the chat path, so
-`thinking` enabled is refused (REASONING_MISSING) until one exists (see `reasoning_switch`).
+finds tool calls or reasoning flow through. Reasoning: with a server started with
+`--reasoning-parser`, `thinking` maps onto the chat path's switches (`reasoning_switch`: the
+template's `enable_thinking`, `budget_tokens` as the thinking budget) and the parser's split comes
+back as a leading `thinking` block (streamed: `thinking_delta` events); without one, `thinking`
+enabled is refused (REASONING_MISSING).
 """
 from __future__ import annotations
 
@@ -35,13 +37,14 @@ from iterserve.server.anthropic_protocol import (MESSAGES_UNSUPPORTED_FIELDS, UN
                                                  CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock,
                                                  ToolResultBlock, ToolUseBlock, anthropic_error_body)
 from iterserve.server.async_engine import RequestStream
+from iterserve.server.reasoning.request import RequestReasoning, template_kwargs
 from iterserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDef,
                                        JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, ToolCall,
                                        ToolDef)
 from iterserve.server.tool_calls import ToolCallStream, ToolMode, parse_tool_calls
 
-REASONING_MISSING = ("thinking is not supported by this server: the chat path has no reasoning parser "
-                     "(vLLM's --reasoning-parser), so no thinking blocks can be produced; send "
+REASONING_MISSING = ("thinking is not supported by this server: it was started without a reasoning parser "
+                     "(--reasoning-parser), so no thinking blocks can be produced; send "
                      "thinking {\"type\": \"disabled\"} or leave it out")
 
 
@@ -115,12 +118,30 @@ def extra_fields_error(body: BaseModel) -> APIError | None:
     return None
 
 
-def reasoning_switch(body: CountTokensRequest) -> None:
-    """The seam for `thinking`: disabled (or absent) is served; enabled / adaptive need the chat path's
-    reasoning switch, which this branch does not have yet. Once it exists, map `thinking` onto it here
-    (budget_tokens bounds the thinking) and MessagesFormat turns the reasoning into thinking blocks."""
-    if body.thinking is not None and body.thinking.type != "disabled":
+def reasoning_switch(body: CountTokensRequest, reasoning: bool) -> dict:
+    """`thinking` as the chat path's reasoning fields (`reasoning`: the server has a reasoning parser).
+    Absent: the server's defaults. Disabled: the template's `enable_thinking` off (Qwen3, SmolLM3; a
+    template without the switch ignores it). Enabled / adaptive: `enable_thinking` on, and
+    `budget_tokens` becomes the thinking budget (the engine forces the end of the thinking there);
+    the split-off thinking comes back as thinking blocks. `between_tools` (interleaved thinking) has
+    no equivalent in the chat path and is refused."""
+    thinking = body.thinking
+    if thinking is None:
+        return {}
+    if thinking.type == "disabled":
+        return {"chat_template_kwargs": {"enable_thinking": False}} if reasoning else {}
+    if not reasoning:
         raise APIError(REASONING_MISSING, param="thinking")
+    if thinking.type == "between_tools":
+        raise APIError("thinking type between_tools is not supported by this server", param="thinking.type")
+    fields: dict = {"chat_template_kwargs": {"enable_thinking": True}}
+    if thinking.budget_tokens is not None:
+        fields["thinking_token_budget"] = thinking.budget_tokens
+    return fields
+
+
+def output_effort_refused(body: CountTokensRequest) -> None:
+    """output_config.effort has no counterpart here (OpenAI's reasoning_effort is refused too)."""
     if body.output_config is not None and body.output_config.effort is not None:
         raise APIError("output_config.effort is not supported by this server (no reasoning switch to set)",
                        param="output_config.effort")
@@ -242,12 +263,14 @@ def chat_tools(body: CountTokensRequest) -> tuple[list[ToolDef] | None, object, 
     return tools, {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request this Messages body asks for (count_tokens' bodies have no sampling fields)."""
+def to_chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionRequest:
+    """The chat request this Messages body asks for (count_tokens' bodies have no sampling fields);
+    `reasoning`: the server has a reasoning parser (reasoning_switch)."""
     error = extra_fields_error(body)
     if error is not None:
         raise error
-    reasoning_switch(body)
+    output_effort_refused(body)
+    thinking = reasoning_switch(body, reasoning)
     messages = chat_messages(body)
     tools, tool_choice, parallel = chat_tools(body)
     metadata = getattr(body, "metadata", None)
@@ -257,7 +280,7 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         temperature=getattr(body, "temperature", None), top_p=getattr(body, "top_p", None),
         top_k=getattr(body, "top_k", None), stop=getattr(body, "stop_sequences", None) or None, tools=tools,
         tool_choice=tool_choice, parallel_tool_calls=parallel, stream=bool(getattr(body, "stream", False)),
-        response_format=response_format(body), priority=0, user=user)
+        response_format=response_format(body), priority=0, user=user, include_reasoning=True, **thinking)
 
 
 # ---- the endpoints ---------------------------------------------------------------------------------------
@@ -265,9 +288,9 @@ async def create_message(serving, body: MessagesRequest, http: Request):
     """POST /v1/messages: the chat path (chat_inputs, _generate) with Anthropic's answer."""
     arrival = time.monotonic()
     serving.check_model(body.model)
-    chat = to_chat_request(body)
-    tools, ids, params = await serving.chat_inputs(chat)
-    fmt = MessagesFormat(serving, body, tools, len(ids))
+    chat = to_chat_request(body, serving.reasoning_parser is not None)
+    tools, ids, params, reasoning = await serving.chat_inputs(chat)
+    fmt = MessagesFormat(serving, body, tools, len(ids), reasoning)
     response = anthropic_errors(await serving._generate(fmt, chat, http, ids, params, arrival))
     if "x-request-id" in response.headers:  # Anthropic's clients read it as `request-id` (the SDK's _request_id)
         response.headers["request-id"] = response.headers["x-request-id"]
@@ -278,11 +301,12 @@ async def count_tokens(serving, body: CountTokensRequest) -> dict:
     """POST /v1/messages/count_tokens: the prompt /v1/messages would compute, rendered by the same
     code (system, messages and tools through the chat template), counted."""
     serving.check_model(body.model)
-    chat = to_chat_request(body)
-    tools = ToolMode.from_body(chat)
+    chat = to_chat_request(body, serving.reasoning_parser is not None)
+    tools = ToolMode.from_body(chat, serving.tool_parser)
     serving.check_text_length(sum(len(m.content or "") for m in chat.messages), serving.llm.max_model_len,
                               "messages", "messages")
-    return {"input_tokens": len(await serving.encode_chat(chat.messages, tools))}
+    kwargs = template_kwargs(serving.settings.default_chat_template_kwargs, chat.chat_template_kwargs)
+    return {"input_tokens": len(await serving.encode_chat(chat.messages, tools, kwargs))}
 
 
 def anthropic_errors(response):
@@ -314,8 +338,10 @@ class MessagesFormat:
 
     chat = True
 
-    def __init__(self, serving, body: MessagesRequest, tools: ToolMode, num_prompt_tokens: int) -> None:
+    def __init__(self, serving, body: MessagesRequest, tools: ToolMode, num_prompt_tokens: int,
+                 thinking: RequestReasoning | None = None) -> None:
         self.serving, self.body = serving, body
+        self.thinking = thinking or RequestReasoning()  # the chat path's reasoning parser, if the server has one
         self.tools = tools if tools.active else None
         self.num_prompt_tokens = num_prompt_tokens
         self.model = serving.settings.served_model_name  # _generate names a LoRA adapter here
@@ -337,11 +363,12 @@ class MessagesFormat:
         return {"input_tokens": last.num_prompt_tokens, "output_tokens": last.num_output_tokens}
 
     def reasoning(self, last: RequestOutput) -> tuple[str | None, str]:
-        """(thinking, answer text) of a finished output. The seam for reasoning: with no reasoning
-        parser on the chat path all of the text is the answer; once the chat path splits its
-        `reasoning_content` off, return that split here and it becomes a leading thinking block (the
-        stream already turns `reasoning_content` deltas into one)."""
-        return None, last.output_text
+        """(thinking, answer text) of a finished output, split by the server's reasoning parser (all
+        of it the answer without one); the thinking becomes a leading thinking block."""
+        if self.thinking.parser is None:
+            return None, last.output_text
+        thinking, text = self.thinking.parser.split(last.output_text)
+        return thinking, text or ""
 
     def response(self, request_id: str, lasts: list[RequestOutput], choices: list, want_lp: bool) -> dict:
         last = lasts[0]
@@ -364,12 +391,20 @@ class MessagesFormat:
                 "iterserve": last.times.summary()}
 
     # ---- the event stream --------------------------------------------------------------------------------
-    def chat_deltas(self, parser: ToolCallStream | None, out: RequestOutput) -> list[dict]:
-        """The chat path's deltas for one output (`content`, `tool_calls`; `reasoning_content` once the
-        chat path has a reasoning parser: the streamed side of the `reasoning` seam)."""
+    def chat_deltas(self, parser: ToolCallStream | None, out: RequestOutput, thinking=None) -> list[dict]:
+        """The chat path's deltas for one output: `reasoning_content` (split off by `thinking`, the
+        reasoning parser's stream, where the server has one), then `content` / `tool_calls` of the answer."""
+        text, deltas = out.text_delta, []
+        if thinking is not None:
+            reasoning, text = thinking.feed(text)
+            if out.finished:
+                more_reasoning, more_text = thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+            if reasoning:
+                deltas.append({"reasoning_content": reasoning})
         if parser is None:
-            return [{"content": out.text_delta}]
-        deltas = parser.feed(out.text_delta)
+            return deltas + [{"content": text}]
+        deltas += parser.feed(text)
         if out.finished:
             deltas += parser.finish()[0]
         return deltas
@@ -425,6 +460,7 @@ class MessagesFormat:
             return out
 
         parser = ToolCallStream(self.tools) if self.tools is not None else None
+        thinking = self.thinking.parser.stream() if self.thinking.parser is not None else None
         try:
             yield event("message_start", message={
                 "id": request_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -436,7 +472,7 @@ class MessagesFormat:
                     status = 503 if out.finish_reason == "shutdown" else 500
                     yield event("error", error=anthropic_error_body(out.error, status)["error"])
                     return
-                for d in self.chat_deltas(parser, out):
+                for d in self.chat_deltas(parser, out, thinking):
                     for e in feed(d):
                         yield e
                 if not out.finished:
