@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -207,26 +208,34 @@ def test_dropped_responses_stream_frees_blocks(process):
         assert time.monotonic() - dropped < 1.0
 
 
+def aborted_total(http: httpx.Client) -> float:
+    line = 'iterserve:request_success_total{finished_reason="abort",model_name="tiny"}'
+    return sum(float(x.split()[-1]) for x in http.get("/metrics").text.splitlines() if x.startswith(line))
+
+
 @pytest.mark.slow
 def test_dropped_non_streaming_request_frees_blocks(process):
-    body = {"model": MODEL, "prompt": "never ending", "max_tokens": 500, "ignore_eos": True}
-    failed = []
-
-    def fire():
-        try:
-            httpx.post(process.base_url + "/v1/completions", json=body, timeout=0.6)
-        except httpx.ReadTimeout:
-            failed.append(time.monotonic())
-
+    """A client that closes its connection while waiting for a whole completion: the request is
+    aborted and its blocks freed within a second. The connection is closed as soon as the request
+    runs (a raw socket, not a client timeout: a tiny model on a fast CPU finished 500 tokens inside
+    a 0.6 s timeout, and the test then checked nothing)."""
+    body = json.dumps({"model": MODEL, "prompt": "never ending", "max_tokens": 512, "ignore_eos": True}).encode()
+    host, port = process.base_url.removeprefix("http://").rsplit(":", 1)
     with httpx.Client(base_url=process.base_url, timeout=30) as http:
-        t = threading.Thread(target=fire)
-        t.start()
-        time.sleep(0.3)
-        assert scheduler(http)["kv_cache"]["used_blocks"] > 0
-        t.join()
-        assert failed, "the request finished before the client gave up: make it longer"
+        before = aborted_total(http)
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 10
+        while (snap := scheduler(http))["running"] == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.005)
+        assert snap["kv_cache"]["used_blocks"] > 0
+        sock.close()
+        dropped = time.monotonic()
         wait_idle(http, timeout=1.0)
-        assert time.monotonic() - failed[0] < 1.0
+        assert time.monotonic() - dropped < 1.0
+        assert aborted_total(http) == before + 1, "the request finished before the client left: make it longer"
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
