@@ -24,9 +24,10 @@ class HttpServer:
         args = resolve_args(build_parser().parse_args(["serve", *argv, "--port", str(port)]))
         self.engine, app = build_server(args, loaded)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    lifespan="on"))
+                                                    lifespan="on", timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.url = f"http://127.0.0.1:{port}"  # the server's root (Anthropic's clients take this)
+        self.base_url = self.url + "/v1"  # OpenAI's clients take this
 
     def __enter__(self) -> HttpServer:
         self.thread.start()

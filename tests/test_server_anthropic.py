@@ -9,18 +9,13 @@ What the text says is not checked: the weights are random."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-import uvicorn
 
-from iterserve.cli import build_parser
-from iterserve.server.cli_serve import build_server, resolve_args
+from http_server import HttpServer
 
 MODEL = "tiny"
 KEY = "sk-test-anthropic"
@@ -29,47 +24,11 @@ TOOL = {"name": "get_weather", "description": "Current weather in a city",
                          "required": ["city"]}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """`iterserve serve`'s app (built from its command line, over the session's tiny model) under
-    uvicorn on 127.0.0.1, in a thread of this process."""
-
-    def __init__(self, argv: list[str], loaded) -> None:
-        self.port = free_port()
-        args = resolve_args(build_parser().parse_args(["serve", *argv, "--port", str(self.port)]))
-        self.engine, app = build_server(args, loaded)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tiny_loaded):
     argv = [str(tiny_model_dir), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB", "--max-model-len",
             "1024", "--api-key", KEY]
-    with LiveServer(argv, tiny_loaded) as srv:
+    with HttpServer(argv, tiny_loaded) as srv:
         yield srv
 
 
@@ -424,7 +383,7 @@ def test_tool_turns_render_as_the_chat_routes_tool_messages(client, http):
 def test_real_answers_on_the_embedded_model(smol_loaded):
     """SmolLM2-135M-Instruct through the Messages API: the system prompt and turns reach its chat
     template as they should (a right answer), and a forced call's input names the city asked about."""
-    with LiveServer(["smollm2-135m", "--max-model-len", "1024"], smol_loaded) as srv:
+    with HttpServer(["smollm2-135m", "--max-model-len", "1024"], smol_loaded) as srv:
         claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
         m = claude.messages.create(**sdk(model="smollm2-135m", max_tokens=16, temperature=0,
                                          system="Answer in one word.",

@@ -107,11 +107,11 @@ def scripted():
     """Every tool_choice "auto" request of the test servers is held to SCRIPT's grammar."""
     original = serving.OpenAIServing.sampling_params
 
-    def sampling_params(self, body, max_tokens, logprobs, structured=None, prompt_logprobs=None):
+    def sampling_params(self, body, max_tokens, logprobs, structured=None, **kw):
         if structured is None and getattr(body, "tools", None) and body.tool_choice in (None, "auto"):
             answered = any(m.role == "tool" for m in body.messages)  # the tool results are in: answer
             structured = StructuredOutputsParams(grammar=ANSWER if answered else SCRIPT["grammar"])
-        return original(self, body, max_tokens, logprobs, structured, prompt_logprobs)
+        return original(self, body, max_tokens, logprobs, structured, **kw)
 
     serving.OpenAIServing.sampling_params = sampling_params
     yield
