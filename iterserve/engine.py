@@ -107,7 +107,8 @@ class LLMEngine:
             max_len = self._max_model_len(model_config(resolve_model(config.model)))
             self.platform = get_platform(config)
             model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device),
-                                                     max_positions=max_len)
+                                                     max_positions=max_len,
+                                                     block_types=self.platform.gguf_block_types())
             self.platform.prepare_model(model, src)
         else:
             if config.batch_invariant:

@@ -30,6 +30,10 @@ bool q4_gemm_is_vectorised();
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N);
 std::string gguf_gemm_isa();
 
+// gguf_dequant.cpp
+at::Tensor gguf_dequant(const at::Tensor& buf, const at::Tensor& meta, int64_t K, const at::Tensor& rows,
+                        bool bf16, bool tiled);
+
 // gemm_bf16.cpp
 at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N, int64_t amx_min_rows);
 bool bf16_gemm_amx_available();

@@ -11,7 +11,7 @@ tensors (Phi-3 stores them fused already).
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -114,11 +114,12 @@ class DecoderForCausalLM(nn.Module):
                      "cpp.threads": 1})
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], skip: Collection[str] = ()) -> None:
         """Copies HF-named tensors (`model.` prefix optional) into the parameters, filling fused
         ones shard by shard. Each source tensor is dropped after its copy, so no second full copy
-        stays in memory. Every parameter must be filled, and every tensor must have a place."""
-        params = dict(self.named_parameters())
+        stays in memory. Every parameter must be filled, and every tensor must have a place.
+        `skip`: parameters that are not loaded here (a GGUF's weights kept as their blocks)."""
+        params = {n: p for n, p in self.named_parameters() if n not in skip}
         cfg = self.cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         offsets = {"qkv_proj": [0, q, q + kv, q + 2 * kv],

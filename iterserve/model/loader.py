@@ -251,34 +251,55 @@ def _quantised_modules(index: GGUFIndex, spec: GGUFArch, fused: dict[str, tuple[
     return out
 
 
-def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig,
-                 sources: dict[str, list[QuantShard]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def block_modules(index: GGUFIndex, cfg: ModelConfig, block_types: frozenset[str]) -> set[str]:
+    """Modules (projections, the embedding, the LM head) whose every 2-d weight tensor is stored in one
+    of `block_types`, the block types the platform's kernels read as they are: their blocks become
+    their only copy (no float weight is allocated or dequantised for them)."""
+    if not block_types:
+        return set()
+    spec = GGUF_ARCHS[index.get("general.architecture")]
+    fused = _fused_rows(cfg)
+    types: dict[str, set[str]] = {}
+    for t in index.tensors:
+        name = gguf_to_hf_name(t.name, spec)
+        if name and name.endswith(".weight") and len(t.shape) == 2:
+            module = _module_and_row(name, fused)[0]
+            if module.startswith("layers.") or module in ("embed_tokens", "lm_head"):
+                types.setdefault(module, set()).add(t.qtype)
+    return {m for m, ts in types.items() if ts <= block_types}
+
+
+def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig, sources: dict[str, list[QuantShard]] | None = None,
+                 blocks: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named float32 tensors, one at a time, with what llama.cpp's converter did undone: Q/K rows
     back in Hugging Face order (the architectures it permutes), 1 taken off Gemma's norm weights.
     With `sources`, the raw rows of the quantised modules' weights are kept there as QuantShards
-    (row-permuted as their dequantised rows are), module path -> shards in the order read."""
+    (row-permuted as their dequantised rows are), module path -> shards in the order read. The
+    weights of the modules in `blocks` (block_modules) are kept as shards only: never dequantised,
+    not yielded."""
     spec = GGUF_ARCHS[index.get("general.architecture")]
     fused = _fused_rows(cfg)
-    keep = _quantised_modules(index, spec, fused) if sources is not None else set()
+    keep = (_quantised_modules(index, spec, fused) | blocks) if sources is not None else set()
     for t in iter_tensors(path, index):
         name = gguf_to_hf_name(t.name, spec)
         if name is None:
             continue  # folded into the rope tables by gguf_config
-        w = dequantize_tensor(t)
+        module, row = _module_and_row(name, fused) if name.endswith(".weight") and len(t.shape) == 2 else ("", 0)
         heads = None
         if spec.permuted_qk and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+        if module in keep:
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            if heads is not None:
+                raw = unpermute_qk(raw, heads)
+            sources.setdefault(module, []).append(QuantShard(row, t.shape[0], t.shape[1], t.qtype, raw.contiguous()))
+            if module in blocks:
+                continue
+        w = dequantize_tensor(t)
+        if heads is not None:
             w = unpermute_qk(w, heads)
         if spec.norm_offset and name.endswith("norm.weight"):
             w = w - 1.0  # float32, as transformers' GGUF loader does; the decoder adds it back
-        if keep and name.endswith(".weight") and len(t.shape) == 2:
-            module, row = _module_and_row(name, fused)
-            if module in keep:
-                raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
-                if heads is not None:
-                    raw = unpermute_qk(raw, heads)
-                sources.setdefault(module, []).append(
-                    QuantShard(row, t.shape[0], t.shape[1], t.qtype, raw.contiguous()))
         yield name, w
 
 
@@ -407,15 +428,20 @@ def describe(cfg: ModelConfig) -> str:
 
 # ---- loading ------------------------------------------------------------------------------
 def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
-                      max_positions: int | None = None):
+                      max_positions: int | None = None, block_types: frozenset[str] = frozenset()):
     """(model, ModelConfig). The model is built on the meta device, given empty storage once in
-    its final dtype, then filled tensor by tensor: no second full copy. dtype None: as stored."""
+    its final dtype, then filled tensor by tensor: no second full copy. dtype None: as stored.
+    block_types: the GGUF block types the platform computes with as stored (Platform.gguf_block_types);
+    a module whose weights are all in them keeps only its blocks (`model.block_modules`, its shards in
+    `model.gguf_sources`): its weight stays on the meta device, for the platform to replace the module."""
     dtype = dtype or checkpoint_dtype(src)
     sources: dict[str, list[QuantShard]] = {}
+    blocks: set[str] = set()
     if src.kind == "gguf":
         index = read_index(src.path)
         cfg = gguf_config(index, src.path)
-        weights = gguf_weights(src.path, index, cfg, sources)
+        blocks = block_modules(index, cfg, block_types)
+        weights = gguf_weights(src.path, index, cfg, sources, blocks)
         info = gguf_load_info(src, index, cfg)
         log.info("GGUF %s: arch %s, runs as %s; %s", src.path.name, info["arch"], info["family"], info["summary"])
     else:
@@ -425,25 +451,42 @@ def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float3
                 "dtype": str(checkpoint_dtype(src)).removeprefix("torch.")}
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if cfg.tie_word_embeddings and "embed_tokens" in blocks:
+        blocks.add("lm_head")
+    _materialise(model, device, blocks)
     model.build_tables(device)  # the rope tables and scales are computed, not loaded: off the meta device
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(weights)
+    model.load_weights(weights, skip={f"{m}.weight" for m in blocks})
     del weights  # releases the GGUF memory map
     # module path ("layers.0.self_attn.qkv_proj", "lm_head", ...) -> its raw quantised rows (GGUF)
     model.gguf_sources = finish_sources(sources, cfg)
+    model.block_modules = blocks
     model.load_info = info
     model.eval()
     return model, cfg
 
 
+def _materialise(model: torch.nn.Module, device: str, skip: set[str]) -> None:
+    """Empty storage on `device` for every parameter and buffer (nn.Module.to_empty), except the
+    weights of the modules in `skip`, which stay on the meta device: no float copy of them is ever
+    allocated. Ties are not kept (the caller re-ties the LM head)."""
+    for name, mod in model.named_modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if not (name in skip and pname == "weight"):
+                mod._parameters[pname] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+        for bname, b in list(mod.named_buffers(recurse=False)):
+            if b is not None:
+                mod._buffers[bname] = torch.empty_like(b, device=device)
+
+
 def load_model(name_or_path: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
-               max_positions: int | None = None):
+               max_positions: int | None = None, block_types: frozenset[str] = frozenset()):
     """Returns (model, ModelConfig, tokenizer, ModelSource), weights streamed into place."""
     src = resolve_model(name_or_path)
     t0 = time.perf_counter()
-    model, cfg = load_weights_only(src, dtype, device, max_positions)
+    model, cfg = load_weights_only(src, dtype, device, max_positions, block_types)
     t1 = time.perf_counter()
     tokenizer = load_tokenizer(src)
     t2 = time.perf_counter()

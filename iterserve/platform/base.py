@@ -64,6 +64,12 @@ class Platform:
         # the LoRA deltas' kernel the engine hands the LoRA manager (lora/layers.py); None: torch's ops
         self.lora_sgmv = lora_sgmv
 
+    def gguf_block_types(self) -> frozenset[str]:
+        """The GGUF block types this platform computes with as they are stored: the loader keeps a
+        module whose weights are all of these as its blocks only, never as floats (model/loader.py),
+        and prepare_model must then replace that module. None here."""
+        return frozenset()
+
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """Lays the loaded weights out for this machine (`source`: where they came from)."""
 

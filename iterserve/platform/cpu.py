@@ -23,9 +23,9 @@ from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
 from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
-from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
-                                           gguf_twin_name, gguf_twins_of, int4_kernel_available, optimize_cpu_linears,
-                                           tiled_gemm_amx, tiled_gemm_vectorised)
+from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, GGUF_BLOCKS, bf16_gemm_layout, bf16_linears_available,
+                                           four_bit_max_tokens, gguf_twin_name, gguf_twins_of, int4_kernel_available,
+                                           optimize_cpu_linears, tiled_gemm_amx, tiled_gemm_vectorised, use_gguf_blocks)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, choose_kernels,
                                               kernel_choice_dir, parse_linear_key, shapes_of)
 
@@ -75,6 +75,14 @@ class CpuPlatform(Platform):
         # our tiled GEMM's AMX path (never under batch_invariant: its rows would round by step size)
         self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
 
+    def gguf_block_types(self) -> frozenset[str]:
+        """Every block type gguf_gemm and gguf_dequant read, where the C++ kernels built and
+        quantization is auto: a GGUF's quantised weights are then kept only as their blocks.
+        quantization=none keeps a float copy of them instead (and no twin), as before."""
+        if self.kernels is None or self.config.quantization != "auto":
+            return frozenset()
+        return frozenset(GGUF_BLOCKS)
+
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """In bf16: weights laid out once for a bf16 GEMM (ours, oneDNN's, or a float32 copy) and
         (quantization) a 4-bit twin of the projections and a Q8_0 twin of the LM head for steps of
@@ -84,7 +92,9 @@ class CpuPlatform(Platform):
         (quantization auto; `gguf_twins_of`). Which layout and up to how many rows each twin runs
         are timed on this machine for this model's shapes (platform/kernel_choice.py) unless
         measure_kernels is off or a flag forces them. Every twin but torch's int4 one needs the C++
-        CPU kernels. In float32: `_prepare_float32`."""
+        CPU kernels. In float32: `_prepare_float32`. Either way the modules whose only copy is their
+        GGUF blocks (`model.block_modules`) are replaced by ones that compute from them
+        (`_use_blocks`)."""
         cfg = self.config
         q = cfg.quantization
         self._log_attention_paths(model.cfg)
@@ -92,15 +102,18 @@ class CpuPlatform(Platform):
             use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
         if self.kernels is not None:
             use_cpu_elementwise(model)  # eager steps: SiLU-and-multiply and RoPE one kernel each
+        blocks = getattr(model, "block_modules", set())
         if self.dtype == torch.float32:  # (batch_invariant needs bf16: refused in __init__)
             self._prepare_float32(model)
             return
         if self.dtype != torch.bfloat16 or not bf16_linears_available(self.kernels):
             if q == "int4":
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
+            self._use_blocks(model, None, "float32", 0)
             return
         if cfg.batch_invariant:  # one kernel for every row count: ours, which computes each row alike
             n = optimize_cpu_linears(model, "tiled", 0, 0, self.kernels)
+            n += self._use_blocks(model, None, "tiled", 0)
             if any(isinstance(m, nn.Linear) and m.in_features % 2 for m in model.modules()):
                 raise ValueError("batch_invariant: a projection has an odd in_features, which our bf16 GEMM cannot run")
             log.info("CPU bf16, batch-invariant: %d projections on our tiled bf16 GEMM, no quantised twins, every "
@@ -120,14 +133,18 @@ class CpuPlatform(Platform):
             self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_int4 or gguf_proj else 0
             self.q8_head_max_tokens = Q8_HEAD_MAX_TOKENS if use_q8_head or "lm_head" in gguf else 0
         amx = AMX_MIN_ROWS if plans is None and self.layout == "tiled" and self.amx else 0
-        n = optimize_cpu_linears(model, self.layout, self.int4_max_tokens, self.q8_head_max_tokens, self.kernels,
-                                 plans, amx_min_rows=amx, gguf_twins={name: s for name, (_, s) in gguf.items()})
-        if gguf:  # the twins hold the blocks now: the loader's copies of them can go
-            used = set(gguf) | ({"embed_tokens"} if "lm_head" in gguf else set())
+        twins = {name: s for name, (_, s) in gguf.items() if name not in blocks}
+        n = optimize_cpu_linears(model, self.layout, 0 if blocks else self.int4_max_tokens,
+                                 0 if blocks else self.q8_head_max_tokens, self.kernels, plans, amx_min_rows=amx,
+                                 gguf_twins=twins)
+        n += self._use_blocks(model, plans, self.layout, amx)
+        if twins:  # the twins hold the blocks now: the loader's copies of them can go
+            used = set(twins) | ({"embed_tokens"} if "lm_head" in twins else set())
             model.gguf_sources = {k: v for k, v in model.gguf_sources.items() if k not in used}
+        if gguf:
             types = sorted({gguf_twin_name(spec) for spec in self.gguf_twins.values()})
-            log.info("CPU bf16: %d of %d projections (head included) have a twin of the GGUF's own blocks (%s)",
-                     len(gguf), n, ", ".join(types))
+            log.info("CPU bf16: %d of %d projections (head included) %s the GGUF's own blocks (%s)", len(gguf), n,
+                     "compute from" if blocks else "have a twin of", ", ".join(types))
         if plans is None:
             log.info("CPU bf16: %d projections laid out for %s%s%s%s", n,
                      "our tiled bf16 GEMM" if self.layout == "tiled" else self.layout,
@@ -156,7 +173,10 @@ class CpuPlatform(Platform):
         changes: the flags alone do not say which is faster (MKL's own speed varies by CPU).
         quantization=int4 adds a Q4_1 twin of the projections for steps of few rows (its cut-over
         timed too); not under auto, unlike bf16: its int16 activations move near-tie greedy tokens,
-        and a float32 run is asked for its numbers (docs/profile.md, Zen 3)."""
+        and a float32 run is asked for its numbers (docs/profile.md, Zen 3).
+        A GGUF's blocks (`_use_blocks`): steps of many rows dequantise them to float32; steps of few
+        rows run gguf_gemm on them (int16 activations), except when float32 was asked for by name
+        (--dtype float32), where every step computes in float32 from gguf-py's numbers."""
         cfg = self.config
         q = cfg.quantization
         use_q4 = q == "int4" and self.kernels is not None and self.kernels.q4_gemm_is_vectorised()
@@ -166,17 +186,46 @@ class CpuPlatform(Platform):
         forced = cfg.bf16_gemm if cfg.bf16_gemm != "auto" else None
         if forced == "bf16w" and self.kernels is None:
             raise ValueError("bf16_gemm=bf16w needs iterserve's C++ CPU kernels, which are off or did not build")
+        blocks = getattr(model, "block_modules", set())
+        if blocks:
+            self.gguf_twins = {name: spec for name, (spec, _) in gguf_twins_of(model).items()}
         plans = None
         if cfg.measure_kernels and self.kernels is not None:
             plans = self._measure(model, use_q4, False)
         elif forced is None and q != "int4":
+            self._use_blocks(model, None, "float32", 0)
             return
         else:
             self.int4_max_tokens = four_bit_max_tokens(self.layout) if use_q4 else 0
         n = optimize_cpu_linears(model, self.layout, self.int4_max_tokens, 0, self.kernels, plans, dtype=torch.float32)
+        n += self._use_blocks(model, plans, self.layout, 0)
         if plans is None:
             log.info("CPU float32: %d projections laid out for %s%s (not measured)", n, self.layout,
                      f", Q4_1 twin for steps of <= {self.int4_max_tokens} tokens" if self.int4_max_tokens else "")
+
+    def _use_blocks(self, model: nn.Module, plans: dict | None, layout: str, amx: int) -> int:
+        """Replaces the modules whose only copy is their GGUF blocks (cpu_linear.use_gguf_blocks): each
+        linear in its measured plan, else in `layout` with the default twin cut-overs (none under
+        batch_invariant, or in a float32 run asked for by name). Returns the number replaced."""
+        blocks = getattr(model, "block_modules", set())
+        if not blocks:
+            return 0
+        exact = self.config.batch_invariant or (self.dtype == torch.float32 and self.config.dtype == "float32")
+        default = {"proj": four_bit_max_tokens(layout), "head": Q8_HEAD_MAX_TOKENS}
+
+        def plan_of(name: str, mod: nn.Linear, spec: str) -> tuple[str, int, int]:
+            role = "head" if name == "lm_head" else "proj"
+            plan = (plans or {}).get((role, mod.out_features, mod.in_features, spec))
+            lay, most, amx_rows = plan if plan is not None else (layout, default[role], amx)
+            return lay, 0 if exact else most, amx_rows
+
+        n = use_gguf_blocks(model, plan_of)
+        if plans is None:  # (measured: set by _measure)
+            self.int4_max_tokens, self.q8_head_max_tokens = (0, 0) if exact else (default["proj"], default["head"])
+        log.info("%d modules compute from the GGUF's blocks, their only copy (%s for steps of many rows%s)", n,
+                 layout if plans is None else "measured layouts",
+                 "" if exact else ", gguf_gemm for few")
+        return n
 
     def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool
                  ) -> dict[tuple[str, int, int, str], tuple[str, int, int]]:
@@ -188,7 +237,7 @@ class CpuPlatform(Platform):
         req = ChoiceRequest(shapes=shapes_of(model, self.dtype, self.gguf_twins), buckets=batch_buckets(max_seqs),
                             dtype=self.dtype,
                             layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,
-                            q8_head=use_q8_head, amx=self.amx,
+                            q8_head=use_q8_head, amx=self.amx, blocks=bool(getattr(model, "block_modules", None)),
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
                             if measure_attention else None)
         choice = self.kernel_choice = choose_kernels(req, self.kernels, remeasure=cfg.remeasure_kernels)

@@ -38,7 +38,7 @@ rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebu
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -380,6 +380,17 @@ def gguf_twin_spec(shards: Sequence[Any]) -> str:
     return "+".join(f"{q.lower()}:{r}" for q, r in merged)
 
 
+def gguf_meta_spec(meta: torch.Tensor) -> str:
+    """gguf_twin_spec of a packed twin (pack_gguf_twin's meta)."""
+    parts: list[list] = []
+    for t, rows, _, _ in meta.tolist():
+        if parts and parts[-1][0] == _GGUF_NAMES[t]:
+            parts[-1][1] += rows
+        else:
+            parts.append([_GGUF_NAMES[t], rows])
+    return "+".join(f"{q.lower()}:{r}" for q, r in parts)
+
+
 def gguf_twin_name(spec: str) -> str:
     """'q4_k:1024+q6_k:256' -> 'q4_k+q6_k': the block types, as the chooser's table names the twin."""
     return "+".join(dict.fromkeys(part.split(":")[0] for part in spec.split("+")))
@@ -464,15 +475,21 @@ class CpuLinear(nn.Module):
     used when the step has at most `twin_max_tokens` rows.
     `amx_min_rows` (tiled only): steps of at least that many rows run our GEMM on AMX tiles, from
     the same weight tiles, where bf16_gemm_amx_available; 0: never. Keeps no plain copy of a weight
-    it owns alone."""
+    it owns alone.
+    `blocks` (buf, meta from pack_gguf_twin): the GGUF's blocks are the weight, its only copy (the
+    linear's weight is on the meta device). Steps of at most `twin_max_tokens` rows run gguf_gemm on
+    them; larger ones dequantise a panel of output rows at a time into `layout`'s form and run its
+    GEMM (blocks_gemm): the numbers of a float copy in that layout, without keeping one."""
 
     def __init__(self, linear: nn.Linear, twin: str | None = None, twin_max_tokens: int = 0,
                  keep_weight: bool = False, layout: str = "onednn", amx_min_rows: int = 0,
-                 shards: Sequence[Any] | None = None) -> None:
+                 shards: Sequence[Any] | None = None, blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
+        if blocks is not None:
+            twin = "gguf"
         if twin not in (None, *TWINS):
             raise ValueError(f"twin must be one of {TWINS} or None, got {twin!r}")
-        if (twin == "gguf") != (shards is not None):
+        if (twin == "gguf") != (shards is not None or blocks is not None):
             raise ValueError("twin='gguf' takes the GGUF's blocks (shards), and shards only that twin")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -482,7 +499,12 @@ class CpuLinear(nn.Module):
         self.twin = twin or ""
         self.twin_max_tokens = twin_max_tokens if twin else 0
         self.twin_spec = ""  # gguf: the shards' block types and rows (gguf_twin_spec)
-        if twin == "gguf":
+        self.from_blocks = blocks is not None
+        if blocks is not None:
+            self.twin_spec = gguf_meta_spec(blocks[1])
+            self.register_buffer("twin_weight", blocks[0], persistent=False)
+            self.register_buffer("twin_scales", blocks[1], persistent=False)
+        elif twin == "gguf":
             if not gguf_twin_supported(shards, self.out_features, self.in_features):
                 raise ValueError(f"these GGUF shards cannot be the twin of a {self.out_features} x {self.in_features} "
                                  f"projection: {[(*shard_fields(s)[:4], tuple(s.data.shape)) for s in shards]}")
@@ -498,16 +520,45 @@ class CpuLinear(nn.Module):
                 self.register_buffer("twin_mins", packed[2], persistent=False)
         self.layout = layout
         self.amx_min_rows = amx_min_rows if layout == "tiled" else 0
-        self.packed_weight = (pack_bf16(w) if layout == "tiled" else w.float().contiguous() if layout == "float32"
+        self.packed_weight = (torch.empty(0) if self.from_blocks else pack_bf16(w) if layout == "tiled"
+                              else w.float().contiguous() if layout == "float32"
                               else pack_bf16_f32(w) if layout == "bf16w"
                               else torch.ops.mkldnn._reorder_linear_weight(w, 16))
-        self.weight = linear.weight if keep_weight else None
+        self.weight = linear.weight if keep_weight and not self.from_blocks else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.iterserve.cpu_linear(x, self.packed_weight, self.layout, self.out_features,
                                               getattr(self, "twin_weight", None), getattr(self, "twin_scales", None),
                                               getattr(self, "twin_mins", None), self.bias, self.twin_max_tokens,
-                                              self.twin, self.amx_min_rows)
+                                              self.twin, self.amx_min_rows, self.from_blocks)
+
+
+PANEL_BYTES = 4 << 20  # a dequantised panel of output rows (blocks_gemm): about an L2's worth or two
+
+
+def blocks_gemm(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, out_features: int, layout: str,
+                amx_min_rows: int = 0) -> torch.Tensor:
+    """x @ w.T for a step of many rows with the weight only in its GGUF blocks: a panel of output rows
+    at a time is dequantised (csrc/gguf_dequant.cpp, gguf-py's numbers) into the layout's form, tiled
+    bf16 tiles, oneDNN's bf16 rows or float32 rows, and run on that layout's GEMM. A prefill chunk is
+    bound by arithmetic, so the dequantisation (a read of the blocks and a write of the panel) costs
+    little next to the GEMM, and the panel stays in cache for it."""
+    kernels = load_cpu_kernels()
+    m, k = x.shape
+    wide = 4 if layout in ("float32", "bf16w") else 2
+    step = max(16, PANEL_BYTES // (k * wide) // 16 * 16)
+    out = x.new_empty(m, out_features)
+    for r0 in range(0, out_features, step):
+        r1 = min(out_features, r0 + step)
+        rows = torch.arange(r0, r1)
+        if layout == "tiled":
+            y = kernels.bf16_gemm(x, kernels.gguf_dequant(buf, meta, k, rows, True, True), r1 - r0, amx_min_rows)
+        elif layout == "onednn":
+            y = torch.nn.functional.linear(x, kernels.gguf_dequant(buf, meta, k, rows, True))
+        else:
+            y = torch.nn.functional.linear(x.float(), kernels.gguf_dequant(buf, meta, k, rows))
+        out[:, r0:r1] = y
+    return out
 
 
 # One op, opaque to torch.compile: inductor cannot lower either packed weight, and the per-step
@@ -515,12 +566,13 @@ class CpuLinear(nn.Module):
 _lib = torch.library.Library("iterserve", "FRAGMENT")
 _lib.define("cpu_linear(Tensor x, Tensor packed_weight, str layout, int out_features, Tensor? twin_weight, "
             "Tensor? twin_scales, Tensor? twin_mins, Tensor? bias, int twin_max_tokens, str twin, "
-            "int amx_min_rows=0) -> Tensor")
+            "int amx_min_rows=0, bool from_blocks=False) -> Tensor")
 
 
 def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_features: int,
                 twin_weight: torch.Tensor | None, twin_scales: torch.Tensor | None, twin_mins: torch.Tensor | None,
-                bias: torch.Tensor | None, twin_max_tokens: int, twin: str, amx_min_rows: int = 0) -> torch.Tensor:
+                bias: torch.Tensor | None, twin_max_tokens: int, twin: str, amx_min_rows: int = 0,
+                from_blocks: bool = False) -> torch.Tensor:
     if x.shape[0] <= twin_max_tokens:
         if twin == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), twin_weight, GROUP_SIZE, twin_scales)
@@ -530,6 +582,8 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
             y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features)
         else:
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
+    elif from_blocks:
+        y = blocks_gemm(x, twin_weight, twin_scales, out_features, layout, amx_min_rows)
     elif layout == "tiled":
         y = load_cpu_kernels().bf16_gemm(x, packed_weight, out_features, amx_min_rows)
     elif layout == "float32":
@@ -546,7 +600,7 @@ _lib.impl("cpu_linear", _cpu_linear, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("iterserve::cpu_linear")
 def _cpu_linear_fake(x, packed_weight, layout, out_features, twin_weight, twin_scales, twin_mins, bias,
-                     twin_max_tokens, twin, amx_min_rows=0):
+                     twin_max_tokens, twin, amx_min_rows=0, from_blocks=False):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -565,15 +619,17 @@ def gguf_twins_of(model: nn.Module) -> dict[str, tuple[str, list]]:
     """Module name -> (spec, shards) of each projection and of the LM head whose GGUF blocks
     gguf_gemm reads, from `model.gguf_sources` (module path -> QuantShard list, set by the loader for
     a GGUF; a tied head takes the embedding's blocks). Empty when there are none, or when the
-    projections are all Q4_0 / Q4_1 (those files keep the min-max Q4_1 and Q8_0 twins, as before)."""
+    projections are all Q4_0 / Q4_1 and a float copy was loaded (those keep the min-max Q4_1 and Q8_0
+    twins, as before); the modules whose only copy is their blocks (`model.block_modules`) are
+    always named."""
     sources = getattr(model, "gguf_sources", None) or {}
+    blocks = getattr(model, "block_modules", set())
     proj_types = {str(s.qtype) for name, shards in sources.items() if name.startswith("layers.") for s in shards}
-    if not proj_types or proj_types <= FOUR_BIT_BLOCKS:
-        return {}
+    four_bit_only = not proj_types or proj_types <= FOUR_BIT_BLOCKS
     embed = getattr(model, "embed_tokens", None)
     out = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
+        if not isinstance(mod, nn.Linear) or (four_bit_only and name not in blocks):
             continue
         if name.startswith("layers."):
             shards = sources.get(name)
@@ -585,6 +641,52 @@ def gguf_twins_of(model: nn.Module) -> dict[str, tuple[str, list]]:
         if gguf_twin_supported(shards, mod.out_features, mod.in_features):
             out[name] = (gguf_twin_spec(shards), list(shards))
     return out
+
+
+class BlockEmbedding(nn.Module):
+    """The token embedding read from its GGUF blocks, its only copy (shared with a tied LM head's
+    CpuLinear): a step dequantises the rows of its tokens alone (csrc/gguf_dequant.cpp), gguf-py's
+    numbers in the model's dtype, as a float copy of the table would hold them."""
+
+    def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor], num_embeddings: int, embedding_dim: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.register_buffer("buf", blocks[0], persistent=False)
+        self.register_buffer("meta", blocks[1], persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = load_cpu_kernels().gguf_dequant(self.buf, self.meta, self.embedding_dim, ids.reshape(-1).long(),
+                                               self.dtype == torch.bfloat16)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+def use_gguf_blocks(model: nn.Module, plan_of: Callable[[str, nn.Linear, str], tuple[str, int, int]]) -> int:
+    """Replaces each module whose only copy is its GGUF blocks (`model.block_modules`, weights on
+    the meta device) with one that computes from them: CpuLinear(blocks=...) for the projections and
+    the LM head, BlockEmbedding for the embedding, a tied head and the embedding sharing one buffer.
+    `plan_of(name, linear, spec)` -> (layout, twin's max tokens, AMX min rows) for a linear. Then
+    drops the loader's shards of those modules. Returns the number replaced."""
+    blocks = getattr(model, "block_modules", set())
+    sources = model.gguf_sources
+    packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(shard list) -> (buf, meta)
+    changed = 0
+    for name in sorted(blocks):
+        mod = model.get_submodule(name)
+        shards = sources.get(name) or sources.get("embed_tokens")
+        dim = mod.embedding_dim if isinstance(mod, nn.Embedding) else mod.in_features
+        if id(shards) not in packed:
+            packed[id(shards)] = pack_gguf_twin(shards, dim)
+        pair = packed[id(shards)]
+        if isinstance(mod, nn.Embedding):
+            new: nn.Module = BlockEmbedding(pair, mod.num_embeddings, dim, mod.weight.dtype)
+        else:
+            layout, most, amx = plan_of(name, mod, gguf_meta_spec(pair[1]))
+            new = CpuLinear(mod, twin_max_tokens=most, layout=layout, amx_min_rows=amx, blocks=pair)
+        replace_module(model, name, new)
+        changed += 1
+    model.gguf_sources = {k: v for k, v in sources.items() if k not in blocks}
+    return changed
 
 
 def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_tokens: int = 0,

@@ -52,7 +52,7 @@ from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
 from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16w_gemm_vectorised, four_bit_twin,
-                                           gguf_twin_name, prepack_available, random_shards, tiled_gemm_amx,
+                                           gguf_twin_name, pack_gguf_twin, prepack_available, random_shards, tiled_gemm_amx,
                                            tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
@@ -314,25 +314,33 @@ def amx_candidate(in_features: int, kernels: ModuleType | None) -> list[str]:
     return [AMX] if tiled_gemm_amx(kernels) and in_features % 32 == 0 else []
 
 
-def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None, spec: str = ""
-                      ) -> dict[str, Callable[[int], Callable[[], object]]]:
+def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None, spec: str = "",
+                      blocks: bool = False) -> dict[str, Callable[[int], Callable[[], object]]]:
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
     own overhead and the weights' memory traffic are in the figure. `spec`: the twin is one from
-    GGUF blocks of these types and row ranges (random blocks: only the layout matters for speed)."""
-    mods = {name: [CpuLinear(lin, layout="tiled", amx_min_rows=1) if name == AMX else CpuLinear(lin, layout=name)
-                   for lin in lins] for name in layouts}
-    if twin and spec:
-        mods[twin] = [CpuLinear(lin, "gguf", 1 << 30, layout=layouts[0], shards=random_shards(spec, lin.in_features))
-                      for lin in lins]
-    elif twin:
-        mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
-
+    GGUF blocks of these types and row ranges (random blocks: only the layout matters for speed).
+    `blocks`: those blocks are the weight (CpuLinear's `blocks`), so each layout is timed with the
+    dequantisation of its panels (blocks_gemm) included."""
     def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
         def make(rows: int) -> Callable[[], object]:
             x = torch.randn(rows, lins[0].in_features).to(lins[0].weight.dtype)  # activations as the model has them
             return lambda: [mod(x) for mod in copies]
         return make
+
+    if blocks:
+        packed = [pack_gguf_twin(random_shards(spec, lin.in_features), lin.in_features) for lin in lins]
+        mods = {name: [CpuLinear(lin, layout="tiled" if name == AMX else name, amx_min_rows=int(name == AMX),
+                                 blocks=b) for lin, b in zip(lins, packed)] for name in layouts}
+        mods[twin] = [CpuLinear(lin, twin_max_tokens=1 << 30, layout=layouts[0], blocks=b) for lin, b in zip(lins, packed)]
+    else:
+        mods = {name: [CpuLinear(lin, layout="tiled", amx_min_rows=1) if name == AMX else CpuLinear(lin, layout=name)
+                       for lin in lins] for name in layouts}
+        if twin and spec:
+            mods[twin] = [CpuLinear(lin, "gguf", 1 << 30, layout=layouts[0],
+                                    shards=random_shards(spec, lin.in_features)) for lin in lins]
+        elif twin:
+            mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
     return {name: factory(copies) for name, copies in mods.items()}
 
 
@@ -367,6 +375,7 @@ class ChoiceRequest:
     q8_head: bool = False  # the LM head gets a Q8_0 twin to time
     attention: tuple[int, int, int, int] | None = None  # (heads, kv heads, head_dim, block_size): measured
     amx: bool = False  # the tiled layout's AMX path may be timed (EngineConfig.cpu_amx)
+    blocks: bool = False  # the GGUF twins' blocks are the weights (CpuLinear's blocks): timed as such
 
 
 def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
@@ -375,7 +384,7 @@ def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
     (role, out, in, spec) for a module `specs` (module name -> GGUF twin spec) names."""
     seen: dict[tuple, None] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and mod.weight.dtype == dtype and mod.weight.device.type == "cpu":
+        if isinstance(mod, nn.Linear) and mod.weight.dtype == dtype and mod.weight.device.type in ("cpu", "meta"):
             role = "head" if name == "lm_head" else "proj" if name.startswith("layers.") else None
             if role:
                 spec = (specs or {}).get(name, "")
@@ -390,7 +399,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     attn_names = ((["cpu"] if kernels is not None else []) + ["torch"]) if req.attention else []
     described = {"layout": req.layout, "four_bit": req.four_bit, "q8_head": req.q8_head,
                  "attention": list(req.attention or ()), "attention_candidates": attn_names,
-                 "kernels": kernels is not None, "amx": req.amx}
+                 "kernels": kernels is not None, "amx": req.amx,
+                 **({"blocks": True} if req.blocks else {})}
     key = choice_key(req.shapes, req.buckets, req.dtype, described)
     if not remeasure:
         cached = load_cached(key, folder)
@@ -404,6 +414,9 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
         for role, n, k, *rest in req.shapes:
             spec = rest[0] if rest else ""
             layouts = [req.layout] if req.layout else layout_candidates(k, kernels, req.dtype)
+            from_blocks = req.blocks and bool(spec)
+            if from_blocks and req.dtype == torch.float32:
+                layouts = ["float32"]  # a panel dequantised to float32 rows whichever float32 layout is asked
             if req.layout == "tiled" and k % 2:
                 layouts = ["onednn"]  # as optimize_cpu_linears does for an odd in_features
             if req.amx and "tiled" in layouts:  # (forced tiled too: its AMX cut-over is timed)
@@ -416,7 +429,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             # AMX never gives up: it is slow at few rows and wins at many, past where it would be dropped
             give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
             lins = [_linear(n, k, req.dtype) for _ in range(copies)]
-            sec = measure(linear_candidates(lins, layouts, twin, *([spec] if spec else [])), buckets,
+            sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks), buckets,
                           give_up=give_up or None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name not in (twin, AMX)}

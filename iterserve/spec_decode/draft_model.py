@@ -70,7 +70,7 @@ class DraftModelProposer(Proposer):
         max_pos = min(max_model_len or target_cfg.max_position_embeddings,
                       model_config(src).max_position_embeddings)
         model, cfg, tokenizer, src = load_model(spec.model, platform.dtype, str(platform.device),
-                                                max_positions=max_pos)
+                                                max_positions=max_pos, block_types=platform.gguf_block_types())
         check_vocab(cfg, target_cfg, tokenizer, target_tokenizer)
         platform.prepare_model(model, src)
         per_block = kv_bytes_per_block(cfg, block_size, platform.dtype)

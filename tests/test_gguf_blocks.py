@@ -1,0 +1,133 @@
+"""A GGUF's quantised weights kept only as their blocks (one copy of the weights).
+
+- csrc/gguf_dequant.cpp reads any row of a projection's blocks back as gguf-py dequantises it, bit
+  for bit, as float32, as bf16 (rounded as a float copy cast to bf16 is) and as bf16_gemm's tiles.
+- A step of many rows from the blocks (blocks_gemm: a panel of rows dequantised at a time) computes
+  what the same layout computed from a float copy: bit for bit on our tiled GEMM.
+- The engine, given a quantised GGUF (llama, tied head, Q4_K + Q8_0), allocates no float weight for
+  a quantised module: the projections, the LM head and the embedding compute from the file's
+  blocks. Echoed prompt logprobs (every step of many rows) equal a float copy's (quantization=none)
+  exactly in bf16, and in a float32 run asked for by name every step is float32 from gguf-py's
+  numbers: greedy tokens and prompt logprobs as the float copy's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_convert import convert, mixed_quant
+from test_model_families import random_model
+from torch import nn
+
+from iterserve.llm import LLM
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_linear import (BlockEmbedding, CpuLinear, dequantize_gguf_twin, pack_bf16, pack_gguf_twin,
+                                           prepack_available, random_shards, tiled_gemm_vectorised)
+from iterserve.sampling import SamplingParams
+
+SPECS = ["q4_k:48", "q5_k:40", "q6_k:33", "q8_0:20", "q4_0:17", "q4_1:16", "q5_0:9", "q5_1:31",
+         "q4_k:32+q6_k:16+q8_0:8"]
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="needs iterserve's CPU kernels")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("k", [256, 512, 160])
+def test_dequant_is_gguf_py_bit_for_bit(spec, k):
+    if k % 256 and "_k" in spec:
+        pytest.skip("K-quant blocks span 256 inputs")
+    kernels = load_cpu_kernels()
+    buf, meta = pack_gguf_twin(random_shards(spec, k), k)
+    ref = dequantize_gguf_twin(buf, meta, k)  # == gguf-py's dequantisation (tests/test_kquant.py)
+    rows = torch.randperm(ref.shape[0], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(kernels.gguf_dequant(buf, meta, k, rows), ref[rows])
+    assert torch.equal(kernels.gguf_dequant(buf, meta, k, rows, True), ref[rows].bfloat16())
+    tiles = kernels.gguf_dequant(buf, meta, k, torch.arange(ref.shape[0]), True, True)
+    assert torch.equal(tiles, pack_bf16(ref.bfloat16()))
+
+
+def test_dequant_refuses_rows_outside_the_weight():
+    buf, meta = pack_gguf_twin(random_shards("q4_k:16", 256), 256)
+    with pytest.raises(RuntimeError, match="row 16 outside the 16 rows"):
+        load_cpu_kernels().gguf_dequant(buf, meta, 256, torch.tensor([16]))
+
+
+LAYOUTS = [pytest.param("tiled", marks=pytest.mark.skipif(not tiled_gemm_vectorised(load_cpu_kernels()),
+                                                          reason="our tiled GEMM needs AVX512-BF16")),
+           pytest.param("onednn", marks=pytest.mark.skipif(not prepack_available(), reason="needs oneDNN bf16")),
+           "float32"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_many_rows_from_the_blocks_compute_what_the_float_copy_did(layout, monkeypatch):
+    import iterserve.platform.cpu_linear as cl
+
+    monkeypatch.setattr(cl, "PANEL_BYTES", 64 * 512 * 2)  # several panels, the last one short
+    k, spec = 512, "q4_k:200+q6_k:72+q8_0:40"
+    buf, meta = pack_gguf_twin(random_shards(spec, k), k)
+    weight = dequantize_gguf_twin(buf, meta, k)
+    dtype = torch.float32 if layout == "float32" else torch.bfloat16
+    lin = nn.Linear(k, weight.shape[0], bias=False)
+    lin.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    dense = CpuLinear(lin, layout=layout)
+    meta_lin = nn.Linear(k, weight.shape[0], bias=False, device="meta", dtype=dtype)
+    blocks = CpuLinear(meta_lin, twin_max_tokens=4, layout=layout, blocks=(buf, meta))
+    assert blocks.packed_weight.numel() == 0 and blocks.weight is None  # the blocks are the only copy
+    x = torch.randn(37, k).to(dtype)
+    if layout == "onednn":  # oneDNN's prepacked and plain bf16 weights: the same GEMM, maybe another order
+        torch.testing.assert_close(blocks(x), dense(x), rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(blocks(x), dense(x))
+    few = x[:3]  # at most twin_max_tokens rows: gguf_gemm on the blocks
+    assert torch.equal(blocks(few), load_cpu_kernels().gguf_gemm(few, buf, meta, weight.shape[0]))
+
+
+@pytest.fixture(scope="module")
+def q4_k_file(tmp_path_factory):
+    """A random llama (tied head) as llama.cpp would quantise it: Q4_K projections, Q8_0 v rows and
+    embedding."""
+    hf = random_model("llama", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=256, head_dim=64,
+                                    tie_word_embeddings=True))
+    return convert(hf, tmp_path_factory.mktemp("blocks") / "llama-q.gguf", quant=mixed_quant)
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), kv_cache_memory="16MiB", max_num_seqs=4, measure_kernels=False, **kw)
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    seen = {}
+    for t in [*model.parameters(), *model.buffers(), *(m.packed_weight for m in model.modules()
+                                                       if isinstance(m, CpuLinear))]:
+        if t.device.type == "cpu" and t.numel():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not tiled_gemm_vectorised(load_cpu_kernels()), reason="the bf16 comparison runs our tiled GEMM (AVX512-BF16)")),
+    "float32"])
+def test_engine_keeps_only_the_blocks(q4_k_file, dtype, monkeypatch, tmp_path):
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    kw = dict(dtype=dtype, **({"bf16_gemm": "tiled"} if dtype == "bfloat16" else {}))
+    blocks, dense = _llm(q4_k_file, **kw), _llm(q4_k_file, quantization="none", **kw)
+    model = blocks.engine.model
+    assert model.block_modules == {"embed_tokens", "lm_head"} | {
+        f"layers.{i}.{m}" for i in range(2) for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                      "mlp.down_proj")}
+    assert isinstance(model.embed_tokens, BlockEmbedding) and model.lm_head.from_blocks
+    assert model.lm_head.twin_weight is model.embed_tokens.buf  # the tied head reads the embedding's blocks
+    assert not any(p.device.type == "meta" for p in model.parameters())  # every meta weight was replaced
+    assert model.gguf_sources == {}
+    assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in model.modules())
+    assert _weight_bytes(model) < 0.45 * _weight_bytes(dense.engine.model)
+    few = max(m.twin_max_tokens for m in model.modules() if isinstance(m, CpuLinear))
+    assert few == (0 if dtype == "float32" else 4)  # float32 by name: float32 at every step
+
+    prompts = [list(range(5, 45)), list(range(300, 317))]  # more rows than the twins take
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    ours = blocks.generate(prompts, params, use_tqdm=False)
+    ref = dense.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, ref):
+        assert a.prompt_logprobs == b.prompt_logprobs
+        if dtype == "float32":
+            assert a.token_ids == b.token_ids
