@@ -253,6 +253,9 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget (tests of preemption)
     kv_cache_memory: str = "1GiB"  # CPU budget for KV blocks
+    # start-up refuses, before loading, a model whose weights + KV cache + workspace exceed the memory
+    # available (iterserve/memory.py); True: load anyway (an estimate can be wrong; swap, a lazy map)
+    skip_memory_check: bool = False
     gpu_memory_utilization: float = 0.9
     # limits
     max_model_len: int | None = None  # default: min(model's max positions, 4096)

@@ -29,8 +29,11 @@ from iterserve.core.selector import build_scheduler
 from iterserve.lora.adapter import LoRAAdapter, LoRAError
 from iterserve.lora.layers import install_lora_hooks
 from iterserve.lora.manager import LoRAInUse, LoRAManager
-from iterserve.model.loader import ModelNotFound, load_model, model_config, resolve_model
-from iterserve.platform.base import kv_bytes_per_block, user_cache_dir
+from iterserve.memory import (MemoryPlan, MemoryReport, available_memory, kv_cache_bytes, model_tensors, skip_reason,
+                              weight_bytes, workspace_estimate)
+from iterserve.model.loader import ModelNotFound, ModelSource, load_model, model_config, resolve_model
+from iterserve.model.weight_estimate import estimate_weight_bytes
+from iterserve.platform.base import kv_blocks_for_budget, kv_bytes_per_block, user_cache_dir
 from iterserve.platform.selector import get_platform
 from iterserve.pooling import PoolingConfig, resolve_pooling
 from iterserve.pooling import finish as finish_pooling
@@ -104,8 +107,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         if loaded is None:
             # a wrong model or length fails now, before the platform builds kernels or weights load
-            max_len = self._max_model_len(model_config(resolve_model(config.model)))
+            src = resolve_model(config.model)
+            planned_cfg = model_config(src)
+            max_len = self._max_model_len(planned_cfg)
             self.platform = get_platform(config)
+            self._check_memory(src, planned_cfg)  # refuses a model that cannot fit, before it loads
             model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device),
                                                      max_positions=max_len,
                                                      block_types=self.platform.gguf_block_types())
@@ -133,6 +139,8 @@ class LLMEngine:
         self.lora = self._init_lora()
         if config.compile:
             self._compile_model()
+        self.memory = self._memory_report(num_blocks)
+        log.info("%s", self.memory.log_line())
         fits = num_blocks // self.pool.blocks_for(self.max_model_len)
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB); fits %d sequences of max_model_len %d",
                  num_blocks, config.block_size,
@@ -155,6 +163,35 @@ class LLMEngine:
         self._ids = itertools.count()
         self._prefix_cache_seen = (0, 0)  # the scheduler's counters at the last StepRecord
         self.start_time = time.monotonic()
+
+    def _check_memory(self, src: ModelSource, mcfg: ModelConfig) -> None:
+        """Before loading: the weights (estimated from the checkpoint's headers), the KV cache asked
+        for and the workspace against the memory available; InsufficientMemory (a ValueError: `serve`
+        exits with the message) when they do not fit, unless --skip-memory-check."""
+        reason = skip_reason(self.platform.device)
+        if reason is not None:
+            log.info("memory check skipped: %s", reason)
+            return
+        dtype, cfg = self.platform.dtype, self.config
+        kv_cache = kv_blocks_for_budget(cfg, mcfg, dtype) * kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+        # quantised_as_blocks=False: today's loader dequantises a GGUF's blocks into dense parameters
+        plan = MemoryPlan(weights=estimate_weight_bytes(src, dtype, quantised_as_blocks=False), kv_cache=kv_cache,
+                          workspace=workspace_estimate(cfg, mcfg, dtype), available=available_memory())
+        if cfg.skip_memory_check:
+            if not plan.fits:
+                log.warning("memory check skipped (--skip-memory-check): %s", plan.refusal())
+            return
+        plan.check()
+
+    def _memory_report(self, num_blocks: int) -> MemoryReport:
+        """What the loaded engine holds (weights as measured, each storage once; the KV cache's
+        tensors; the workspace estimate): for the start-up log, /v1/scheduler and /metrics."""
+        resident, mapped = weight_bytes(model_tensors(self.model))
+        return MemoryReport(weights_resident=resident, weights_mapped=mapped,
+                            kv_cache=kv_cache_bytes(self.runner.kv_caches), num_kv_blocks=num_blocks,
+                            block_size=self.config.block_size,
+                            workspace_estimate=workspace_estimate(self.config, self.model_config, self.dtype),
+                            available=available_memory())
 
     def _build_proposer(self):
         """The drafting method of --speculative-config, or None."""

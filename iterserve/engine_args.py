@@ -132,6 +132,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "refuses it")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="number of KV blocks; overrides the memory budget")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="CPU memory for KV blocks, e.g. 512MiB, 2GiB")
+    g.add_argument("--skip-memory-check", action="store_true",
+                   help="load the model even when its weights, KV cache and workspace (estimated from the "
+                        "checkpoint before loading) exceed the memory available; by default start-up refuses "
+                        "such a model with the numbers rather than meet the kernel's OOM killer half-way")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="CUDA: share of GPU memory for weights, activations and KV blocks (default 0.9)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: min(model, 4096))")

@@ -30,7 +30,7 @@ from iterserve.request import Request
 from iterserve.sampling import Sampler, SamplingParams
 from iterserve.structured.grammar import RequestGrammar
 from iterserve.structured.logits import TokenConstraints, allocate_bitmask
-from iterserve.structured.thinking_gate import apply_forced, forced_tokens, step_grammar
+from iterserve.thinking_gate import apply_forced, forced_tokens, step_grammar
 
 log = logging.getLogger("iterserve.runner")
 

@@ -35,7 +35,7 @@ def engine(loaded, **kw) -> LLMEngine:
 
 def add(eng: LLMEngine, i: int) -> None:
     eng.add_request(messages=[{"role": "user", "content": QUESTIONS[i]}], request_id=f"q{i}",
-                    params=SamplingParams(max_tokens=16 + (i * 13) % 25, temperature=0.0))
+                    params=SamplingParams(max_tokens=6 + (i * 13) % 17, temperature=0.0))
 
 
 def drain(eng: LLMEngine, texts: dict[str, str], steps: int | None = None) -> None:

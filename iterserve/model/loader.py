@@ -134,12 +134,9 @@ def checkpoint_dtype(src: ModelSource) -> torch.dtype:
     return _TORCH_DTYPES.get(name, torch.float32)
 
 
-def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors one at a time from every safetensors file (the shards named by the index, if any),
-    named as the decoder names them (the family's `rename`; what it drops is never read)."""
-    from safetensors import safe_open
-
-    rename = hf_family(src).rename
+def hf_weight_files(src: ModelSource) -> list[Path]:
+    """The safetensors files of a Hugging Face folder: the shards its index names, if it has one,
+    else every *.safetensors file."""
     files = sorted(src.path.glob("*.safetensors"))
     index = src.path / "model.safetensors.index.json"
     if index.is_file():
@@ -147,7 +144,16 @@ def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelNotFound(f"{src.path}: shards named in {index.name} are missing: {', '.join(missing)}")
-    for f in files:
+    return files
+
+
+def hf_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors one at a time from every safetensors file (the shards named by the index, if any),
+    named as the decoder names them (the family's `rename`; what it drops is never read)."""
+    from safetensors import safe_open
+
+    rename = hf_family(src).rename
+    for f in hf_weight_files(src):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 name = rename(key)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from iterserve.attention.backend import AttentionBackend
-from iterserve.config import EngineConfig, ModelConfig
+from iterserve.config import EngineConfig, ModelConfig, parse_size
 from iterserve.model.loader import ModelSource
 
 if TYPE_CHECKING:
@@ -50,6 +50,14 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     """Bytes of one KV block across all layers: keys and values, block_size tokens each."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """KV blocks of --num-kv-blocks, else as many as --kv-cache-memory holds (at least one): the CPU
+    platform's cache size, and what the memory plan (iterserve/memory.py) counts before loading."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    return max(1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype))
 
 
 class Platform:

@@ -16,10 +16,10 @@ from torch import nn
 from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.cpu_backend import BatchInvariantCpuAttentionBackend
 from iterserve.attention.selector import select_attention_backend
-from iterserve.config import EngineConfig, ModelConfig, parse_size
+from iterserve.config import EngineConfig, ModelConfig
 from iterserve.cpu_info import cpu_flags
 from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
-from iterserve.platform.base import Platform, kv_bytes_per_block, parse_dtype
+from iterserve.platform.base import Platform, kv_blocks_for_budget, parse_dtype
 from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
@@ -254,10 +254,7 @@ class CpuPlatform(Platform):
                 for key, c in choice.linears.items()}
 
     def num_kv_blocks(self, model_config: ModelConfig, profile_run: Callable[[], None]) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        return max(1, parse_size(cfg.kv_cache_memory) // kv_bytes_per_block(model_config, cfg.block_size, self.dtype))
+        return kv_blocks_for_budget(self.config, model_config, self.dtype)
 
     def resolved(self) -> dict[str, Any]:
         layouts = sorted({c.layout for c in self.kernel_choice.linears.values()}) if self.kernel_choice else None

@@ -130,7 +130,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 def scheduler_state(engine: AsyncEngine, info: dict, since_step: int | None = None) -> dict:
     """What /v1/scheduler answers: the live batch, KV cache, prefix cache, speculative decoding (its
-    config, None when off, and totals since start), configuration (`info`) and recent steps."""
+    config, None when off, and totals since start), configuration (`info`), memory (bytes of weights,
+    KV cache and workspace as measured at start-up: memory.MemoryReport) and recent steps."""
     llm = engine.engine
     state, cfg = engine.state, llm.config
     kv = state.kv
@@ -147,6 +148,7 @@ def scheduler_state(engine: AsyncEngine, info: dict, since_step: int | None = No
         "speculative": speculative_state(cfg.speculative_config, state.spec),
         "config": info,
         "lora": llm.lora.info() if getattr(llm, "lora", None) is not None else None,
+        "memory": llm.memory.to_dict() if getattr(llm, "memory", None) is not None else None,
         "steps": [step_dict(r, llm.start_time) for r in engine.recent_steps(since_step)],
     }
 

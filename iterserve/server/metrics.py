@@ -20,12 +20,16 @@ series exist whether or not the server was started with a speculative config, si
 own `prediction` can draft without one; they stay at zero when nothing drafts. Per finished request
 that drafted, `request_spec_acceptance_rate` observes its own accepted / draft tokens, which shows
 whether a few requests (repetitive code edits) or all of them gain.
+
+Memory (`memory_*_bytes`: weights resident and mapped, KV cache, workspace estimate) is the engine's
+start-up MemoryReport (iterserve/memory.py); the memory available is read at scrape time.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from iterserve.engine import StepRecord
+from iterserve.memory import MemoryReport, available_memory
 from iterserve.request import RequestOutput
 from iterserve.server.async_engine import AsyncEngine
 from iterserve.server.lora_metrics import LoRACollector
@@ -94,6 +98,9 @@ class ServerMetrics:
             keys = [k for k in CONFIG_INFO_KEYS if k in info]
             Gauge("iterserve:engine_config_info", "Engine configuration (labels); the value is always 1.",
                   labels + keys, registry=reg).labels(model_name, *(str(info[k]) for k in keys)).set(1)
+        memory = getattr(engine.engine, "memory", None)
+        if memory is not None:  # measured once at start-up (memory.MemoryReport)
+            self._memory_gauges(memory)
         self.preemptions = counter("num_preemptions", "Preemptions (recompute) since start.", True)
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prefix cache queries, in tokens (prompt tokens looked up at admission).", True)
@@ -144,6 +151,23 @@ class ServerMetrics:
         engine.step_listeners.append(self.on_step)
         engine.finish_listeners.append(self.on_finish)
         engine.failure_listeners.append(self.on_step_failure)
+
+    def _memory_gauges(self, memory: MemoryReport) -> None:
+        """Bytes of weights (resident, and mapped from a file), KV cache and workspace (an estimate),
+        as the engine reported them at start-up; and the memory available now, read at scrape time."""
+        reg, name = self.registry, self.model_name
+        weights = Gauge("iterserve:memory_weights_bytes", "Bytes of model weights: resident (anonymous memory) "
+                        "or mapped (pages of a file's memory map).", ["model_name", "kind"], registry=reg)
+        weights.labels(name, "resident").set(memory.weights_resident)
+        weights.labels(name, "mapped").set(memory.weights_mapped)
+        Gauge("iterserve:memory_kv_cache_bytes", "Bytes of the KV cache's allocated blocks.", ["model_name"],
+              registry=reg).labels(name).set(memory.kv_cache)
+        Gauge("iterserve:memory_workspace_bytes", "Estimated bytes of one step's activations and logits.",
+              ["model_name"], registry=reg).labels(name).set(memory.workspace_estimate)
+        if memory.available is not None:
+            Gauge("iterserve:memory_available_bytes", "Memory available to this process now (MemAvailable, "
+                  "capped by the cgroup's limit).", ["model_name"], registry=reg).labels(name).set_function(
+                      lambda: available_memory() or 0)
 
     def on_step(self, rec: StepRecord) -> None:
         self.steps.inc()

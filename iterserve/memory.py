@@ -1,0 +1,225 @@
+"""Memory, planned before the model loads and reported once it has: weights, KV cache, workspace.
+
+A model that cannot fit is refused before a byte of it is read (`MemoryPlan.check`), with the
+numbers, instead of being killed half-way by the kernel's OOM killer. After loading, the engine
+measures what is really there (`MemoryReport`): the weights as the tensors the model holds,
+whatever form the loader and the platform left them in (dense, packed for a GEMM, quantised twins,
+a tied head, a file's memory map), each storage counted once; the KV cache as its allocated
+tensors; the workspace as an estimate (activations are not kept, so there is nothing to measure).
+The start-up log, /v1/scheduler and /metrics all show this one report.
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from iterserve.config import EngineConfig, ModelConfig
+
+GIB = 2**30
+# per token of a step, the activations alive at once, in hidden-size units besides the MLP's:
+# residual, normed input, attention output, and slack for the projections' outputs
+_HIDDEN_ACTIVATIONS = 4
+_MLP_ACTIVATIONS = 3  # gate and up (fused), and their product
+
+
+class InsufficientMemory(ValueError):
+    """The model, its KV cache and workspace do not fit in the memory available. A ValueError, as
+    every start-up refusal is: `iterserve serve` prints the message and exits 2, no traceback."""
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+@dataclass
+class MemoryPlan:
+    """What a model will need, estimated from its checkpoint and the configuration before loading,
+    against what the machine has (None: unknown, as on a non-Linux host: nothing is refused)."""
+
+    weights: int
+    kv_cache: int
+    workspace: int
+    available: int | None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.workspace
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.total <= self.available
+
+    def refusal(self) -> str:
+        """The message that says what does not fit and what to change."""
+        return (f"model needs about {self.total / GIB:.1f} GiB (weights {self.weights / GIB:.1f}, KV cache "
+                f"{self.kv_cache / GIB:.1f}, workspace {self.workspace / GIB:.1f}) but "
+                f"{(self.available or 0) / GIB:.1f} GiB is available: lower --kv-cache-memory (or "
+                "--num-kv-blocks), --max-num-batched-tokens or --max-num-seqs, use a smaller or more quantised "
+                "model or --dtype bfloat16, or pass --skip-memory-check if you know better")
+
+    def check(self) -> None:
+        """Raises InsufficientMemory when the plan does not fit."""
+        if not self.fits:
+            raise InsufficientMemory(self.refusal())
+
+
+@dataclass
+class MemoryReport:
+    """What the loaded engine holds, in bytes: weights split into resident (anonymous memory) and
+    mapped (pages of a file's memory map, which the kernel can drop and read again), the KV cache's
+    tensors, and the workspace estimate; `available` as measured after loading (None: unknown)."""
+
+    weights_resident: int
+    weights_mapped: int
+    kv_cache: int
+    num_kv_blocks: int
+    block_size: int
+    workspace_estimate: int
+    available: int | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def log_line(self) -> str:
+        avail = "available memory unknown" if self.available is None else f"{gib(self.available)} GiB available"
+        return (f"memory: weights {gib(self.weights_resident)} GiB resident + {gib(self.weights_mapped)} GiB mapped, "
+                f"KV cache {gib(self.kv_cache)} GiB ({self.num_kv_blocks} blocks x {self.block_size} tokens), "
+                f"workspace ~{gib(self.workspace_estimate)} GiB (estimate); {avail}")
+
+
+# ---- weights, measured -----------------------------------------------------------------------------
+def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor the model keeps: parameters, buffers, tensors held as plain module attributes
+    (a platform's packed GEMM weights), and the loader's raw GGUF blocks not yet taken by a twin."""
+    for module in model.modules():
+        yield from module.parameters(recurse=False)
+        yield from module.buffers(recurse=False)
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+    for shards in (getattr(model, "gguf_sources", None) or {}).values():
+        for shard in shards:
+            yield shard.data
+
+
+def _file_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
+    """Sorted (start, end) address ranges of this process's mappings of regular files; empty where
+    /proc is not there (every storage then counts as resident)."""
+    ranges = []
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        path = parts[5] if len(parts) == 6 else ""
+        if not path.startswith("/") or path.startswith("/dev/") or path.endswith("(deleted)"):
+            continue  # anonymous, [heap], shared memory, or a file gone from the disk
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        ranges.append((start, end))
+    return sorted(ranges)
+
+
+def weight_bytes(tensors: Iterable[torch.Tensor], maps: Path = Path("/proc/self/maps")) -> tuple[int, int]:
+    """(resident, mapped) bytes of the storages behind `tensors`, each storage once: a tied head
+    and its embedding, a twin that views its weight, count one. Opaque tensors (oneDNN's packed
+    weights) have no storage to share and count at their size; meta tensors hold nothing."""
+    storages: dict[object, tuple[int, int]] = {}  # key -> (address, bytes)
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        try:
+            s = t.untyped_storage()
+            storages[(t.device, s.data_ptr())] = (s.data_ptr() if t.device.type == "cpu" else 0, s.nbytes())
+        except (RuntimeError, NotImplementedError):  # "Cannot access storage of OpaqueTensorImpl"
+            storages[("opaque", id(t))] = (0, t.numel() * t.element_size())
+    ranges = _file_mappings(maps) if storages else []
+    starts = [r[0] for r in ranges]
+    resident = mapped = 0
+    for address, nbytes in storages.values():
+        i = bisect.bisect_right(starts, address) - 1
+        if address and i >= 0 and address < ranges[i][1]:
+            mapped += nbytes
+        else:
+            resident += nbytes
+    return resident, mapped
+
+
+def kv_cache_bytes(kv_caches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Bytes of the KV cache's allocated tensors (keys and values of every layer)."""
+    return sum(k.nbytes + v.nbytes for k, v in kv_caches)
+
+
+# ---- workspace, estimated --------------------------------------------------------------------------
+def workspace_estimate(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Per-step buffers, estimated: the activations of a step at the token budget (hidden states,
+    Q/K/V, the MLP's intermediate) in the model's dtype, and float32 logits for each sequence a step
+    can sample. An estimate: the allocator reuses activations and attention's scratch is not counted."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = config.max_num_batched_tokens
+    qkv = (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim
+    per_token = _HIDDEN_ACTIVATIONS * mcfg.hidden_size + qkv + _MLP_ACTIVATIONS * mcfg.intermediate_size
+    return tokens * per_token * elem + config.max_seqs_per_step * mcfg.vocab_size * 4
+
+
+# ---- available memory ------------------------------------------------------------------------------
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2's "max": no limit
+
+
+def _cgroup_room(proc: Path, cgroup: Path) -> int | None:
+    """Bytes this process's cgroup may still allocate (its limit minus its usage), or None when no
+    limit is set. cgroup v2 (memory.max, memory.current of the process's own group, or of the root
+    of a container's namespace), else v1 (memory.limit_in_bytes, memory.usage_in_bytes)."""
+    candidates = []
+    try:
+        for line in (proc / "self" / "cgroup").read_text().splitlines():
+            hierarchy, controllers, path = line.split(":", 2)
+            if hierarchy == "0" and controllers == "":
+                candidates.append((cgroup / path.lstrip("/"), "memory.max", "memory.current"))
+            elif "memory" in controllers.split(","):
+                candidates.append((cgroup / "memory" / path.lstrip("/"), "memory.limit_in_bytes",
+                                   "memory.usage_in_bytes"))
+    except (OSError, ValueError):
+        pass
+    candidates += [(cgroup, "memory.max", "memory.current"),
+                   (cgroup / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]
+    for folder, limit_name, usage_name in candidates:
+        limit, usage = _read_int(folder / limit_name), _read_int(folder / usage_name)
+        if limit is not None and usage is not None and limit < 2**60:  # v1's "no limit" is a huge number
+            return max(0, limit - usage)
+    return None
+
+
+def available_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes a new allocation can have without swapping or the OOM killer: MemAvailable from
+    /proc/meminfo, capped by the cgroup's room where a limit is set. None off Linux (no check)."""
+    if not sys.platform.startswith("linux") and proc == Path("/proc"):
+        return None
+    try:
+        meminfo = (proc / "meminfo").read_text()
+    except OSError:
+        return None
+    avail = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                  if line.startswith("MemAvailable:")), None)
+    room = _cgroup_room(proc, cgroup)
+    if avail is None or room is None:
+        return avail if room is None else room
+    return min(avail, room)
+
+
+def skip_reason(device: torch.device) -> str | None:
+    """Why the host-memory check does not apply to this device, or None when it does: a CUDA
+    device holds weights and KV blocks in its own memory, which its platform sizes itself."""
+    return None if device.type == "cpu" else f"weights and KV cache live on {device}, not in host memory"
+
