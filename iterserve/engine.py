@@ -174,8 +174,8 @@ class LLMEngine:
             return
         dtype, cfg = self.platform.dtype, self.config
         kv_cache = kv_blocks_for_budget(cfg, mcfg, dtype) * kv_bytes_per_block(mcfg, cfg.block_size, dtype)
-        # quantised_as_blocks=False: today's loader dequantises a GGUF's blocks into dense parameters
-        plan = MemoryPlan(weights=estimate_weight_bytes(src, dtype, quantised_as_blocks=False), kv_cache=kv_cache,
+        blocks = self.platform.gguf_block_types()  # a GGUF's weights the loader keeps as their blocks
+        plan = MemoryPlan(weights=estimate_weight_bytes(src, dtype, blocks), kv_cache=kv_cache,
                           workspace=workspace_estimate(cfg, mcfg, dtype), available=available_memory())
         if cfg.skip_memory_check:
             if not plan.fits:

@@ -53,8 +53,8 @@ def test_weight_bytes_count_a_tied_head_once(tied_dir):
     assert resident + model.lm_head.weight.nbytes == naive + sum(b.nbytes for b in model.buffers())  # head once
     # the estimate from the safetensors headers: every parameter in float32, the head once
     params = sum(p.nbytes for p in model.parameters())
-    assert estimate_weight_bytes(resolve_model(str(tied_dir)), torch.float32, quantised_as_blocks=False) == params
-    assert estimate_weight_bytes(resolve_model(str(tied_dir)), torch.bfloat16, quantised_as_blocks=False) == params // 2
+    assert estimate_weight_bytes(resolve_model(str(tied_dir)), torch.float32, frozenset()) == params
+    assert estimate_weight_bytes(resolve_model(str(tied_dir)), torch.bfloat16, frozenset()) == params // 2
 
 
 def test_engine_reports_the_weights_it_holds(make_engine, tiny_loaded):
@@ -76,13 +76,13 @@ def test_a_memory_mapped_tensor_counts_as_mapped(tmp_path):
     assert weight_bytes([mapped, mapped[10:20], plain, plain[:5]]) == (4000, 4096 * 4)
 
 
-def test_quantised_gguf_weights_count_as_blocks_only_when_asked():
+def test_quantised_gguf_weights_count_as_blocks_where_the_platform_keeps_them():
     src = resolve_model("smollm2-135m")
     from iterserve.model.gguf_file import read_index
 
     index = read_index(src.path)
-    dense = estimate_weight_bytes(src, torch.float32, quantised_as_blocks=False)
-    blocks = estimate_weight_bytes(src, torch.float32, quantised_as_blocks=True)
+    dense = estimate_weight_bytes(src, torch.float32)
+    blocks = estimate_weight_bytes(src, torch.float32, frozenset({"Q4_1", "Q8_0"}))
     assert dense == sum(int(np.prod(t.shape)) * 4 for t in index.tensors)  # smollm2 has no rope_freqs
     assert blocks < dense / 4  # Q4_1 blocks: 5 bits a weight, against float32's 32
 

@@ -20,14 +20,13 @@ def _numel(shape) -> int:
     return n
 
 
-def estimate_weight_bytes(src: ModelSource, dtype: torch.dtype, quantised_as_blocks: bool) -> int:
+def estimate_weight_bytes(src: ModelSource, dtype: torch.dtype, block_types: frozenset[str] = frozenset()) -> int:
     """Bytes of the weights the loader will keep in `dtype`, from the checkpoint's headers.
 
     Every tensor the model takes counts as numel x dtype size, except, in a GGUF, the 2-d weights
-    stored in a quantised type: with `quantised_as_blocks` they count at their stored size (their
-    blocks), for a loader that keeps the blocks as the only copy; without it at numel x dtype size,
-    as the loader that dequantises them into dense parameters needs. A tensor the family drops is
-    not counted; a tied head stored in the checkpoint anyway is (an over-estimate, never under)."""
+    stored in one of `block_types` (Platform.gguf_block_types): the loader keeps those as their
+    blocks only, so they count at their stored size. A tensor the family drops is not counted; a
+    tied head stored in the checkpoint anyway is (an over-estimate, never under)."""
     elem = torch.empty((), dtype=dtype).element_size()
     if src.kind == "gguf":
         index = read_index(src.path)
@@ -37,7 +36,7 @@ def estimate_weight_bytes(src: ModelSource, dtype: torch.dtype, quantised_as_blo
             if gguf_to_hf_name(t.name, arch) is None:
                 continue  # folded into the RoPE tables
             quantised = len(t.shape) == 2 and t.qtype not in FLOAT_TYPES
-            total += t.nbytes if quantised and quantised_as_blocks else _numel(t.shape) * elem
+            total += t.nbytes if quantised and t.qtype in block_types else _numel(t.shape) * elem
         return total
     from safetensors import safe_open
 
