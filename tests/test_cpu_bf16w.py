@@ -5,7 +5,8 @@ every row count and ragged shape; a float32 engine measures it against plain F.l
 numbers: a bf16 checkpoint may take it, a float32 or GGUF one keeps F.linear unless bf16w is forced,
 with a warning), and lays its projections out as measured; on SmolLM2 (a Q4_1 GGUF) the measured
 float32 engine equals transformers' float32, and forced bf16w keeps plain float32's greedy tokens.
-Runs with the scalar fallback too (a CPU without AVX2)."""
+The kernels' tests run on the native build and, on an AVX-512 host, the AVX2 one too (conftest's
+kernel_variant). Runs with the scalar fallback too (a CPU without AVX2)."""
 from __future__ import annotations
 
 import pytest
@@ -26,9 +27,11 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="iterserve's CPU kernels
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (100, 576), (7, 30), (49, 1537)])
-def test_kernel_is_the_float32_product_with_bf16_weights(n, k):
+def test_kernel_is_the_float32_product_with_bf16_weights(n, k, kernel_variant, variant_kernels):
     """Row blocks of 1-6 (65 rows: 11 blocks of 6 or 5), a ragged last output tile (odd N), K a
     multiple of the vector width and not."""
+    kernels = variant_kernels
+    assert kernel_variant != "avx2" or kernels.f32_bf16w_gemm_is_vectorised()
     torch.manual_seed(n + k)
     w = torch.randn(n, k) * 0.05
     packed = pack_bf16_f32(w)
@@ -208,19 +211,21 @@ def on_4bit_grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", [(96, 128), (33, 576)])
-def test_q4_1_twin_in_float32_for_small_steps(n, k):
-    """Our Q4_1 kernel (AVX2 where AVX-512 is missing) on float32 rows: every row block (8, 4, 2,
-    1), the weight recovered from the 4-bit grid; what is left is the int16 rounding of the
-    activations. Above the cut-over the bf16w layout runs."""
+def test_q4_1_twin_in_float32_for_small_steps(n, k, kernel_variant, variant_kernels):
+    """Our Q4_1 kernel (AVX2 where AVX-512 VNNI is missing: the AVX2 build's) on float32 rows: every
+    row block (8, 4, 2, 1), the weight recovered from the 4-bit grid; what is left is the int16
+    rounding of the activations. Above the cut-over the bf16w layout runs."""
+    assert kernel_variant != "avx2" or variant_kernels.q4_gemm_is_vectorised()
     w = on_4bit_grid(n, k)
     lin = nn.Linear(k, n, bias=False)
     lin.weight.data = w
     fast = CpuLinear(lin, "q4_1", 9, layout="bf16w")
     for rows in (1, 2, 3, 7, 9):
         x = torch.randn(rows, k)
-        out, ref = fast(x), x @ w.t()
+        out, ref = variant_kernels.q4_gemm(x, fast.twin_weight, fast.twin_scales, fast.twin_mins), x @ w.t()
         assert out.dtype == torch.float32
         assert (out - ref).abs().max().item() < 1e-3 * ref.abs().max().item(), rows
+    assert kernel_variant != "native" or torch.equal(fast(x), out)  # CpuLinear runs the twin up to its cut-over
     x = torch.randn(10, k)
     assert torch.equal(fast(x), CpuLinear(lin, layout="bf16w")(x))
 
