@@ -200,13 +200,14 @@ class CpuPlatform(Platform):
         mcfg = model.cfg
         max_seqs = cfg.max_seqs_per_step
         measure_attention = cfg.decode_attention == "auto" and self.kernels is not None
+        auto = cfg.bf16_gemm == "auto"  # the layout is measured (else forced: no candidates to filter)
         req = ChoiceRequest(shapes=shapes_of(model, self.dtype, self.gguf_twins), buckets=batch_buckets(max_seqs),
                             dtype=self.dtype,
-                            layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,
+                            layout=None if auto else self.layout, four_bit=use_int4,
                             q8_head=use_q8_head, amx=self.amx,
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
                             if measure_attention else None,
-                            bf16_exact=bf16_exact_shapes(model) if self.dtype == torch.float32 else [])
+                            bf16_exact=bf16_exact_shapes(model) if self.dtype == torch.float32 and auto else [])
         choice = self.kernel_choice = choose_kernels(req, self.kernels, remeasure=cfg.remeasure_kernels)
         how = (f"measured in {choice.seconds:.1f} s, cached in {kernel_choice_dir()}" if choice.source == "measured"
                else f"read from the cache in {kernel_choice_dir()} (--remeasure-kernels to time again)")
