@@ -59,7 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.epilog = f"{p.epilog} {ENGINE_ENV_HELP}" if p.epilog else ENGINE_ENV_HELP
     d = EngineConfig()
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA and on CPUs with native bf16: AVX512-BF16 or AMX; float32 on other CPUs), float32, bfloat16, float16")
+    g.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA and on CPUs with native bf16: AVX512-BF16 or AMX; float32 on other CPUs), float32, bfloat16, float16. "
+                        "float32 computes with the checkpoint's weights as float32: bf16 weights (--bf16-gemm bf16w) only "
+                        "where they are bf16-exact already, unless forced")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     g.add_argument("--quantization", choices=["auto", "none", "int4"], default=d.quantization,
                    help="int4: keep a 4-bit copy of each projection for steps of <= 4 tokens (8 where iterserve's bf16 "
@@ -82,11 +84,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(on AMX tiles where the CPU has them), float32 (a float32 copy of each weight), or auto: "
                         "the fastest per shape as timed on this machine (--measure-kernels), else by CPU flags "
                         "(ours unless the CPU has AMX). A float32 run (a CPU without fast bf16) takes float32 "
-                        "(plain F.linear), bf16w (bf16 weights on our AVX2 float32 GEMM: half the bytes read) "
-                        "or auto: timed, else float32 (default: $ITERSERVE_BF16_GEMM, else auto)")
+                        "(plain F.linear), bf16w (bf16 weights on our AVX2 float32 GEMM: half the bytes read; "
+                        "forced, it rounds weights that are not bf16-exact, with a warning: outputs then differ "
+                        "from float32's) or auto: timed, bf16w only for weights that are bf16-exact (a bf16 "
+                        "checkpoint), else float32 (default: $ITERSERVE_BF16_GEMM, else auto)")
     g.add_argument("--measure-kernels", action=argparse.BooleanOptionalAction, default=d.measure_kernels,
                    help="CPU: choose each projection's GEMM (ours, oneDNN's: AMX where present, float32; in a "
-                        "float32 run float32 or bf16w), the "
+                        "float32 run float32, or bf16w for bf16-exact weights), the "
                         "4-bit / Q8_0 copies' cut-overs and the decode attention by timing them at start-up for "
                         "this model's shapes (a few seconds, once: cached under ~/.cache/iterserve/kernel_choice "
                         "per CPU, torch, sources and model); --no-measure-kernels decides by CPU flags and fixed "

@@ -80,6 +80,46 @@ def smol_loaded():
     return model, cfg, tok
 
 
+# ---- the C++ CPU kernels' builds: the native one, and the AVX2 one on an AVX-512 host ------------------------
+def variant_skip_reason(variant: str) -> str | None:
+    """Why this CPU does not test a kernel build (cpu_kernels.VARIANTS), or None: it lacks the
+    variant's instructions, or the variant is what the native build is here already."""
+    from iterserve.cpu_info import cpu_flags
+    from iterserve.platform.cpu_kernels import VARIANT_NEEDS
+
+    missing = VARIANT_NEEDS[variant] - cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))} for the {variant} build"
+    if variant == "avx2" and "avx512f" not in cpu_flags():
+        return "no AVX-512 here: the native build runs the AVX2 paths already"
+    return None
+
+
+@pytest.fixture(scope="session", params=["native", "avx2"])
+def kernel_variant(request) -> str:
+    """The kernel builds this CPU can test: native always; avx2 (lanes.h's AVX2 + FMA branches, what a
+    Zen 3 CI host builds) where the CPU has AVX2 + FMA + F16C and the native build is AVX-512, so that
+    the AVX2 paths run in tests on every CI host, not only where they are the native ones."""
+    reason = variant_skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def variant_kernels(kernel_variant):
+    """The kernels module of `kernel_variant` (built once, ~1-3 min for avx2; cached by torch after),
+    checked to be the build it says: a variant that compiled the AVX-512 branches would pass vacuously."""
+    from iterserve.platform.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels(kernel_variant)
+    if kernels is None:
+        pytest.skip(f"the {kernel_variant} CPU kernels did not build here (see the log)")
+    if kernel_variant == "avx2":
+        assert kernels.lanes_isa() == "avx2"
+    return kernels
+
+
 @pytest.fixture
 def make_engine(tiny_loaded):
     """make_engine(**EngineConfig fields, loaded=...) -> LLMEngine over a shared model."""

@@ -1,8 +1,12 @@
 """float32 engines with bf16 weights (platform/cpu_linear.py layout "bf16w", csrc/gemm_f32_bf16w.cpp's
 f32_bf16w_gemm, AVX2 + FMA): the kernel is the float32 product with the weights rounded to bf16, at
 every row count and ragged shape; a float32 engine measures it against plain F.linear per shape
-(platform/kernel_choice.py) and lays its projections out as measured; on SmolLM2 (a Q4_1 GGUF) the
-greedy tokens stay those of plain float32. Runs with the scalar fallback too (a CPU without AVX2)."""
+(platform/kernel_choice.py), but only for shapes whose weights are bf16-exact (float32 means float32's
+numbers: a bf16 checkpoint may take it, a float32 or GGUF one keeps F.linear unless bf16w is forced,
+with a warning), and lays its projections out as measured; on SmolLM2 (a Q4_1 GGUF) the measured
+float32 engine equals transformers' float32, and forced bf16w keeps plain float32's greedy tokens.
+The kernels' tests run on the native build and, on an AVX-512 host, the AVX2 one too (conftest's
+kernel_variant). Runs with the scalar fallback too (a CPU without AVX2)."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +27,11 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="iterserve's CPU kernels
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (100, 576), (7, 30), (49, 1537)])
-def test_kernel_is_the_float32_product_with_bf16_weights(n, k):
+def test_kernel_is_the_float32_product_with_bf16_weights(n, k, kernel_variant, variant_kernels):
     """Row blocks of 1-6 (65 rows: 11 blocks of 6 or 5), a ragged last output tile (odd N), K a
     multiple of the vector width and not."""
+    kernels = variant_kernels
+    assert kernel_variant != "avx2" or kernels.f32_bf16w_gemm_is_vectorised()
     torch.manual_seed(n + k)
     w = torch.randn(n, k) * 0.05
     packed = pack_bf16_f32(w)
@@ -68,16 +74,24 @@ def test_cpu_linear_bf16w_layout_and_float32_swap():
         optimize_cpu_linears(nn.Module(), "tiled", kernels=kernels, dtype=torch.float32)
 
 
+def _bf16w_offered(monkeypatch) -> None:
+    """The float32 candidates as an AVX2 host has them (on any host: the scalar fallback is timed too
+    where AVX2 is missing)."""
+    monkeypatch.setattr(kc, "layout_candidates", lambda in_features, kernels, dtype=None: ["float32", "bf16w"])
+
+
 @pytest.mark.parametrize("slow,expected", [("float32", "bf16w"), ("bf16w", "float32")])
 def test_float32_chooser_follows_the_clock(monkeypatch, tmp_path, slow, expected):
-    """A float32 request times plain float32 against bf16w (on any host: the candidates are forced
-    here, so the scalar fallback is timed too where AVX2 is missing) and keeps the faster."""
-    monkeypatch.setattr(kc, "layout_candidates", lambda in_features, kernels, dtype: ["float32", "bf16w"])
+    """A float32 request times plain float32 against bf16w for a shape whose weights are bf16-exact
+    and keeps the faster; a shape whose weights are not keeps float32, bf16w not even timed."""
+    _bf16w_offered(monkeypatch)
     monkeypatch.setattr(kc, "linear_candidates", _slowed(slow, 0.005))
-    req = kc.ChoiceRequest(shapes=[("proj", 64, 128), ("head", 100, 128)], buckets=[1, 2], dtype=torch.float32)
+    req = kc.ChoiceRequest(shapes=[("proj", 64, 128), ("head", 100, 128)], buckets=[1, 2], dtype=torch.float32,
+                           bf16_exact=[("head", 100, 128)])
     choice = kc.choose_kernels(req, kernels, remeasure=True, folder=tmp_path)
-    assert choice.plan("proj", 64, 128).layout == expected and choice.plan("head", 100, 128).layout == expected
-    assert expected in choice.brief()
+    assert choice.plan("head", 100, 128).layout == expected and expected in choice.brief()
+    rounding = choice.plan("proj", 64, 128)
+    assert rounding.layout == "float32" and set(rounding.ms) == {"float32"}
 
 
 def test_float32_candidates_are_the_float32_layouts():
@@ -115,6 +129,60 @@ def test_float32_engine_lays_out_as_measured_or_forced(tiny_model_dir, monkeypat
         LLMEngine(EngineConfig(**cfg, bf16_gemm="tiled"))
 
 
+def test_float32_engine_gives_bf16w_to_bf16_exact_weights_only(tiny_model_dir, tiny_loaded, monkeypatch, tmp_path,
+                                                               caplog):
+    """bf16w offered and made the faster (float32 slowed): the tiny model's float32 checkpoint keeps
+    float32 everywhere (its weights are not bf16-exact), the same model saved in bf16 (run in
+    float32: bf16-exact) takes bf16w; forced, bf16w warns where it rounds weights and only there."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _bf16w_offered(monkeypatch)
+    monkeypatch.setattr(kc, "linear_candidates", _slowed("float32", 0.002))
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    tiny_loaded[2].save_pretrained(bf16_dir)
+    cfg = dict(dtype="float32", kv_cache_memory="16MiB", max_num_seqs=2)
+
+    def layouts(model_dir, **kw) -> set[str]:
+        eng = LLMEngine(EngineConfig(model=str(model_dir), **cfg, **kw))
+        return {m.layout for m in eng.model.modules() if isinstance(m, CpuLinear)}
+
+    assert layouts(tiny_model_dir, measure_kernels=True) == {"float32"}
+    assert layouts(bf16_dir, measure_kernels=True) == {"bf16w"}
+    with caplog.at_level("WARNING", logger="iterserve.platform"):
+        assert layouts(bf16_dir, bf16_gemm="bf16w", measure_kernels=False) == {"bf16w"}
+        assert "rounded to bf16" not in caplog.text
+        assert layouts(tiny_model_dir, bf16_gemm="bf16w", measure_kernels=False) == {"bf16w"}
+        assert "5 of 5 projection shapes have weights that are not bf16-exact" in caplog.text
+
+
+@pytest.mark.real_model
+def test_smollm2_float32_equals_transformers_float32(smol_loaded, monkeypatch, tmp_path):
+    """float32 means float32: measured, with bf16w offered and made the faster, SmolLM2's projections
+    (a Q4_1 GGUF dequantised: not bf16-exact) keep float32, and the greedy tokens and echoed prompt
+    logprobs equal transformers' float32 forward pass within 1e-4 (bf16w moved them by up to 0.03)."""
+    from model_utils import hf_greedy, hf_llama_from
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _bf16w_offered(monkeypatch)
+    monkeypatch.setattr(kc, "linear_candidates", _slowed("float32", 0.002))
+    llm = LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="64MiB", max_num_seqs=2, measure_kernels=True)
+    assert {m.layout for m in llm.engine.model.modules() if isinstance(m, CpuLinear)} == {"float32"}
+    tok = llm.engine.tokenizer
+    prompts = [tok.encode(p, add_special_tokens=False) for p in ("The capital of France is", "def add(a, b):")]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    results = llm.generate(prompts, params, use_tqdm=False)
+    hf = hf_llama_from(smol_loaded)
+    for prompt, res in zip(prompts, results):
+        assert res.token_ids == hf_greedy(hf, [prompt], 6, 0)[0][0]
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+        want = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        got = torch.tensor([lp[0] for lp in res.prompt_logprobs[1:]])
+        assert (got - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.real_model
 def test_smollm2_float32_greedy_tokens_unchanged_with_bf16_weights():
     """The embedded model is a Q4_1 GGUF: rounding its dequantised weights to bf16 changes little,
@@ -143,19 +211,21 @@ def on_4bit_grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", [(96, 128), (33, 576)])
-def test_q4_1_twin_in_float32_for_small_steps(n, k):
-    """Our Q4_1 kernel (AVX2 where AVX-512 is missing) on float32 rows: every row block (8, 4, 2,
-    1), the weight recovered from the 4-bit grid; what is left is the int16 rounding of the
-    activations. Above the cut-over the bf16w layout runs."""
+def test_q4_1_twin_in_float32_for_small_steps(n, k, kernel_variant, variant_kernels):
+    """Our Q4_1 kernel (AVX2 where AVX-512 VNNI is missing: the AVX2 build's) on float32 rows: every
+    row block (8, 4, 2, 1), the weight recovered from the 4-bit grid; what is left is the int16
+    rounding of the activations. Above the cut-over the bf16w layout runs."""
+    assert kernel_variant != "avx2" or variant_kernels.q4_gemm_is_vectorised()
     w = on_4bit_grid(n, k)
     lin = nn.Linear(k, n, bias=False)
     lin.weight.data = w
     fast = CpuLinear(lin, "q4_1", 9, layout="bf16w")
     for rows in (1, 2, 3, 7, 9):
         x = torch.randn(rows, k)
-        out, ref = fast(x), x @ w.t()
+        out, ref = variant_kernels.q4_gemm(x, fast.twin_weight, fast.twin_scales, fast.twin_mins), x @ w.t()
         assert out.dtype == torch.float32
         assert (out - ref).abs().max().item() < 1e-3 * ref.abs().max().item(), rows
+    assert kernel_variant != "native" or torch.equal(fast(x), out)  # CpuLinear runs the twin up to its cut-over
     x = torch.randn(10, k)
     assert torch.equal(fast(x), CpuLinear(lin, layout="bf16w")(x))
 
@@ -165,7 +235,7 @@ def test_float32_chooser_times_the_q4_1_twin(tmp_path):
     choice = kc.choose_kernels(req, kernels, remeasure=True, folder=tmp_path)
     plan = choice.plan("proj", 256, 576)
     assert plan.twin == ("q4_1" if kernels.q4_gemm_is_vectorised() else None)
-    assert plan.twin is None or set(plan.ms) == {*kc.layout_candidates(576, kernels, torch.float32), "q4_1"}
+    assert plan.twin is None or set(plan.ms) == {"float32", "q4_1"}  # random weights: not bf16-exact
 
 
 @pytest.mark.real_model

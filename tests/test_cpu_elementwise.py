@@ -5,7 +5,8 @@ silu calls (every bf16 input checked); torch's own scalar tail (a row's last wid
 % 32 float32 columns) calls std::exp instead, so there the float32 result may move by an ulp. RoPE
 over the fused QKV output's view and over separate q and k, full and partial rotary, GQA head
 counts. The residual add + norm gives the add's and the norm kernel's bits. The platform swaps the
-modules, and the engine's tokens and logprobs are unchanged."""
+modules, and the engine's tokens and logprobs are unchanged. The kernel tests run on the native build and,
+on an AVX-512 host, the AVX2 one too (conftest's kernel_variant)."""
 from __future__ import annotations
 
 import pytest
@@ -42,20 +43,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(ints) == b.view(ints)) | (a.isnan() & b.isnan())).all())
 
 
-def test_silu_same_bits_for_every_bf16_input():
+def test_silu_same_bits_for_every_bf16_input(variant_kernels):
     gate = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(1, -1)
     x = torch.cat([gate, torch.ones_like(gate)], dim=1)  # up = 1: the output is the rounded SiLU itself
-    assert same_bits(kernels.silu_and_mul(x), silu_mul_torch(x))
+    assert same_bits(variant_kernels.silu_and_mul(x), silu_mul_torch(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1536, 64 * 7, 1000, 13])
-def test_silu_and_mul_matches_torch(dtype, width):
+def test_silu_and_mul_matches_torch(dtype, width, variant_kernels):
     g = torch.Generator().manual_seed(width)
     for rows in (1, 3, 37, 300):
         x = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)
         x[0, :4] = torch.tensor([0.0, -0.0, 120.0, -120.0])  # exp's range ends
-        want, got = silu_mul_torch(x), kernels.silu_and_mul(x)
+        want, got = silu_mul_torch(x), variant_kernels.silu_and_mul(x)
         assert got.dtype == dtype and got.shape == (rows, width) and got.is_contiguous()
         if width % 64 == 0:
             assert same_bits(got, want), f"{rows} rows"
@@ -85,19 +86,19 @@ def rope_tables(rows: int, rd: int, dtype: torch.dtype, seed: int) -> tuple[torc
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim, rotary_dim", [(9, 3, 64, 64), (32, 8, 128, 128), (24, 8, 128, 96),
                                                                    (4, 2, 64, 32), (3, 1, 80, 80), (2, 2, 64, 40)])
-def test_rope_matches_torch(dtype, heads, kv_heads, head_dim, rotary_dim):
+def test_rope_matches_torch(dtype, heads, kv_heads, head_dim, rotary_dim, variant_kernels):
     g = torch.Generator().manual_seed(head_dim + rotary_dim)
     for rows in (1, 3, 37, 300):
         qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
         qk = qkv[:, :(heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)  # q and k: one view
         cos, sin = rope_tables(rows, rotary_dim, dtype, rows)
-        got = kernels.rope(qk, cos, sin)
+        got = variant_kernels.rope(qk, cos, sin)
         assert got.dtype == dtype and got.shape == qk.shape and got.is_contiguous()
         assert same_bits(got, apply_rope(qk, cos, sin)), f"{rows} rows"
         k = qk[:, heads:]  # heads strided apart too (the qk-norm path's separate tensors are contiguous)
-        assert same_bits(kernels.rope(k, cos, sin), apply_rope(k, cos, sin))
+        assert same_bits(variant_kernels.rope(k, cos, sin), apply_rope(k, cos, sin))
         q = qk[:, :heads].contiguous()
-        assert same_bits(kernels.rope(q, cos, sin), apply_rope(q, cos, sin))
+        assert same_bits(variant_kernels.rope(q, cos, sin), apply_rope(q, cos, sin))
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])

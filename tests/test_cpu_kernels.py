@@ -7,6 +7,9 @@ the engine's greedy output must not change when the kernel replaces the torch pa
 and soft-capping against a dense float64 reference, with the slots before the window poisoned (and
 their blocks' ids out of the cache) to show they are never read; the batch-invariant backend
 (every query through this kernel) honours the window. And the rms_norm kernel's Gemma form.
+The numeric tests run on the native build and, on an AVX-512 host, the AVX2 one too (conftest's
+kernel_variant), as do the Q8_0 GEMM (its portable loop on AVX2: no AVX2 intrinsics path) and the prefill
+kernel's refusal where AVX512-BF16 is missing.
 """
 from __future__ import annotations
 
@@ -28,31 +31,32 @@ kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here (see the log)")
 
 
-def decode_attention_cpu(q, k_cache, v_cache, meta, scale, window=0, softcap=0.0):
-    return CpuKernelAttentionBackend(kernels).decode(q, k_cache, v_cache, meta, scale, window, softcap)
+def decode_attention_cpu(q, k_cache, v_cache, meta, scale, window=0, softcap=0.0, build=kernels):
+    """The decode kernel through its backend; `build`: the kernels module (a variant's)."""
+    return CpuKernelAttentionBackend(build).decode(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
 @pytest.mark.parametrize("head_dim, block_size, group", [(64, 16, 1), (64, 16, 3), (64, 32, 3), (80, 8, 4),
                                                          (128, 64, 8), (32, 1, 2), (72, 16, 3), (36, 8, 1)])
-def test_float32_matches_torch(head_dim, block_size, group):
+def test_float32_matches_torch(head_dim, block_size, group, variant_kernels):
     q, k_cache, v_cache, meta = random_case(CONTEXT_LENS + [33, 2, 300], block_size, group, head_dim=head_dim)
     scale = head_dim ** -0.5
     want = decode_attention(q, k_cache, v_cache, meta, scale)
-    got = decode_attention_cpu(q, k_cache, v_cache, meta, scale)
+    got = decode_attention_cpu(q, k_cache, v_cache, meta, scale, build=variant_kernels)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                                   (torch.bfloat16, torch.float32)])
-def test_bfloat16_within_rounding_of_float32(q_dtype, cache_dtype):
+def test_bfloat16_within_rounding_of_float32(q_dtype, cache_dtype, variant_kernels):
     """bf16 inputs are widened exactly and accumulated in float32, so the only error left is the
     rounding of the output to bf16 (half an ulp: 2**-8 relative)."""
     q, k_cache, v_cache, meta = random_case(CONTEXT_LENS, block_size=16, group=3)
     q, k_cache, v_cache = q.to(q_dtype), k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = HEAD_DIM ** -0.5
     want = decode_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    got = decode_attention_cpu(q, k_cache, v_cache, meta, scale)
+    got = decode_attention_cpu(q, k_cache, v_cache, meta, scale, build=variant_kernels)
     assert got.dtype == q_dtype
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)
 
@@ -95,7 +99,7 @@ WINDOWS = [1, 5, 16, 17, 40, 100, 1000]  # inside a block, a block, across block
 
 @pytest.mark.parametrize("q_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("block_size, group", [(16, 3), (1, 2), (8, 1)])
-def test_window_and_softcap_match_dense_reference(block_size, group, q_dtype, cache_dtype):
+def test_window_and_softcap_match_dense_reference(block_size, group, q_dtype, cache_dtype, variant_kernels):
     """A window W: only each sequence's last W keys (W = 1: the query's own); a soft-cap of 5 on
     scores scaled up to ~N(0, 16), where it bends most of them. float32 to float rounding, bf16 to
     the output's rounding."""
@@ -106,7 +110,7 @@ def test_window_and_softcap_match_dense_reference(block_size, group, q_dtype, ca
     for window in [0] + WINDOWS:
         for softcap in (0.0, 5.0):
             want = decode_reference(q, k_cache, v_cache, meta, scale, window, softcap)
-            got = decode_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
+            got = decode_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap, build=variant_kernels)
             assert got.dtype == q_dtype
             torch.testing.assert_close(got.double(), want, **tol, msg=f"window {window} softcap {softcap}")
 
@@ -201,6 +205,38 @@ def test_bad_inputs_get_clear_errors():
         decode_attention_cpu(q.half(), k_cache.half(), v_cache.half(), meta, 0.1)
     with pytest.raises(RuntimeError, match="GQA"):
         decode_attention_cpu(q[:, :5], k_cache, v_cache, meta, 0.1)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_gemm_is_the_product_of_its_exact_weights(x_dtype, variant_kernels):
+    """Weights on the Q8_0 grid (recovered exactly), float32 accumulation: what is left is the
+    summation order and, for bf16 activations, the output's rounding. Every row count of a few, odd N,
+    K of one block and of several."""
+    from test_cpu_linear import on_q8_grid
+
+    from iterserve.platform.cpu_linear import pack_q8_0
+
+    for n, k in ((37, 32), (200, 96)):
+        w = on_q8_grid(n, k, seed=n)
+        packed = pack_q8_0(w)
+        for rows in (1, 2, 3, 5, 9):
+            x = torch.randn(rows, k).to(x_dtype)
+            got = variant_kernels.q8_0_gemm(x, *packed)
+            assert got.dtype == x_dtype and got.shape == (rows, n)
+            tol = dict(rtol=2 ** -8, atol=1e-5) if x_dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.float(), x.float() @ w.t(), **tol, msg=f"{n} x {k}, rows {rows}")
+
+
+def test_prefill_kernel_refuses_a_build_without_avx512_bf16(kernel_variant, variant_kernels):
+    """The prefill kernel has an AVX512-BF16 path only: a build without it (the AVX2 one) refuses it
+    by name, and the backend keeps torch's prefill there."""
+    if variant_kernels.bf16_gemm_is_vectorised():
+        pytest.skip(f"the {kernel_variant} build has AVX512-BF16: tests/test_cpu_prefill_attention.py runs it")
+    q, k_cache, v_cache, meta = random_case([20], block_size=16, group=3)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        variant_kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], 20, 0.125)
+    assert not CpuKernelAttentionBackend(variant_kernels).prefill_kernel_fits(q, k_cache)
 
 
 def _q8_in_child(x, packed):

@@ -38,11 +38,13 @@ def test_twin_cutover_is_the_last_bucket_where_the_twin_led_throughout():
 
 
 def _slowed(layout: str, seconds: float, real=kc.linear_candidates):
-    """kc.linear_candidates with `layout` made artificially slow (a sleep before each call)."""
-    def candidates(lins, layouts, twin):
-        out = real(lins, layouts, twin)
-        make = out[layout]
-        out[layout] = lambda rows: (lambda f: (lambda: (time.sleep(seconds), f())))(make(rows))
+    """kc.linear_candidates with `layout` made artificially slow (a sleep before each call), where it
+    is a candidate."""
+    def candidates(lins, layouts, twin, *more):
+        out = real(lins, layouts, twin, *more)
+        if layout in out:
+            make = out[layout]
+            out[layout] = lambda rows: (lambda f: (lambda: (time.sleep(seconds), f())))(make(rows))
         return out
     return candidates
 

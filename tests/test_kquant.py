@@ -111,10 +111,11 @@ def _check_gemm(kernels, x: torch.Tensor, buf, meta, n: int, w: np.ndarray, c: n
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_gemm_within_the_activation_quantisation_bound(qtype):
+def test_gemm_within_the_activation_quantisation_bound(qtype, kernel_variant, variant_kernels):
     """Every row count 1..16 (the kernel's row blocks 8 / 4 / 2 / 1 and their remainders), odd N,
-    K from one block to 4096, float32 and bf16 activations."""
-    kernels = load_cpu_kernels()
+    K from one block to 4096, float32 and bf16 activations; in the native build and the AVX2 one."""
+    kernels = variant_kernels
+    assert kernel_variant != "avx2" or kernels.gguf_gemm_isa() == "avx2"
     torch.manual_seed(0)
     for k in sizes(qtype):
         data = random_blocks(qtype, 37, k, seed=k)
@@ -127,10 +128,11 @@ def test_gemm_within_the_activation_quantisation_bound(qtype):
         assert kernels.gguf_gemm(torch.zeros(0, k), buf, meta, 37).shape == (0, 37)
 
 
-def test_the_error_is_that_of_the_activations_alone():
+def test_the_error_is_that_of_the_activations_alone(kernel_variant, variant_kernels):
     """With activations already on the int16 grid (integers up to 32767 times one scale), the
     kernel's sums are exact: what is left is float32 rounding."""
-    kernels = load_cpu_kernels()
+    kernels = variant_kernels
+    assert kernel_variant != "avx2" or kernels.gguf_gemm_isa() == "avx2"
     for qtype in ("Q4_K", "Q6_K", "Q8_0", "Q5_1"):
         data = random_blocks(qtype, 19, 512, seed=3)
         buf, meta = pack_gguf_twin([Shard(0, qtype, data, 512)], 512)

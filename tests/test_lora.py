@@ -241,18 +241,16 @@ def test_no_adapter_rows_no_lora_batch(tiny_model_dir, adapters):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_sgmv_kernel_matches_torch_paths(dtype, monkeypatch):
-    """csrc/lora.cpp's lora_sgmv against both torch paths (masked, gathered) and a float64
-    reference: fused modules of 1, 2 and 3 projections with odd widths, rows of three slots and none."""
+def test_lora_sgmv_kernel_matches_torch_paths(dtype, monkeypatch, variant_kernels):
+    """csrc/lora.cpp's lora_sgmv (the native build and, on an AVX-512 host, the AVX2 one) against
+    both torch paths (masked, gathered) and a float64 reference: fused modules of 1, 2 and 3
+    projections with odd widths, rows of three slots and none."""
     from types import SimpleNamespace
 
     from iterserve.lora import layers
     from iterserve.lora.manager import SlotWeights
-    from iterserve.platform.cpu_kernels import load_cpu_kernels
 
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("no C++ kernels on this machine")
+    kernels = variant_kernels
     gen = torch.Generator().manual_seed(0)
     slots, rank, in_f = 3, 4, 37
     shapes = {"o_proj": [29], "gate_up_proj": [23, 23], "qkv_proj": [41, 13, 11]}  # S = 1, 2, 3

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "lanes.h"
 #include "work_pool.h"
 
 using namespace iterserve;
@@ -10,6 +11,9 @@ using namespace iterserve;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_sgmv", &lora_sgmv, "out[r] += B[s] (A[s] x[r]) for each row's adapter slot s = row_slot[r] >= 0, "
         "in place, from the diagonal blocks of B only (layout in lora.cpp)");
+  m.def("lanes_isa", [] { return std::string(kLanesIsa); },
+        "the vector lanes this build's kernels run on (lanes.h): avx512, avx2 or scalar; what a test of a "
+        "variant build (load_cpu_kernels(variant=...)) checks it really runs");
   m.def("pool_threads", [] { return WorkPool::instance().num_threads(); }, "threads of the kernels' work pool");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence against its paged K/V, read in place; window and softcap 0: off (see attention_decode.cpp)",

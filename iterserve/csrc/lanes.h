@@ -155,6 +155,8 @@ inline float lv_sum(LVec v) { return v; }
 template <typename C>
 inline void lv_store(C* p, LVec v) { store(p, v); }
 #endif
+// which of the three the lanes are, for Python (lanes_isa()): a test of a variant build checks it
+constexpr const char* kLanesIsa = kLW == 16 ? "avx512" : kLW == 8 ? "avx2" : "scalar";
 
 #if defined(__AVX512F__)
 inline LVec lv_mul(LVec a, LVec b) { return _mm512_mul_ps(a, b); }

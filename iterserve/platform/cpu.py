@@ -26,8 +26,8 @@ from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, GGUF_BLOCKS, bf16_gemm_layout, bf16_linears_available,
                                            four_bit_max_tokens, gguf_twin_name, gguf_twins_of, int4_kernel_available,
                                            optimize_cpu_linears, tiled_gemm_amx, tiled_gemm_vectorised, use_gguf_blocks)
-from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, choose_kernels,
-                                              kernel_choice_dir, parse_linear_key, shapes_of)
+from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
+                                              choose_kernels, kernel_choice_dir, parse_linear_key, shapes_of)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -44,6 +44,16 @@ def cpu_has_fast_bf16() -> bool:
 
 def cpu_dtype(name: str) -> torch.dtype:
     return (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32) if name == "auto" else parse_dtype(name)
+
+
+def _warn_bf16w_rounding(model: nn.Module) -> None:
+    """bf16_gemm=bf16w forced on a float32 run: says when that rounds weights (it changes the outputs)."""
+    shapes = shapes_of(model, torch.float32)
+    rounded = len(shapes) - len(bf16_exact_shapes(model))
+    if rounded:
+        log.warning("bf16_gemm=bf16w: %d of %d projection shapes have weights that are not bf16-exact and are "
+                    "rounded to bf16, so this float32 run's outputs are not float32's (logprobs move by ~1e-2); "
+                    "--bf16-gemm auto keeps float32 weights", rounded, len(shapes))
 
 
 class CpuPlatform(Platform):
@@ -167,13 +177,16 @@ class CpuPlatform(Platform):
                      "slower than the C++ kernels' in-place cap", "prefill" if kernel else "decode and prefill")
 
     def _prepare_float32(self, model: nn.Module) -> None:
-        """float32 (a CPU without fast bf16): each projection and the LM head keep plain F.linear
-        (MKL) or take bf16 weights on our AVX2 GEMM, half the bytes a decode step reads, as timed
-        per shape (or forced by bf16_gemm). With measure_kernels off and bf16_gemm auto, nothing
-        changes: the flags alone do not say which is faster (MKL's own speed varies by CPU).
-        quantization=int4 adds a Q4_1 twin of the projections for steps of few rows (its cut-over
-        timed too); not under auto, unlike bf16: its int16 activations move near-tie greedy tokens,
-        and a float32 run is asked for its numbers (docs/profile.md, Zen 3).
+        """float32 (a CPU without fast bf16) means float32's numbers: each projection and the LM head
+        keep plain F.linear (MKL), or take bf16 weights on our AVX2 GEMM (bf16w, half the bytes a
+        decode step reads) where that was timed faster and the shape's weights are all bf16-exact (a
+        bf16 checkpoint: checked once here), so that it computes with the same weights. Elsewhere
+        bf16w rounds the weights (echoed prompt logprobs moved by up to 0.03 on SmolLM2's Q4_1 GGUF),
+        so only bf16_gemm=bf16w forces it, with a warning. With measure_kernels off and bf16_gemm
+        auto, nothing changes: the flags alone do not say which is faster (MKL's own speed varies by
+        CPU). quantization=int4 adds a Q4_1 twin of the projections for steps of few rows (its
+        cut-over timed too): asked for by the user, never under auto, unlike bf16: its int16
+        activations move near-tie greedy tokens (docs/profile.md, Zen 3).
         A GGUF's blocks (`_use_blocks`): steps of many rows dequantise them to float32; steps of few
         rows run gguf_gemm on them (int16 activations), except when float32 was asked for by name
         (--dtype float32), where every step computes in float32 from gguf-py's numbers."""
@@ -186,6 +199,8 @@ class CpuPlatform(Platform):
         forced = cfg.bf16_gemm if cfg.bf16_gemm != "auto" else None
         if forced == "bf16w" and self.kernels is None:
             raise ValueError("bf16_gemm=bf16w needs iterserve's C++ CPU kernels, which are off or did not build")
+        if forced == "bf16w":
+            _warn_bf16w_rounding(model)
         blocks = getattr(model, "block_modules", set())
         if blocks:
             self.gguf_twins = {name: spec for name, (spec, _) in gguf_twins_of(model).items()}
@@ -234,12 +249,14 @@ class CpuPlatform(Platform):
         mcfg = model.cfg
         max_seqs = cfg.max_seqs_per_step
         measure_attention = cfg.decode_attention == "auto" and self.kernels is not None
+        auto = cfg.bf16_gemm == "auto"  # the layout is measured (else forced: no candidates to filter)
         req = ChoiceRequest(shapes=shapes_of(model, self.dtype, self.gguf_twins), buckets=batch_buckets(max_seqs),
                             dtype=self.dtype,
-                            layout=None if cfg.bf16_gemm == "auto" else self.layout, four_bit=use_int4,
+                            layout=None if auto else self.layout, four_bit=use_int4,
                             q8_head=use_q8_head, amx=self.amx, blocks=bool(getattr(model, "block_modules", None)),
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
-                            if measure_attention else None)
+                            if measure_attention else None,
+                            bf16_exact=bf16_exact_shapes(model) if self.dtype == torch.float32 and auto else [])
         choice = self.kernel_choice = choose_kernels(req, self.kernels, remeasure=cfg.remeasure_kernels)
         how = (f"measured in {choice.seconds:.1f} s, cached in {kernel_choice_dir()}" if choice.source == "measured"
                else f"read from the cache in {kernel_choice_dir()} (--remeasure-kernels to time again)")

@@ -23,10 +23,11 @@ A process killed mid-build leaves the baton's file behind, and torch then waits 
 a folder that outlives edits that would block every later start, so a lock older than STALE_LOCK_S
 (far longer than a build) is removed first.
 
-It is compiled for the CPU it runs on (-march=native). `load_cpu_kernels(extra_cflags=...)` builds a
-variant with more flags (e.g. ("-mno-avx512f",) for the AVX2 paths on an AVX-512 host) in a folder of
-its own; nothing builds one by default. The CPU platform loads the default build when the engine
-starts, never at a first request.
+It is compiled for the CPU it runs on (-march=native). `load_cpu_kernels(variant="avx2")` builds a
+named variant (VARIANTS: -march=native with instruction sets turned off, e.g. the AVX2 + FMA paths an
+AVX-512 host would otherwise never run) in a folder of its own; only tests build one, so that the
+branches a CI host of another CPU generation takes are tested here too. The CPU platform loads the
+native build when the engine starts, never at a first request.
 
 Nothing depends on it being there: when the build fails (no compiler, an unusual platform),
 `load_cpu_kernels()` logs why once and returns None, and callers keep their torch path.
@@ -55,8 +56,19 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # the compiled sources (one object each) and every file they are built from, headers included
 KERNEL_SOURCES = sorted(CSRC.glob("*.cpp"))
 KERNEL_FILES = sorted([*KERNEL_SOURCES, *CSRC.glob("*.h")])
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)  # a tuple: torch's load() appends its libraries to the list it is given, and a
+# module-level list grown so would change build_tag, and so the folder, of the next variant loaded
+# named builds: compile flags after CFLAGS. "avx2": what an AVX2-only CPU (Zen 3) builds, on a newer one:
+# every AVX-512 subset, AMX and AVX-VNNI off, so lanes.h's AVX2 + FMA branches are the ones compiled
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx2": ("-mno-avx512f", "-mno-avx512bw", "-mno-avx512vl", "-mno-avx512dq", "-mno-avx512cd",
+             "-mno-avx512vnni", "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8",
+             "-mno-avxvnni"),
+}
+# the CPU flags (/proc/cpuinfo's names) a variant's build needs to run
+VARIANT_NEEDS: dict[str, frozenset[str]] = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c"})}
 STALE_LOCK_S = 1800.0  # a build lock this old is a killed build's (a first build takes ~40 s to minutes)
 
 
@@ -94,18 +106,23 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
+def load_cpu_kernels(variant: str = "native") -> ModuleType | None:
+    """The compiled module, or None when the build failed (logged once). variant: one of VARIANTS,
+    built with its flags after the default ones, in its own folder (the flags are in build_tag)."""
+    return _load_variant(variant)
+
+
 @functools.cache
-def load_cpu_kernels(extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
-    """The compiled module, or None when the build failed (logged once). extra_cflags: a variant
-    built with these flags after the default ones (e.g. ("-mno-avx512f",)), in its own folder."""
-    cflags = [*CFLAGS, *extra_cflags]
+def _load_variant(variant: str) -> ModuleType | None:
+    """load_cpu_kernels, cached by the variant's name (load_cpu_kernels() and ("native") alike)."""
+    cflags = [*CFLAGS, *VARIANTS[variant]]
     name = f"iterserve_cpu_{build_tag(cflags)}"
     try:
         _put_ninja_on_path()
         _clear_stale_lock(name)
         log.info("loading CPU kernels (built on first use, which takes a while once)")
         return load(name=name, sources=[str(p) for p in KERNEL_SOURCES],
-                    extra_cflags=cflags, extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=False)
+                    extra_cflags=cflags, extra_ldflags=list(LDFLAGS), extra_include_paths=[str(CSRC)], verbose=False)
     except Exception as exc:  # no compiler / ninja, or an unsupported platform: keep the torch path
         log.warning("CPU kernels unavailable, using the torch path instead: %s", str(exc).strip()[:500])
         return None

@@ -128,15 +128,23 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weight -> [ceil(N/16), K, 16] bf16 (zero-padded outputs), laid out for csrc/gemm_bf16.cpp's
+    """[N, K] weight -> [ceil(N/16), K, 16] bf16 (zero-padded outputs), laid out for csrc/gemm_f32_bf16w.cpp's
     f32_bf16w_gemm: a tile of 16 outputs, one input at a time, outputs in the order 0, 8, 1, 9, ...
-    (so the kernel widens a tile's row into outputs 0-7 and 8-15 without shuffling lanes)."""
+    (so the kernel widens a tile's row into outputs 0-7 and 8-15 without shuffling lanes). Rounds
+    the weight to bf16: exact only for a bf16_exact one."""
     n, k = weight.shape
     tiles = -(-n // 16)
     w = torch.zeros(tiles * 16, k, dtype=torch.bfloat16)
     w[:n] = weight
     order = torch.arange(16).reshape(2, 8).t().reshape(16)  # 0, 8, 1, 9, ..., 7, 15
     return w.reshape(tiles, 16, k)[:, order].transpose(1, 2).contiguous()
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether rounding `weight` to bf16 leaves every element as it is (a bf16 checkpoint run in
+    float32): only then does the bf16w layout give a float32 run float32's numbers. Checked once per
+    module at start-up (a float32 run's layouts, platform/cpu.py)."""
+    return torch.equal(weight.detach().bfloat16().float(), weight.detach())
 
 
 def pack_q8_0(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,7 +430,9 @@ def random_shards(spec: str, in_features: int) -> list[RandomShard]:
 # our bf16 kernel's weight tiles (pack_bf16); oneDNN's opaque prepacked weight (on AMX tiles where the
 # CPU has them); a float32 copy of the weight (bf16 activations widened per call), for CPUs where bf16 is
 # slow; bf16 weight tiles (pack_bf16_f32) for our AVX2 float32 GEMM, for float32 engines (on CPUs
-# without fast bf16 the engine runs float32: reading half the bytes of a float32 weight is what counts)
+# without fast bf16 the engine runs float32: reading half the bytes of a float32 weight is what counts),
+# but only where the weights are bf16-exact (bf16_exact) unless the user forces it: elsewhere it rounds
+# them, and a float32 run must give float32's numbers
 LAYOUTS = ("tiled", "onednn", "float32", "bf16w")
 BF16_GEMM_CHOICES = ("auto", *LAYOUTS)
 FLOAT32_LAYOUTS = ("float32", "bf16w")  # what a float32 engine's projections can take
@@ -470,7 +480,8 @@ def four_bit_max_tokens(layout: str) -> int:
 class CpuLinear(nn.Module):
     """A bf16 Linear with its weight laid out once for a fast kernel (`layout`: our tiled GEMM, which
     needs an even in_features and the CPU kernels, or oneDNN's prepacked weight), or a float32 one with
-    its weight stored as bf16 for our AVX2 GEMM (`bf16w`: the output is float32), and optionally a
+    its weight stored as bf16 for our AVX2 GEMM (`bf16w`: the output is float32, of the weight rounded
+    to bf16), and optionally a
     quantised twin (`twin`: one of TWINS; "gguf" is built from `shards`, the checkpoint's own blocks)
     used when the step has at most `twin_max_tokens` rows.
     `amx_min_rows` (tiled only): steps of at least that many rows run our GEMM on AMX tiles, from

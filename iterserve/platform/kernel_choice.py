@@ -13,6 +13,9 @@ at the step sizes the engine will run (`batch_buckets`):
   every step on our AMX path (`AMX`), and the tiled layout's AMX cut-over (`amx_min_rows`) is the
   smallest bucket from which that path beat the AVX-512 one at every larger bucket: the tiled
   layout's time is then the better of the two at each bucket;
+- the float32 layouts: plain float32, and bf16 weights on our AVX2 GEMM (`bf16w`) only for a shape
+  whose weights are all bf16-exact (`ChoiceRequest.bf16_exact`): elsewhere bf16w rounds them, and a
+  float32 run is asked for float32's numbers, not for the fastest approximation of them;
 - the quantised twins, when the model has them (4-bit for the projections, Q8_0 for the LM head;
   for a GGUF of other block types, a twin from the file's own blocks, timed per distinct shape and
   block layout, `spec`: random blocks of the same types and row ranges): each twin's cut-over
@@ -51,8 +54,9 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
-from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16w_gemm_vectorised, four_bit_twin,
-                                           gguf_twin_name, pack_gguf_twin, prepack_available, random_shards, tiled_gemm_amx,
+from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16_exact, bf16w_gemm_vectorised, four_bit_twin,
+                                           gguf_twin_name, pack_gguf_twin, prepack_available, random_shards,
+                                           tiled_gemm_amx,
                                            tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
@@ -301,7 +305,8 @@ def layout_candidates(in_features: int, kernels: ModuleType | None,
                       dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """The layouts that can run a projection of `dtype` with this many inputs on this machine: for
     bf16, ours (AVX512-BF16), oneDNN's and float32; for float32, plain float32 and bf16 weights on
-    our AVX2 GEMM (whose scalar fallback is not worth timing)."""
+    our AVX2 GEMM (whose scalar fallback is not worth timing; choose_kernels keeps it only for
+    bf16-exact weights)."""
     if dtype == torch.float32:
         return ["float32"] + (["bf16w"] if bf16w_gemm_vectorised(kernels) else [])
     ok = {"tiled": tiled_gemm_vectorised(kernels) and in_features % 2 == 0, "onednn": prepack_available(),
@@ -376,21 +381,38 @@ class ChoiceRequest:
     attention: tuple[int, int, int, int] | None = None  # (heads, kv heads, head_dim, block_size): measured
     amx: bool = False  # the tiled layout's AMX path may be timed (EngineConfig.cpu_amx)
     blocks: bool = False  # the GGUF twins' blocks are the weights (CpuLinear's blocks): timed as such
+    # float32: the shapes (as in `shapes`) whose weights are all bf16-exact (bf16_exact_shapes), the
+    # only ones that may get bf16w unforced: it gives float32's numbers for those weights alone
+    bf16_exact: list[tuple] = field(default_factory=list)
 
 
-def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
-              specs: Mapping[str, str] | None = None) -> list[tuple]:
-    """The distinct (role, out, in) of the CPU linears of `dtype` optimize_cpu_linears will replace;
+def linears_by_shape(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                     specs: Mapping[str, str] | None = None) -> dict[tuple, list[nn.Linear]]:
+    """The CPU linears of `dtype` optimize_cpu_linears will replace, by their (role, out, in);
     (role, out, in, spec) for a module `specs` (module name -> GGUF twin spec) names."""
-    seen: dict[tuple, None] = {}
+    found: dict[tuple, list[nn.Linear]] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and mod.weight.dtype == dtype and mod.weight.device.type in ("cpu", "meta"):
             role = "head" if name == "lm_head" else "proj" if name.startswith("layers.") else None
             if role:
                 spec = (specs or {}).get(name, "")
-                seen[(role, mod.out_features, mod.in_features, spec) if spec else
-                     (role, mod.out_features, mod.in_features)] = None
-    return list(seen)
+                found.setdefault((role, mod.out_features, mod.in_features, spec) if spec else
+                                 (role, mod.out_features, mod.in_features), []).append(mod)
+    return found
+
+
+def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
+              specs: Mapping[str, str] | None = None) -> list[tuple]:
+    """The distinct shapes of linears_by_shape, in the model's order."""
+    return list(linears_by_shape(model, dtype, specs))
+
+
+def bf16_exact_shapes(model: nn.Module) -> list[tuple]:
+    """The float32 shapes (as shapes_of) whose every weight is bf16-exact (cpu_linear.bf16_exact):
+    those the bf16w layout computes with float32's own numbers. (A module whose only copy is its
+    GGUF blocks has no float weight: its panels are dequantised to float32 whatever the layout.)"""
+    return [shape for shape, lins in linears_by_shape(model, torch.float32).items()
+            if all(lin.weight.device.type != "meta" and bf16_exact(lin.weight) for lin in lins)]
 
 
 def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bool = False,
@@ -399,7 +421,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     attn_names = ((["cpu"] if kernels is not None else []) + ["torch"]) if req.attention else []
     described = {"layout": req.layout, "four_bit": req.four_bit, "q8_head": req.q8_head,
                  "attention": list(req.attention or ()), "attention_candidates": attn_names,
-                 "kernels": kernels is not None, "amx": req.amx,
+                 "kernels": kernels is not None, "amx": req.amx, "bf16_exact": [list(s) for s in req.bf16_exact],
                  **({"blocks": True} if req.blocks else {})}
     key = choice_key(req.shapes, req.buckets, req.dtype, described)
     if not remeasure:
@@ -410,10 +432,13 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     torch.manual_seed(0)
     proj_buckets = sorted({*req.buckets, max(PREFILL_ROWS, *req.buckets)})
     linears: dict[str, LinearChoice] = {}
+    exact = {tuple(s) for s in req.bf16_exact}
     with torch.inference_mode():
         for role, n, k, *rest in req.shapes:
             spec = rest[0] if rest else ""
             layouts = [req.layout] if req.layout else layout_candidates(k, kernels, req.dtype)
+            if not req.layout and req.dtype == torch.float32 and (role, n, k, *rest) not in exact:
+                layouts = [name for name in layouts if name != "bf16w"]  # it would round these weights
             from_blocks = req.blocks and bool(spec)
             if from_blocks and req.dtype == torch.float32:
                 layouts = ["float32"]  # a panel dequantised to float32 rows whichever float32 layout is asked
