@@ -14,10 +14,9 @@
 #include "kernels.h"
 #include "work_pool.h"
 
-#include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace iterserve {
@@ -25,22 +24,29 @@ namespace {
 
 using namespace gguf;
 
-// One row of a K-quant shard, K inputs -> out[K] float32 (gguf-py's quants.py, type by type).
+// One row of a K-quant shard, K inputs -> out[K] float32 (gguf-py's quants.py, type by type). The
+// loops run over contiguous runs of inputs that share a scale, so the compiler vectorises them.
 void kquant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
   const int64_t bytes = kquant_bytes(type);
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + sb * bytes;
     float* o = out + sb * 256;
     if (type == kQ6_K) {  // ql[128], qh[64], scales[16] int8, d: value = (d * sc) * (q - 32)
-      const uint8_t *ql = b, *qh = b + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       const float d = f16_at(b + 208);
-      for (int v = 0; v < 256; ++v) {
-        const int h = v / 128, w = v % 128;
-        const int lo = (ql[64 * h + w % 64] >> (4 * (w / 64))) & 0x0F;
-        const int hi = (qh[32 * h + w % 32] >> (2 * (w / 32))) & 3;
-        o[v] = (d * static_cast<float>(sc[v / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
-      }
+      for (int h = 0; h < 2; ++h)      // inputs 128h + 32j + l
+        for (int j = 0; j < 4; ++j) {  // low nibbles of ql[64h + 32(j % 2) + l] >> 4(j / 2); qh[32h + l] >> 2j
+          const uint8_t* ql = b + 64 * h + 32 * (j % 2);
+          const uint8_t* qh = b + 128 + 32 * h;
+          for (int half = 0; half < 2; ++half) {
+            const float D = d * static_cast<float>(sc[8 * h + 2 * j + half]);
+            float* oo = o + 128 * h + 32 * j + 16 * half;
+            for (int l = 16 * half; l < 16 * half + 16; ++l) {
+              const int lo = (ql[l] >> (4 * (j / 2))) & 0x0F, hi = (qh[l] >> (2 * j)) & 3;
+              oo[l - 16 * half] = D * static_cast<float>((lo | (hi << 4)) - 32);
+            }
+          }
+        }
       continue;
     }
     // Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, [Q5_K: qh[32]], qs[128]:
@@ -53,44 +59,59 @@ void kquant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
       const float D = d * static_cast<float>(byte_of(sc, i)), M = dmin * static_cast<float>(byte_of(mn, i));
       const uint8_t* q = qs + 32 * (i / 2);
       const int shift = 4 * (i % 2);
-      for (int l = 0; l < 32; ++l) {
-        int level = (q[l] >> shift) & 0x0F;
-        if (type == kQ5_K) level |= ((b[16 + l] >> i) & 1) << 4;
-        o[32 * i + l] = D * static_cast<float>(level) - M;
+      float* oo = o + 32 * i;
+      if (type == kQ5_K)
+        for (int l = 0; l < 32; ++l) oo[l] = D * static_cast<float>(((q[l] >> shift) & 0x0F) | (((b[16 + l] >> i) & 1) << 4)) - M;
+      else
+        for (int l = 0; l < 32; ++l) oo[l] = D * static_cast<float>((q[l] >> shift) & 0x0F) - M;
+    }
+  }
+}
+
+// One row of a 32-input shard in groups of four (pack_gguf_x4's layout) -> out[K] float32. Byte
+// 32c + 8b + j of a group's levels holds (low nibble, high nibble) the levels of positions
+// 64c + 8b + j and 64c + 32 + 8b + j, i.e. inputs 8(2c) + j and 8(2c + 1) + j of block b: runs of 8.
+void x4_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
+  const int64_t gbytes = x4_bytes(type), head = x4_header(type);
+  const bool q5 = type == kQ5_0 || type == kQ5_1;
+  const int64_t hb_at = type == kQ5_1 ? 16 : 8;
+  const int off = x4_offset(type);
+  for (int64_t g = 0; g * 128 < K; ++g) {
+    const uint8_t* gb = row + g * gbytes;
+    const uint8_t* lv = gb + head;
+    uint32_t words[4] = {0, 0, 0, 0};  // word w bit i: bit 4 of position 32w + i (Q5)
+    if (q5) std::memcpy(words, gb + hb_at, 16);
+    for (int blk = 0; blk < 4 && g * 128 + 32 * blk < K; ++blk) {
+      const float d = f16_at(gb + 2 * blk), m = has_min(type) ? f16_at(gb + 8 + 2 * blk) : 0.f;
+      float* o = out + g * 128 + 32 * blk;
+      for (int run = 0; run < 4; ++run) {  // inputs 8 run + j: position 32 run + 8 blk + j
+        float* oo = o + 8 * run;
+        if (type == kQ8_0) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(lv + 32 * run + 8 * blk);
+          for (int j = 0; j < 8; ++j) oo[j] = d * static_cast<float>(q[j]);
+          continue;
+        }
+        const uint8_t* q = lv + 32 * (run / 2) + 8 * blk;
+        const int shift = 4 * (run % 2);
+        int level[8];
+        for (int j = 0; j < 8; ++j) level[j] = (q[j] >> shift) & 0x0F;
+        if (q5)
+          for (int j = 0; j < 8; ++j) level[j] |= static_cast<int>((words[run] >> (8 * blk + j)) & 1) << 4;
+        if (has_min(type))
+          for (int j = 0; j < 8; ++j) oo[j] = d * static_cast<float>(level[j]) + m;
+        else
+          for (int j = 0; j < 8; ++j) oo[j] = d * static_cast<float>(level[j] - off);
       }
     }
   }
 }
 
-// One row of a 32-input shard in groups of four (pack_gguf_x4's layout) -> out[K] float32.
-void x4_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
-  const int64_t gbytes = x4_bytes(type), head = x4_header(type);
-  const bool q5 = type == kQ5_0 || type == kQ5_1;
-  const int64_t hb_at = type == kQ5_1 ? 16 : 8;
-  for (int64_t g = 0; g * 128 < K; ++g) {
-    const uint8_t* gb = row + g * gbytes;
-    const uint8_t* lv = gb + head;
-    for (int p = 0; p < 128; ++p) {  // position p: input 8 * (p / 32) + p % 8 of block (p % 32) / 8
-      const int blk = (p % 32) / 8;
-      const int64_t k = g * 128 + 32 * blk + 8 * (p / 32) + p % 8;
-      if (k >= K) continue;
-      const float d = f16_at(gb + 2 * blk);
-      float v;
-      if (type == kQ8_0) {
-        v = d * static_cast<float>(static_cast<int8_t>(lv[p]));
-      } else {
-        int level = (lv[32 * (p / 64) + p % 32] >> (4 * ((p / 32) % 2))) & 0x0F;
-        if (q5) {
-          uint32_t word;
-          std::memcpy(&word, gb + hb_at + 4 * (p / 32), 4);
-          level |= ((word >> (p % 32)) & 1) << 4;
-        }
-        if (has_min(type)) v = d * static_cast<float>(level) + f16_at(gb + 8 + 2 * blk);
-        else v = d * static_cast<float>(level - x4_offset(type));
-      }
-      out[k] = v;
-    }
-  }
+// float32 -> bf16 bits, rounded to nearest even (as torch's .to(bfloat16) for finite values; the
+// weights are finite), in a form the compiler vectorises
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 }  // namespace
@@ -124,35 +145,50 @@ at::Tensor gguf_dequant(const at::Tensor& buf, const at::Tensor& meta, int64_t K
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(rp[i] >= 0 && rp[i] < first[S], "gguf_dequant: row ", rp[i], " outside the ", first[S], " rows");
   const int64_t tiles = (R + 15) / 16;
-  at::Tensor out = tiled ? at::zeros({tiles, K / 2, 16, 2}, at::kBFloat16)
+  at::Tensor out = tiled ? at::empty({tiles, K / 2, 16, 2}, at::kBFloat16)
                          : at::empty({R, K}, bf16 ? at::kBFloat16 : at::kFloat);
   if (R == 0) return out;
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   void* op = out.data_ptr();
-  // one row at a time into a float row, then stored; a tiled output is split by tiles (whole
-  // tiles to each worker), the others by rows
-  auto run_row = [&](int64_t i, float* tmp) {
+  // a row at a time into a float row, then stored; a tiled output is split by tiles (16 rows
+  // dequantised, then written tile-order, each output line once), the others by rows
+  auto dequant_row = [&](int64_t i, float* dst) {
     const int64_t r = rp[i];
     const int64_t s = std::upper_bound(first.begin(), first.end(), r) - first.begin() - 1;
     const int64_t t = mt[4 * s], rb = mt[4 * s + 2];
     const uint8_t* row = bp + mt[4 * s + 3] + (r - first[s]) * rb;
-    if (is_kquant(t)) kquant_row(t, row, K, tmp);
-    else x4_row(t, row, K, tmp);
-    if (tiled) {
-      uint16_t* base = static_cast<uint16_t*>(op) + (i / 16) * (K / 2) * 32 + (i % 16) * 2;
-      for (int64_t k = 0; k < K; ++k) base[(k / 2) * 32 + k % 2] = c10::BFloat16(tmp[k]).x;
-    } else if (bf16) {
-      uint16_t* o = static_cast<uint16_t*>(op) + i * K;
-      for (int64_t k = 0; k < K; ++k) o[k] = c10::BFloat16(tmp[k]).x;
-    }
+    if (is_kquant(t)) kquant_row(t, row, K, dst);
+    else x4_row(t, row, K, dst);
   };
-  const int64_t units = tiled ? tiles : R, per = tiled ? 16 : 1;
-  iterserve::parallel_ranges(units, kRanges, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(bf16 ? K : 0);
-    for (int64_t u = begin; u < end; ++u)
-      for (int64_t i = u * per; i < std::min(R, (u + 1) * per); ++i)
-        run_row(i, bf16 ? tmp.data() : static_cast<float*>(op) + i * K);
-  });
+  if (tiled) {
+    iterserve::parallel_ranges(tiles, kRanges, [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(16 * K, 0.f);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t n = std::min<int64_t>(16, R - 16 * tile);
+        for (int64_t j = 0; j < n; ++j) dequant_row(16 * tile + j, &tmp[j * K]);
+        if (n < 16) std::fill(tmp.begin() + n * K, tmp.end(), 0.f);
+        uint16_t* o = static_cast<uint16_t*>(op) + tile * K * 16;  // [K/2][16][2]
+        for (int64_t kk = 0; kk < K / 2; ++kk)
+          for (int j = 0; j < 16; ++j) {
+            o[(kk * 16 + j) * 2] = to_bf16(tmp[j * K + 2 * kk]);
+            o[(kk * 16 + j) * 2 + 1] = to_bf16(tmp[j * K + 2 * kk + 1]);
+          }
+      }
+    });
+  } else {
+    iterserve::parallel_ranges(R, kRanges, [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(bf16 ? K : 0);
+      for (int64_t i = begin; i < end; ++i) {
+        if (!bf16) {
+          dequant_row(i, static_cast<float*>(op) + i * K);
+          continue;
+        }
+        dequant_row(i, tmp.data());
+        uint16_t* o = static_cast<uint16_t*>(op) + i * K;
+        for (int64_t k = 0; k < K; ++k) o[k] = to_bf16(tmp[k]);
+      }
+    });
+  }
   return out;
 }
 
