@@ -84,8 +84,8 @@ def test_chooser_sets_the_tiled_layouts_amx_cut_over_where_amx_wins(monkeypatch,
     cut-over at 4, the twin is judged against the merged times, and the engine's plan carries it."""
     real = kc.linear_candidates
 
-    def candidates(lins, layouts, twin):
-        out = real(lins, layouts, twin)
+    def candidates(lins, layouts, twin, *more):
+        out = real(lins, layouts, twin, *more)
 
         def slow_when(name, test):
             if name not in out:  # (no AMX candidate when the request leaves it out)

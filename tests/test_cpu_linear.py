@@ -201,9 +201,11 @@ def smol_float32_reference(smol_loaded):
                                                            reason="no AMX here"))],
     ids=["eager", "compiled", "batch8", "amx16"])
 def test_smollm2_bf16_path_within_tolerance_of_float32(smol_float32_reference, compiled, copies, amx):
-    """The default CPU path on this kind of machine (bf16, prepacked, int4 twin for decode steps,
-    Q8_0 LM head for steps of <= 4 rows, the C++ decode attention) against float32 on one long greedy sequence, teacher-forced: the prompt as one prefill (bf16
-    GEMMs) and then 48 single-token steps (int4 GEMMs, Q8_0 head). Compiled (--compile), inductor fuses the
+    """The default CPU path on this kind of machine (bf16, the GGUF's Q4_1 / Q8_0 blocks as the only
+    copy of the projections and the head: gguf_gemm for decode steps, panels dequantised to bf16 for
+    the prefill; the C++ decode attention) against float32 on one long greedy sequence,
+    teacher-forced: the prompt as one prefill (bf16 GEMMs) and then 48 single-token steps
+    (gguf_gemm). Compiled (--compile), inductor fuses the
     elementwise ops and rounds to bf16 in other places than eager does: the same bounds hold. batch8:
     8 copies of the sequence share every step, so decoding runs the bf16 GEMMs (ours where
     vectorised) and the bf16 head instead of the twins. amx16: our tiled GEMM forced, unmeasured, so
@@ -214,9 +216,9 @@ def test_smollm2_bf16_path_within_tolerance_of_float32(smol_float32_reference, c
         from iterserve.platform.cpu import AMX_MIN_ROWS
         assert {m.amx_min_rows for m in eng.model.modules() if isinstance(m, CpuLinear)} == {AMX_MIN_ROWS}
         assert copies >= AMX_MIN_ROWS
-    assert eng.platform.int4_max_tokens > 0  # the embedded GGUF is Q4_1: auto turns the twin on
-    if load_cpu_kernels() is not None:  # and its head is Q8_0: the head's twin too
-        assert eng.model.lm_head.twin == "q8_0"
+    assert eng.platform.int4_max_tokens > 0  # the embedded GGUF is Q4_1: its blocks run the decode steps
+    if load_cpu_kernels() is not None:  # and its head's Q8_0 blocks (the embedding's: tied) are its only copy
+        assert eng.model.lm_head.twin == "gguf" and eng.model.lm_head.from_blocks
     if compiled:
         eng.model.compile_decoder()
     prompt, ref, want = smol_float32_reference
@@ -229,7 +231,7 @@ def test_smollm2_bf16_path_within_tolerance_of_float32(smol_float32_reference, c
     got = torch.stack(got).float().log_softmax(-1)
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     ref_lp_diff = (got[torch.arange(len(ref)), ref] - want[torch.arange(len(ref)), ref]).abs()
-    print(f"bf16+int4{' compiled' if compiled else ''} x{copies} vs float32: top-1 agreement {top1:.3f}, |logprob diff| of the fp32 greedy token: "
+    print(f"bf16 + GGUF blocks{' compiled' if compiled else ''} x{copies} vs float32: top-1 agreement {top1:.3f}, |logprob diff| of the fp32 greedy token: "
           f"mean {ref_lp_diff.mean():.3f}, max {ref_lp_diff.max():.3f}")
     assert top1 >= 0.85
     assert ref_lp_diff.mean().item() < 0.1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -206,17 +207,31 @@ def read_index(path: Path, use_cache: bool = True) -> GGUFIndex:
 
 def iter_tensors(path: Path, index: GGUFIndex) -> Iterator[GGUFTensor]:
     """Yields each tensor's raw data as a read-only view of one memory map of the file. The map
-    is released once the iteration ends and the caller has dropped the views."""
+    is released once the iteration ends and the caller has dropped the views. Once the caller asks
+    for the next tensor, the pages of the one before leave this process (madvise DONTNEED: the file
+    stays in the page cache, a later read of a kept view maps it again), so loading never holds the
+    whole file mapped beside what it keeps of it: peak RSS is the kept copy plus one tensor."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     # a plain ndarray view: slices of an np.memmap are memmaps too, and the dequantisers' many
     # small slices would each pay for the subclass (about a third of the dequantisation time)
-    mm = np.asarray(np.memmap(path, mode="r"))
+    data = np.frombuffer(mm, dtype=np.uint8)
     try:
         for t in index.tensors:
             rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
-            raw = mm[t.offset:t.offset + t.nbytes]
+            raw = data[t.offset:t.offset + t.nbytes]
             yield GGUFTensor(t.name, t.qtype, t.shape, raw.reshape(*t.shape[:-1], t.nbytes // rows))
+            _release(mm, t.offset, t.nbytes)
     finally:
-        del mm
+        del data
+
+
+def _release(mm: mmap.mmap, offset: int, nbytes: int) -> None:
+    """Drops this process's pages of [offset, offset + nbytes) of the map (not on every platform)."""
+    if not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    mm.madvise(mmap.MADV_DONTNEED, start, min(len(mm), offset + nbytes) - start)
 
 
 def dequantize_tensor(t: GGUFTensor) -> torch.Tensor:

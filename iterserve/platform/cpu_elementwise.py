@@ -58,7 +58,8 @@ def use_cpu_elementwise(model: nn.Module) -> int:
     kernels must have loaded); returns how many modules changed."""
     changed = 0
     for name, mod in list(model.named_modules()):
-        if type(mod) not in (MLP, Attention) or next(mod.parameters()).device.type != "cpu":
+        # (a weight on the meta device is one the loader kept as GGUF blocks, for the platform to replace)
+        if type(mod) not in (MLP, Attention) or next(mod.parameters()).device.type not in ("cpu", "meta"):
             continue
         if type(mod) is MLP and mod.hidden_act == "silu":
             replace_module(model, name, CpuMLP(mod))
