@@ -52,6 +52,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_gemm_isa", &gguf_gemm_isa, "the instruction set gguf_gemm was built for: avx512-vnni, avx2 or scalar");
   m.def("gguf_dequant", &gguf_dequant, "rows of gguf_gemm's blocks (buf, meta) as gguf-py dequantises them: "
         "[R, K] float32, or bf16, or bf16 tiles for bf16_gemm (tiled)", py::arg("buf"), py::arg("meta"), py::arg("K"),
-        py::arg("rows"), py::arg("bf16") = false, py::arg("tiled") = false);
+        py::arg("rows"), py::arg("bf16") = false, py::arg("tiled") = false, py::arg("into") = py::none());
 }
 

@@ -26,12 +26,13 @@ using namespace gguf;
 
 // One row of a K-quant shard, K inputs -> out[K] float32 (gguf-py's quants.py, type by type). The
 // loops run over contiguous runs of inputs that share a scale, so the compiler vectorises them.
-void kquant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
-  const int64_t bytes = kquant_bytes(type);
+template <int64_t type>
+void kquant_row(const uint8_t* row, int64_t K, float* out) {
+  constexpr int64_t bytes = kquant_bytes(type);
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + sb * bytes;
     float* o = out + sb * 256;
-    if (type == kQ6_K) {  // ql[128], qh[64], scales[16] int8, d: value = (d * sc) * (q - 32)
+    if constexpr (type == kQ6_K) {  // ql[128], qh[64], scales[16] int8, d: value = (d * sc) * (q - 32)
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       const float d = f16_at(b + 208);
       for (int h = 0; h < 2; ++h)      // inputs 128h + 32j + l
@@ -47,8 +48,7 @@ void kquant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
             }
           }
         }
-      continue;
-    }
+    } else {
     // Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, [Q5_K: qh[32]], qs[128]:
     // value = (d * sc) * q - (dmin * m)
     const float d = f16_at(b), dmin = f16_at(b + 2);
@@ -60,10 +60,11 @@ void kquant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
       const uint8_t* q = qs + 32 * (i / 2);
       const int shift = 4 * (i % 2);
       float* oo = o + 32 * i;
-      if (type == kQ5_K)
+      if constexpr (type == kQ5_K)
         for (int l = 0; l < 32; ++l) oo[l] = D * static_cast<float>(((q[l] >> shift) & 0x0F) | (((b[16 + l] >> i) & 1) << 4)) - M;
       else
         for (int l = 0; l < 32; ++l) oo[l] = D * static_cast<float>((q[l] >> shift) & 0x0F) - M;
+    }
     }
   }
 }
@@ -71,36 +72,38 @@ void kquant_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 // One row of a 32-input shard in groups of four (pack_gguf_x4's layout) -> out[K] float32. Byte
 // 32c + 8b + j of a group's levels holds (low nibble, high nibble) the levels of positions
 // 64c + 8b + j and 64c + 32 + 8b + j, i.e. inputs 8(2c) + j and 8(2c + 1) + j of block b: runs of 8.
-void x4_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
-  const int64_t gbytes = x4_bytes(type), head = x4_header(type);
-  const bool q5 = type == kQ5_0 || type == kQ5_1;
-  const int64_t hb_at = type == kQ5_1 ? 16 : 8;
-  const int off = x4_offset(type);
+template <int64_t type>
+void x4_row(const uint8_t* row, int64_t K, float* out) {
+  constexpr int64_t gbytes = x4_bytes(type), head = x4_header(type);
+  constexpr bool q5 = type == kQ5_0 || type == kQ5_1;
+  constexpr int64_t hb_at = type == kQ5_1 ? 16 : 8;
+  constexpr int off = x4_offset(type);
   for (int64_t g = 0; g * 128 < K; ++g) {
     const uint8_t* gb = row + g * gbytes;
     const uint8_t* lv = gb + head;
     uint32_t words[4] = {0, 0, 0, 0};  // word w bit i: bit 4 of position 32w + i (Q5)
-    if (q5) std::memcpy(words, gb + hb_at, 16);
+    if constexpr (q5) std::memcpy(words, gb + hb_at, 16);
     for (int blk = 0; blk < 4 && g * 128 + 32 * blk < K; ++blk) {
-      const float d = f16_at(gb + 2 * blk), m = has_min(type) ? f16_at(gb + 8 + 2 * blk) : 0.f;
+      const float d = f16_at(gb + 2 * blk);
+      [[maybe_unused]] const float m = has_min(type) ? f16_at(gb + 8 + 2 * blk) : 0.f;
       float* o = out + g * 128 + 32 * blk;
       for (int run = 0; run < 4; ++run) {  // inputs 8 run + j: position 32 run + 8 blk + j
         float* oo = o + 8 * run;
-        if (type == kQ8_0) {
+        if constexpr (type == kQ8_0) {
           const int8_t* q = reinterpret_cast<const int8_t*>(lv + 32 * run + 8 * blk);
           for (int j = 0; j < 8; ++j) oo[j] = d * static_cast<float>(q[j]);
-          continue;
-        }
+        } else {
         const uint8_t* q = lv + 32 * (run / 2) + 8 * blk;
         const int shift = 4 * (run % 2);
         int level[8];
         for (int j = 0; j < 8; ++j) level[j] = (q[j] >> shift) & 0x0F;
-        if (q5)
+        if constexpr (q5)
           for (int j = 0; j < 8; ++j) level[j] |= static_cast<int>((words[run] >> (8 * blk + j)) & 1) << 4;
-        if (has_min(type))
+        if constexpr (has_min(type))
           for (int j = 0; j < 8; ++j) oo[j] = d * static_cast<float>(level[j]) + m;
         else
           for (int j = 0; j < 8; ++j) oo[j] = d * static_cast<float>(level[j] - off);
+        }
       }
     }
   }
@@ -118,9 +121,10 @@ inline uint16_t to_bf16(float f) {
 
 // buf/meta as gguf_gemm takes them; rows [R] int64 (fused output rows, any order) -> [R, K] float32
 // or bfloat16 (bf16); tiled: bf16 in pack_bf16's layout [ceil(R/16), K/2, 16, 2] (zero rows pad the
-// last tile), what bf16_gemm takes.
+// last tile), what bf16_gemm takes. `into`: scratch to write to instead of a new tensor (a panel
+// freshly allocated each call costs its page faults again: a third of the dequantisation).
 at::Tensor gguf_dequant(const at::Tensor& buf, const at::Tensor& meta, int64_t K, const at::Tensor& rows,
-                        bool bf16, bool tiled) {
+                        bool bf16, bool tiled, const c10::optional<at::Tensor>& into) {
   TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "buf must be contiguous uint8");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
               "meta must be contiguous [S, 4] int64 (type, rows, bytes per row, offset)");
@@ -145,8 +149,17 @@ at::Tensor gguf_dequant(const at::Tensor& buf, const at::Tensor& meta, int64_t K
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(rp[i] >= 0 && rp[i] < first[S], "gguf_dequant: row ", rp[i], " outside the ", first[S], " rows");
   const int64_t tiles = (R + 15) / 16;
-  at::Tensor out = tiled ? at::empty({tiles, K / 2, 16, 2}, at::kBFloat16)
-                         : at::empty({R, K}, bf16 ? at::kBFloat16 : at::kFloat);
+  const auto dtype = tiled || bf16 ? at::kBFloat16 : at::kFloat;
+  const std::vector<int64_t> shape = tiled ? std::vector<int64_t>{tiles, K / 2, 16, 2} : std::vector<int64_t>{R, K};
+  const int64_t need = tiled ? tiles * 16 * K : R * K;
+  at::Tensor out;
+  if (into.has_value()) {  // a caller's scratch: its first `need` elements, viewed in the output's shape
+    TORCH_CHECK(into->scalar_type() == dtype && into->is_contiguous() && into->numel() >= need,
+                "gguf_dequant: `into` must be a contiguous ", dtype, " tensor of at least ", need, " elements");
+    out = into->view({-1}).narrow(0, 0, need).view(shape);
+  } else {
+    out = at::empty(shape, dtype);
+  }
   if (R == 0) return out;
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   void* op = out.data_ptr();
@@ -157,8 +170,16 @@ at::Tensor gguf_dequant(const at::Tensor& buf, const at::Tensor& meta, int64_t K
     const int64_t s = std::upper_bound(first.begin(), first.end(), r) - first.begin() - 1;
     const int64_t t = mt[4 * s], rb = mt[4 * s + 2];
     const uint8_t* row = bp + mt[4 * s + 3] + (r - first[s]) * rb;
-    if (is_kquant(t)) kquant_row(t, row, K, dst);
-    else x4_row(t, row, K, dst);
+    switch (t) {
+      case kQ4_K: return kquant_row<kQ4_K>(row, K, dst);
+      case kQ5_K: return kquant_row<kQ5_K>(row, K, dst);
+      case kQ6_K: return kquant_row<kQ6_K>(row, K, dst);
+      case kQ4_0: return x4_row<kQ4_0>(row, K, dst);
+      case kQ4_1: return x4_row<kQ4_1>(row, K, dst);
+      case kQ5_0: return x4_row<kQ5_0>(row, K, dst);
+      case kQ5_1: return x4_row<kQ5_1>(row, K, dst);
+      case kQ8_0: return x4_row<kQ8_0>(row, K, dst);
+    }
   };
   if (tiled) {
     iterserve::parallel_ranges(tiles, kRanges, [&](int64_t begin, int64_t end) {

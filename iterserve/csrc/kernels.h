@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <string>
@@ -32,7 +33,7 @@ std::string gguf_gemm_isa();
 
 // gguf_dequant.cpp
 at::Tensor gguf_dequant(const at::Tensor& buf, const at::Tensor& meta, int64_t K, const at::Tensor& rows,
-                        bool bf16, bool tiled);
+                        bool bf16, bool tiled, const c10::optional<at::Tensor>& into);
 
 // gemm_bf16.cpp
 at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N, int64_t amx_min_rows);

@@ -38,6 +38,7 @@ rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebu
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -545,6 +546,16 @@ class CpuLinear(nn.Module):
 
 
 PANEL_BYTES = 4 << 20  # a dequantised panel of output rows (blocks_gemm): about an L2's worth or two
+_panels = threading.local()  # this thread's panel scratch, by dtype: reused, so its pages fault in once
+
+
+def _panel_scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    held = getattr(_panels, "by_dtype", None)
+    if held is None:
+        held = _panels.by_dtype = {}
+    if held.get(dtype) is None or held[dtype].numel() < numel:
+        held[dtype] = torch.empty(numel, dtype=dtype)
+    return held[dtype]
 
 
 def blocks_gemm(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, out_features: int, layout: str,
@@ -553,22 +564,28 @@ def blocks_gemm(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, out_feat
     at a time is dequantised (csrc/gguf_dequant.cpp, gguf-py's numbers) into the layout's form, tiled
     bf16 tiles, oneDNN's bf16 rows or float32 rows, and run on that layout's GEMM. A prefill chunk is
     bound by arithmetic, so the dequantisation (a read of the blocks and a write of the panel) costs
-    little next to the GEMM, and the panel stays in cache for it."""
+    little next to the GEMM, and the panel stays in cache for it. The panel is written into one
+    scratch buffer per thread (PANEL_BYTES: 4 MiB in bf16, 8 in float32) kept between calls."""
     kernels = load_cpu_kernels()
     m, k = x.shape
     wide = 4 if layout in ("float32", "bf16w") else 2
     step = max(16, PANEL_BYTES // (k * wide) // 16 * 16)
-    out = x.new_empty(m, out_features)
-    for r0 in range(0, out_features, step):
-        r1 = min(out_features, r0 + step)
+    scratch = _panel_scratch(torch.float32 if wide == 4 else torch.bfloat16, step * k)
+
+    def panel(r0: int, r1: int) -> torch.Tensor:
         rows = torch.arange(r0, r1)
         if layout == "tiled":
-            y = kernels.bf16_gemm(x, kernels.gguf_dequant(buf, meta, k, rows, True, True), r1 - r0, amx_min_rows)
-        elif layout == "onednn":
-            y = torch.nn.functional.linear(x, kernels.gguf_dequant(buf, meta, k, rows, True))
-        else:
-            y = torch.nn.functional.linear(x.float(), kernels.gguf_dequant(buf, meta, k, rows))
-        out[:, r0:r1] = y
+            tiles = kernels.gguf_dequant(buf, meta, k, rows, True, True, scratch)
+            return kernels.bf16_gemm(x, tiles, r1 - r0, amx_min_rows)
+        if layout == "onednn":
+            return torch.nn.functional.linear(x, kernels.gguf_dequant(buf, meta, k, rows, True, False, scratch))
+        return torch.nn.functional.linear(x.float(), kernels.gguf_dequant(buf, meta, k, rows, False, False, scratch))
+
+    if out_features <= step:  # one panel: its GEMM's output is the output
+        return panel(0, out_features)
+    out = x.new_empty(m, out_features, dtype=torch.float32 if wide == 4 else x.dtype)
+    for r0 in range(0, out_features, step):
+        out[:, r0:r0 + step] = panel(r0, min(out_features, r0 + step))
     return out
 
 
@@ -594,7 +611,7 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
         else:
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
     elif from_blocks:
-        y = blocks_gemm(x, twin_weight, twin_scales, out_features, layout, amx_min_rows)
+        y = blocks_gemm(x, twin_weight, twin_scales, out_features, layout, amx_min_rows).to(x.dtype)
     elif layout == "tiled":
         y = load_cpu_kernels().bf16_gemm(x, packed_weight, out_features, amx_min_rows)
     elif layout == "float32":
