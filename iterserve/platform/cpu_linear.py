@@ -29,6 +29,15 @@ each threshold are in docs/profile.md, with the commands that measured them
   (`pack_gguf_x4`, a permutation). `dequantize_gguf_twin` reads any twin back: it equals gguf-py's
   dequantisation of the file bit for bit (tests/test_kquant.py).
 
+- GGUF blocks as the weight. Where the kernels built and quantization is auto, the loader keeps a
+  GGUF's quantised modules as their blocks only (model.block_modules, their float weights never
+  allocated); `use_gguf_blocks` gives each a CpuLinear whose `blocks` are its only copy: gguf_gemm
+  for steps of few rows, `blocks_gemm` for many (a panel of rows dequantised at a time by
+  csrc/gguf_dequant.cpp into the layout's form, then its GEMM: the float copy's numbers), and the
+  embedding a BlockEmbedding. The GGUF twins beside a float copy (`shards=`) are what a model gets
+  that carries gguf_sources without block_modules (a loader that dequantised them); the GGUF loader
+  now keeps blocks instead wherever the kernels read them.
+
 The 4-bit grid (`min_max_4bit`, shared by both 4-bit twins) is rebuilt from the float weights by
 min-max per group of 32 along the input dimension. For a checkpoint that was 4-bit already (GGUF
 Q4_0/Q4_1: the same groups), that recovers the checkpoint's own levels; the only new error is the
