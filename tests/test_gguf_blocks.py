@@ -3,12 +3,13 @@
 - csrc/gguf_dequant.cpp reads any row of a projection's blocks back as gguf-py dequantises it, bit
   for bit, as float32, as bf16 (rounded as a float copy cast to bf16 is) and as bf16_gemm's tiles.
 - A step of many rows from the blocks (blocks_gemm: a panel of rows dequantised at a time) computes
-  what the same layout computed from a float copy: bit for bit on our tiled GEMM.
+  what the same layout computed from a float copy: bit for bit on our tiled GEMM, within float32's
+  rounding on F.linear (a BLAS may block a panel's rows otherwise than the whole weight's).
 - The engine, given a quantised GGUF (llama, tied head, Q4_K + Q8_0), allocates no float weight for
   a quantised module: the projections, the LM head and the embedding compute from the file's
   blocks. Echoed prompt logprobs (every step of many rows) equal a float copy's (quantization=none)
-  exactly in bf16, and in a float32 run asked for by name every step is float32 from gguf-py's
-  numbers: greedy tokens and prompt logprobs as the float copy's.
+  exactly in bf16 on our tiled GEMM, and in a float32 run asked for by name every step is float32
+  from gguf-py's numbers: greedy tokens as the float copy's, prompt logprobs within 1e-4.
 """
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ def test_many_rows_from_the_blocks_compute_what_the_float_copy_did(layout, monke
     x = torch.randn(37, k).to(dtype)
     if layout == "onednn":  # oneDNN's prepacked and plain bf16 weights: the same GEMM, maybe another order
         torch.testing.assert_close(blocks(x), dense(x), rtol=1e-2, atol=1e-2)
-    else:
+    elif layout == "float32":  # F.linear on a panel of rows: the BLAS may block a smaller N otherwise
+        torch.testing.assert_close(blocks(x), dense(x), rtol=1e-5, atol=1e-5)
+    else:  # our tiled GEMM computes each tile of 16 outputs alone: a panel changes nothing
         assert torch.equal(blocks(x), dense(x))
     few = x[:3]  # at most twin_max_tokens rows: gguf_gemm on the blocks
     assert torch.equal(blocks(few), load_cpu_kernels().gguf_gemm(few, buf, meta, weight.shape[0]))
@@ -128,6 +131,9 @@ def test_engine_keeps_only_the_blocks(q4_k_file, dtype, monkeypatch, tmp_path):
     ours = blocks.generate(prompts, params, use_tqdm=False)
     ref = dense.generate(prompts, params, use_tqdm=False)
     for a, b in zip(ours, ref):
-        assert a.prompt_logprobs == b.prompt_logprobs
-        if dtype == "float32":
+        if dtype == "float32":  # (F.linear by panels of rows: the BLAS may block them otherwise, ~1e-7)
             assert a.token_ids == b.token_ids
+            torch.testing.assert_close([p[0] for p in a.prompt_logprobs[1:]], [p[0] for p in b.prompt_logprobs[1:]],
+                                       rtol=0, atol=1e-4)
+        else:  # our tiled GEMM, tile by tile: the float copy's numbers exactly
+            assert a.prompt_logprobs == b.prompt_logprobs
