@@ -246,15 +246,20 @@ def _module_and_row(hf_name: str, fused: dict[str, tuple[str, int]]) -> tuple[st
     return module, 0
 
 
+def _weight_types(index: GGUFIndex, spec: GGUFArch, fused: dict[str, tuple[str, int]]) -> dict[str, set[str]]:
+    """Module path -> the storage types of its 2-d weight tensors in the file."""
+    types: dict[str, set[str]] = {}
+    for t in index.tensors:
+        name = gguf_to_hf_name(t.name, spec)
+        if name and name.endswith(".weight") and len(t.shape) == 2:
+            types.setdefault(_module_and_row(name, fused)[0], set()).add(t.qtype)
+    return types
+
+
 def _quantised_modules(index: GGUFIndex, spec: GGUFArch, fused: dict[str, tuple[str, int]]) -> set[str]:
     """Modules with at least one 2-d weight stored in a quantised type: the ones whose raw rows are
     kept (all their shards, float ones too, so that the shards cover the parameter)."""
-    out = set()
-    for t in index.tensors:
-        name = gguf_to_hf_name(t.name, spec)
-        if name and name.endswith(".weight") and len(t.shape) == 2 and t.qtype not in FLOAT_TYPES:
-            out.add(_module_and_row(name, fused)[0])
-    return out
+    return {m for m, types in _weight_types(index, spec, fused).items() if types - set(FLOAT_TYPES)}
 
 
 def block_modules(index: GGUFIndex, cfg: ModelConfig, block_types: frozenset[str]) -> set[str]:
@@ -263,16 +268,9 @@ def block_modules(index: GGUFIndex, cfg: ModelConfig, block_types: frozenset[str
     their only copy (no float weight is allocated or dequantised for them)."""
     if not block_types:
         return set()
-    spec = GGUF_ARCHS[index.get("general.architecture")]
-    fused = _fused_rows(cfg)
-    types: dict[str, set[str]] = {}
-    for t in index.tensors:
-        name = gguf_to_hf_name(t.name, spec)
-        if name and name.endswith(".weight") and len(t.shape) == 2:
-            module = _module_and_row(name, fused)[0]
-            if module.startswith("layers.") or module in ("embed_tokens", "lm_head"):
-                types.setdefault(module, set()).add(t.qtype)
-    return {m for m, ts in types.items() if ts <= block_types}
+    types = _weight_types(index, GGUF_ARCHS[index.get("general.architecture")], _fused_rows(cfg))
+    return {m for m, ts in types.items()
+            if (m.startswith("layers.") or m in ("embed_tokens", "lm_head")) and ts <= block_types}
 
 
 def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig, sources: dict[str, list[QuantShard]] | None = None,

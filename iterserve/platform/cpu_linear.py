@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -385,12 +385,10 @@ def gguf_twin_blocks(buf: torch.Tensor, meta: torch.Tensor, in_features: int) ->
     return out
 
 
-def gguf_twin_spec(shards: Sequence[Any]) -> str:
-    """A twin's block types and rows, what its speed depends on: 'q4_k:1024+q6_k:256' (neighbouring
-    shards of one type merged). The kernel chooser times one twin per distinct (shape, spec)."""
+def _spec(types_and_rows: Iterable[tuple[str, int]]) -> str:
+    """(block type, rows) in row order -> 'q4_k:1024+q6_k:256', neighbours of one type merged."""
     merged: list[list] = []
-    for s in sorted(shards, key=lambda s: int(s.row_start)):
-        _, rows, _, qtype, _ = shard_fields(s)
+    for qtype, rows in types_and_rows:
         if merged and merged[-1][0] == qtype:
             merged[-1][1] += rows
         else:
@@ -398,15 +396,15 @@ def gguf_twin_spec(shards: Sequence[Any]) -> str:
     return "+".join(f"{q.lower()}:{r}" for q, r in merged)
 
 
+def gguf_twin_spec(shards: Sequence[Any]) -> str:
+    """A twin's block types and rows, what its speed depends on: 'q4_k:1024+q6_k:256' (neighbouring
+    shards of one type merged). The kernel chooser times one twin per distinct (shape, spec)."""
+    return _spec((shard_fields(s)[3], shard_fields(s)[1]) for s in sorted(shards, key=lambda s: int(s.row_start)))
+
+
 def gguf_meta_spec(meta: torch.Tensor) -> str:
     """gguf_twin_spec of a packed twin (pack_gguf_twin's meta)."""
-    parts: list[list] = []
-    for t, rows, _, _ in meta.tolist():
-        if parts and parts[-1][0] == _GGUF_NAMES[t]:
-            parts[-1][1] += rows
-        else:
-            parts.append([_GGUF_NAMES[t], rows])
-    return "+".join(f"{q.lower()}:{r}" for q, r in parts)
+    return _spec((_GGUF_NAMES[t], rows) for t, rows, _, _ in meta.tolist())
 
 
 def gguf_twin_name(spec: str) -> str:
