@@ -288,9 +288,13 @@ def save_cached(key: Mapping[str, Any], choice: KernelChoice, folder: Path | Non
 
 
 # ---- candidates ------------------------------------------------------------------------------------
-def _linear(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> nn.Linear:
-    lin = nn.Linear(in_features, out_features, bias=False, device="meta")
-    lin.weight = nn.Parameter(torch.randn(out_features, in_features).mul_(0.02).to(dtype), requires_grad=False)
+def _linear(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16,
+            weightless: bool = False) -> nn.Linear:
+    """A random linear of this shape; `weightless`: its weight left on the meta device, for a CpuLinear
+    whose GGUF blocks are the weight (random floats of an 8B's shapes cost seconds and GiBs for nothing)."""
+    lin = nn.Linear(in_features, out_features, bias=False, device="meta", dtype=dtype)
+    if not weightless:
+        lin.weight = nn.Parameter(torch.randn(out_features, in_features).mul_(0.02).to(dtype), requires_grad=False)
     return lin
 
 
@@ -453,7 +457,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             copies = num_copies(n, k)
             # AMX never gives up: it is slow at few rows and wins at many, past where it would be dropped
             give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
-            lins = [_linear(n, k, req.dtype) for _ in range(copies)]
+            lins = [_linear(n, k, req.dtype, weightless=from_blocks) for _ in range(copies)]
             sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks), buckets,
                           give_up=give_up or None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
