@@ -137,3 +137,14 @@ def test_engine_keeps_only_the_blocks(q4_k_file, dtype, monkeypatch, tmp_path):
                                        rtol=0, atol=1e-4)
         else:  # our tiled GEMM, tile by tile: the float copy's numbers exactly
             assert a.prompt_logprobs == b.prompt_logprobs
+
+
+def test_forced_bf16w_warns_of_no_rounding_for_blocks(q4_k_file, monkeypatch, tmp_path, caplog):
+    """--bf16-gemm bf16w on a float32 run: the modules kept as blocks compute from float32 panels, so
+    the warning that weights are rounded to bf16 names none of them (it counts dense shapes only)."""
+    import logging
+
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="iterserve.platform"):
+        llm = _llm(q4_k_file, dtype="float32", bf16_gemm="bf16w")
+    assert llm.engine.model.block_modules and "rounded to bf16" not in caplog.text

@@ -27,7 +27,8 @@ from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, GGUF_BLOCKS, bf16_ge
                                            four_bit_max_tokens, gguf_twin_name, gguf_twins_of, int4_kernel_available,
                                            optimize_cpu_linears, tiled_gemm_amx, tiled_gemm_vectorised, use_gguf_blocks)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
-                                              choose_kernels, kernel_choice_dir, parse_linear_key, shapes_of)
+                                              choose_kernels, kernel_choice_dir, linears_by_shape, parse_linear_key,
+                                              shapes_of)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -48,7 +49,9 @@ def cpu_dtype(name: str) -> torch.dtype:
 
 def _warn_bf16w_rounding(model: nn.Module) -> None:
     """bf16_gemm=bf16w forced on a float32 run: says when that rounds weights (it changes the outputs)."""
-    shapes = shapes_of(model, torch.float32)
+    # (a module whose only copy is its GGUF blocks computes from float32 panels: nothing rounded)
+    shapes = [shape for shape, lins in linears_by_shape(model, torch.float32).items()
+              if all(lin.weight.device.type != "meta" for lin in lins)]
     rounded = len(shapes) - len(bf16_exact_shapes(model))
     if rounded:
         log.warning("bf16_gemm=bf16w: %d of %d projection shapes have weights that are not bf16-exact and are "
