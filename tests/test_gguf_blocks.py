@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_convert import convert, mixed_quant
+from gguf import GGMLQuantizationType as QT
+from gguf_convert import convert, mixed_quant, quantize_q4_k
 from test_model_families import random_model
 from torch import nn
 
 from iterserve.llm import LLM
+from iterserve.memory import model_tensors, weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import (BlockEmbedding, CpuLinear, dequantize_gguf_twin, pack_bf16, pack_gguf_twin,
                                            prepack_available, random_shards, tiled_gemm_vectorised)
@@ -124,7 +126,9 @@ def test_engine_keeps_only_the_blocks(q4_k_file, dtype, monkeypatch, tmp_path):
     assert not any(p.device.type == "meta" for p in model.parameters())  # every meta weight was replaced
     assert model.gguf_sources == {}
     assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in model.modules())
-    assert _weight_bytes(model) < 0.45 * _weight_bytes(dense.engine.model)
+    resident, mapped = weight_bytes(model_tensors(model))  # private copies; the file's map, read in place
+    assert resident < 0.45 * _weight_bytes(dense.engine.model)
+    assert 0 < mapped <= q4_k_file.stat().st_size  # the modules of K-quants alone (o, gate/up, down)
     few = max(m.twin_max_tokens for m in model.modules() if isinstance(m, CpuLinear))
     assert few == (0 if dtype == "float32" else 4)  # float32 by name: float32 at every step
 
@@ -139,6 +143,57 @@ def test_engine_keeps_only_the_blocks(q4_k_file, dtype, monkeypatch, tmp_path):
                                        rtol=0, atol=1e-4)
         else:  # our tiled GEMM, tile by tile: the float copy's numbers exactly
             assert a.prompt_logprobs == b.prompt_logprobs
+
+
+def _q4_k_everywhere(name, w):
+    """Every matrix Q4_K (the rows here are 256 long): every module reads the file's map in place."""
+    return (quantize_q4_k(w), QT.Q4_K) if w.ndim == 2 else None
+
+
+@pytest.fixture(scope="module")
+def q4_k_only_file(tmp_path_factory):
+    """A random llama, GQA, whose Q/K rows llama.cpp's converter permutes, all in K-quants."""
+    hf = random_model("llama", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=256, head_dim=64,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    return convert(hf, tmp_path_factory.mktemp("mapped") / "llama-q4k.gguf", quant=_q4_k_everywhere)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not tiled_gemm_vectorised(load_cpu_kernels()), reason="the bf16 comparison runs our tiled GEMM (AVX512-BF16)")),
+    "float32"])
+def test_k_quant_blocks_are_read_in_place_from_the_file(q4_k_only_file, dtype, monkeypatch, tmp_path):
+    """A file of K-quants: every module's blocks are the file's own pages (one storage, the map; a
+    second process serving the file shares them), Q/K rows left in llama.cpp's permuted order and
+    the outputs gathered back, with the numbers of the float copy of the same blocks."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    kw = dict(dtype=dtype, **({"bf16_gemm": "tiled"} if dtype == "bfloat16" else {}))
+    blocks, dense = _llm(q4_k_only_file, **kw), _llm(q4_k_only_file, quantization="none", **kw)
+    model = blocks.engine.model
+    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    storages = {m.twin_weight.untyped_storage().data_ptr() for m in linears} | {
+        model.embed_tokens.buf.untyped_storage().data_ptr()}
+    assert len(storages) == 1  # one storage: the file's map
+    assert model.embed_tokens.buf.numel() == q4_k_only_file.stat().st_size
+    ordered = {n for n, m in model.named_modules() if isinstance(m, CpuLinear) and m.out_order is not None}
+    assert ordered == {f"layers.{i}.self_attn.qkv_proj" for i in range(2)}  # Q and K rows as the file has them
+    resident, mapped = weight_bytes(model_tensors(model))
+    assert mapped == q4_k_only_file.stat().st_size and resident < 0.05 * mapped  # norms and tables alone
+
+    prompts = [list(range(5, 45)), list(range(300, 303))]  # many rows (panels), few rows (gguf_gemm)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    ours, ref = blocks.generate(prompts, params, use_tqdm=False), dense.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, ref):
+        if dtype == "float32":
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close([p[0] for p in a.prompt_logprobs[1:]], [p[0] for p in b.prompt_logprobs[1:]],
+                                       rtol=0, atol=1e-4)
+        else:  # tiled panels: the float copy's numbers exactly; the decode rows ran gguf_gemm on the map
+            assert a.prompt_logprobs == b.prompt_logprobs
+    if dtype == "bfloat16":  # gguf_gemm on the map and the gather, against the gather of the copy's rows
+        qkv = model.layers[0].self_attn.qkv_proj
+        x = torch.randn(2, 256).to(torch.bfloat16)
+        torch.testing.assert_close(qkv(x).float(), dense.engine.model.layers[0].self_attn.qkv_proj(x).float(),
+                                   rtol=2e-2, atol=2e-2)
 
 
 def test_forced_bf16w_warns_of_no_rounding_for_blocks(q4_k_file, monkeypatch, tmp_path, caplog):

@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,11 @@ class QuantShard:
     rows: int
     cols: int  # input features
     qtype: str  # GGMLQuantizationType name, e.g. "Q4_K", "Q6_K", "Q8_0", "F16", "F32"
-    data: torch.Tensor  # uint8 [rows, bytes_per_row]: the file's blocks of these rows, as stored (a copy, contiguous)
+    data: torch.Tensor  # uint8 [rows, bytes_per_row]: the file's blocks of these rows, as stored (a copy,
+    # contiguous; or a view of the file's map, GGUFTensor.mapped)
+    # n > 0: the rows are in the file's order, llama.cpp's Q/K permutation of n heads not undone (a view
+    # of the map cannot be reordered); the consumer reorders its outputs (cpu_linear.output_order)
+    permuted_heads: int = 0
 
 
 def cache_dir() -> Path:
@@ -82,6 +87,10 @@ class GGUFTensor:
     qtype: str
     shape: tuple[int, ...]
     data: np.ndarray
+    # the same bytes as a uint8 tensor [rows, bytes a row] over one storage for the whole file map:
+    # blocks kept as they are (the loader's mapped modules) share the file's pages, with each other
+    # and with every process that maps the file, and cost no copy
+    mapped: torch.Tensor | None = None
 
 
 @dataclass
@@ -206,8 +215,9 @@ def read_index(path: Path, use_cache: bool = True) -> GGUFIndex:
 
 
 def iter_tensors(path: Path, index: GGUFIndex) -> Iterator[GGUFTensor]:
-    """Yields each tensor's raw data as a read-only view of one memory map of the file. The map
-    is released once the iteration ends and the caller has dropped the views. Once the caller asks
+    """Yields each tensor's raw data as a read-only view of one memory map of the file (as an ndarray,
+    and as a uint8 tensor over the whole map's one storage). The map is released once the iteration
+    ends and the caller has dropped the views. Once the caller asks
     for the next tensor, the pages of the one before leave this process (madvise DONTNEED: the file
     stays in the page cache, a later read of a kept view maps it again), so loading never holds the
     whole file mapped beside what it keeps of it: peak RSS is the kept copy plus one tensor."""
@@ -216,14 +226,18 @@ def iter_tensors(path: Path, index: GGUFIndex) -> Iterator[GGUFTensor]:
     # a plain ndarray view: slices of an np.memmap are memmaps too, and the dequantisers' many
     # small slices would each pay for the subclass (about a third of the dequantisation time)
     data = np.frombuffer(mm, dtype=np.uint8)
+    with warnings.catch_warnings():  # read-only by design: nothing writes to a weight's blocks
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
     try:
         for t in index.tensors:
             rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
             raw = data[t.offset:t.offset + t.nbytes]
-            yield GGUFTensor(t.name, t.qtype, t.shape, raw.reshape(*t.shape[:-1], t.nbytes // rows))
+            mapped = whole[t.offset:t.offset + t.nbytes].view(rows, t.nbytes // rows)
+            yield GGUFTensor(t.name, t.qtype, t.shape, raw.reshape(*t.shape[:-1], t.nbytes // rows), mapped)
             _release(mm, t.offset, t.nbytes)
     finally:
-        del data
+        del data, whole
 
 
 def _release(mm: mmap.mmap, offset: int, nbytes: int) -> None:
@@ -232,6 +246,13 @@ def _release(mm: mmap.mmap, offset: int, nbytes: int) -> None:
         return
     start = offset // mmap.PAGESIZE * mmap.PAGESIZE
     mm.madvise(mmap.MADV_DONTNEED, start, min(len(mm), offset + nbytes) - start)
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undoes llama.cpp's convert-time permutation of Q/K rows (interleaved -> rotate-half). A row
+    permutation: it applies as well to a tensor of raw quantised rows (blocks run along a row)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def dequantize_tensor(t: GGUFTensor) -> torch.Tensor:

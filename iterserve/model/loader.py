@@ -30,7 +30,7 @@ from iterserve.model.families.base import Family, common_config
 from iterserve.model.gguf_arch import (GGUF_ARCHS, GLOBAL_TENSORS, SKIPPED_BLOCK_TENSORS, SKIPPED_TENSORS, GGUFArch,
                                        GGUFMeta, base_config, longrope_scaling)
 from iterserve.model.gguf_file import (FLOAT_TYPES, GGUF_DEQUANT_TYPES, GGUFError, GGUFIndex, QuantShard, cache_dir,
-                                       dequantize_tensor, file_key, iter_tensors, read_index)
+                                       dequantize_tensor, file_key, iter_tensors, read_index, unpermute_qk)
 from iterserve.model.registry import UnsupportedArchitecture, family_for, family_for_gguf
 
 log = logging.getLogger("iterserve.loader")
@@ -222,13 +222,6 @@ def gguf_to_hf_name(name: str, arch: str | GGUFArch = "llama", where: str = "") 
     raise GGUFError(f"{where}GGUF tensor {name!r} has no place in a {spec.name} model")
 
 
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undoes llama.cpp's convert-time permutation of Q/K rows (interleaved -> rotate-half). A row
-    permutation: it applies as well to a tensor of raw quantised rows (blocks run along a row)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
     """HF projection -> (the decoder's fused parameter, its first row there)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -280,7 +273,9 @@ def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig, sources: dict[s
     With `sources`, the raw rows of the quantised modules' weights are kept there as QuantShards
     (row-permuted as their dequantised rows are), module path -> shards in the order read. The
     weights of the modules in `blocks` (block_modules) are kept as shards only: never dequantised,
-    not yielded."""
+    not yielded, and not copied: views of the file's map in the file's row order (QuantShard.permuted_heads
+    says where llama.cpp's Q/K permutation is still in them), so the pages are the page cache's, shared
+    by every process serving the file."""
     spec = GGUF_ARCHS[index.get("general.architecture")]
     fused = _fused_rows(cfg)
     keep = (_quantised_modules(index, spec, fused) | blocks) if sources is not None else set()
@@ -292,13 +287,15 @@ def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig, sources: dict[s
         heads = None
         if spec.permuted_qk and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+        if module in blocks and sources is not None:  # the file's blocks as they lie in the map: no copy, no reordering
+            sources.setdefault(module, []).append(QuantShard(row, t.shape[0], t.shape[1], t.qtype, t.mapped,
+                                                             heads or 0))
+            continue
         if module in keep:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
             if heads is not None:
                 raw = unpermute_qk(raw, heads)
             sources.setdefault(module, []).append(QuantShard(row, t.shape[0], t.shape[1], t.qtype, raw.contiguous()))
-            if module in blocks:
-                continue
         w = dequantize_tensor(t)
         if heads is not None:
             w = unpermute_qk(w, heads)

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from iterserve.cpu_info import cpu_flags
+from iterserve.model.gguf_file import unpermute_qk
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 
@@ -346,19 +347,57 @@ def gguf_twin_supported(shards: Sequence[Any] | None, out_features: int, in_feat
     return row == out_features
 
 
+def _one_map(shards: Sequence[Any]) -> bool:
+    """Whether the shards are K-quant rows that all view one storage (the file's map, GGUFTensor.mapped):
+    gguf_gemm then reads them in place, at their offsets in it."""
+    data = [shard_fields(s)[4] for s in shards]
+    return (all(shard_fields(s)[3] in KQUANTS for s in shards) and all(isinstance(d, torch.Tensor) for d in data)
+            and len({d.untyped_storage().data_ptr() for d in data}) == 1)
+
+
 def pack_gguf_twin(shards: Sequence[Any], in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The shards of one projection -> (buf uint8, meta [S, 4] int64: ggml type, rows, bytes a row,
-    offset), what gguf_gemm takes: K-quant rows as stored, 32-input blocks by pack_gguf_x4. A single
-    K-quant shard's tensor is used as it is (no copy)."""
+    offset), what gguf_gemm takes: K-quant rows as stored, 32-input blocks by pack_gguf_x4. K-quant
+    shards that view one storage (a file's map) are used in place: buf is that whole storage, the
+    offsets are where each shard lies in it, and nothing is copied (their rows stay in the file's
+    order: output_order). Otherwise the shards are copied into one buffer, a permuted shard's rows
+    put back in order (QuantShard.permuted_heads) as they go."""
+    ordered = sorted(shards, key=lambda s: int(s.row_start))
+    if _one_map(ordered):
+        base = shard_fields(ordered[0])[4].untyped_storage()
+        buf = torch.empty(0, dtype=torch.uint8).set_(base)
+        meta = [[GGUF_BLOCKS[shard_fields(s)[3]][0], shard_fields(s)[1], gguf_row_bytes(shard_fields(s)[3], in_features),
+                 shard_fields(s)[4].data_ptr() - base.data_ptr()] for s in ordered]
+        return buf, torch.tensor(meta, dtype=torch.int64)
     parts, meta, offset = [], [], 0
-    for s in sorted(shards, key=lambda s: int(s.row_start)):
+    for s in ordered:
         _, rows, _, qtype, data = shard_fields(s)
         data = _shard_bytes(data)
+        heads = int(getattr(s, "permuted_heads", 0))
+        if heads:
+            data = unpermute_qk(data, heads)
         packed = data.contiguous() if qtype in KQUANTS else pack_gguf_x4(data, qtype)
         parts.append(packed.reshape(-1))
         meta.append([GGUF_BLOCKS[qtype][0], rows, gguf_row_bytes(qtype, in_features), offset])
         offset += packed.numel()
     return parts[0] if len(parts) == 1 else torch.cat(parts), torch.tensor(meta, dtype=torch.int64)
+
+
+def output_order(shards: Sequence[Any]) -> torch.Tensor | None:
+    """Where each output of a projection packed in place (pack_gguf_twin) comes from, when one of its
+    shards still has llama.cpp's Q/K permutation (QuantShard.permuted_heads): y[:, order] puts the
+    outputs back in Hugging Face's order, a gather of a row of outputs where a copy of the weight
+    would cost its bytes in every process. None: already in order."""
+    ordered = sorted(shards, key=lambda s: int(s.row_start))
+    if not _one_map(ordered) or not any(getattr(s, "permuted_heads", 0) for s in ordered):
+        return None
+    parts = []
+    for s in ordered:
+        start, rows = shard_fields(s)[:2]
+        heads = int(getattr(s, "permuted_heads", 0))
+        idx = torch.arange(start, start + rows)
+        parts.append(unpermute_qk(idx, heads) if heads else idx)
+    return torch.cat(parts)
 
 
 _GGUF_NAMES = {v[0]: k for k, v in GGUF_BLOCKS.items()}
@@ -496,14 +535,18 @@ class CpuLinear(nn.Module):
     the same weight tiles, where bf16_gemm_amx_available; 0: never. Keeps no plain copy of a weight
     it owns alone.
     `blocks` (buf, meta from pack_gguf_twin): the GGUF's blocks are the weight, its only copy (the
-    linear's weight is on the meta device). Steps of at most `twin_max_tokens` rows run gguf_gemm on
+    linear's weight is on the meta device), maybe the file's map in place; `out_order` (output_order)
+    then puts outputs computed in the file's row order back in the model's. Steps of at most `twin_max_tokens` rows run gguf_gemm on
     them; larger ones dequantise a panel of output rows at a time into `layout`'s form and run its
     GEMM (blocks_gemm): the numbers of a float copy in that layout, without keeping one."""
 
     def __init__(self, linear: nn.Linear, twin: str | None = None, twin_max_tokens: int = 0,
                  keep_weight: bool = False, layout: str = "onednn", amx_min_rows: int = 0,
-                 shards: Sequence[Any] | None = None, blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 shards: Sequence[Any] | None = None, blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 out_order: torch.Tensor | None = None) -> None:
         super().__init__()
+        # blocks packed in place in the file's row order (output_order): outputs gathered back after the GEMM
+        self.register_buffer("out_order", out_order if blocks is not None else None, persistent=False)
         if blocks is not None:
             twin = "gguf"
         if twin not in (None, *TWINS):
@@ -546,10 +589,15 @@ class CpuLinear(nn.Module):
         self.weight = linear.weight if keep_weight and not self.from_blocks else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.iterserve.cpu_linear(x, self.packed_weight, self.layout, self.out_features,
-                                              getattr(self, "twin_weight", None), getattr(self, "twin_scales", None),
-                                              getattr(self, "twin_mins", None), self.bias, self.twin_max_tokens,
-                                              self.twin, self.amx_min_rows, self.from_blocks)
+        in_order = self.out_order is None  # else the bias (in the model's order) is added after the gather
+        y = torch.ops.iterserve.cpu_linear(x, self.packed_weight, self.layout, self.out_features,
+                                           getattr(self, "twin_weight", None), getattr(self, "twin_scales", None),
+                                           getattr(self, "twin_mins", None), self.bias if in_order else None,
+                                           self.twin_max_tokens, self.twin, self.amx_min_rows, self.from_blocks)
+        if in_order:
+            return y
+        y = y.index_select(-1, self.out_order)
+        return y if self.bias is None else y + self.bias
 
 
 PANEL_BYTES = 4 << 20  # a dequantised panel of output rows (blocks_gemm): about an L2's worth or two
@@ -717,7 +765,8 @@ def use_gguf_blocks(model: nn.Module, plan_of: Callable[[str, nn.Linear, str], t
             new: nn.Module = BlockEmbedding(pair, mod.num_embeddings, dim, mod.weight.dtype)
         else:
             layout, most, amx = plan_of(name, mod, gguf_meta_spec(pair[1]))
-            new = CpuLinear(mod, twin_max_tokens=most, layout=layout, amx_min_rows=amx, blocks=pair)
+            new = CpuLinear(mod, twin_max_tokens=most, layout=layout, amx_min_rows=amx, blocks=pair,
+                            out_order=output_order(shards))
         replace_module(model, name, new)
         changed += 1
     model.gguf_sources = {k: v for k, v in sources.items() if k not in blocks}
