@@ -8,7 +8,8 @@ interleaved so that a change in the machine's load hits both.
 Per process: the engine is built (kernels measured or read from the kernel-choice cache, as a
 server does), one warm-up request, then the best of 3 single-stream decodes of 64 tokens (tokens
 after the first over their span) and one 512-token prefill (one token sampled); peak RSS is the
-process's VmHWM, beside its RSS after loading and the engine's own count of its weights; load is the
+process's VmHWM, beside its RSS after loading and the engine's own count of its weights (private and
+read in place from the file's map); load is the
 engine's construction (weights, kernel choice, KV cache). The host line (CPU, flags, copy bandwidth,
 GEMM) comes first. Leave --baseline-src out where the old tree cannot hold the model (a float copy of
 an 8B needs ~16 GB more).
@@ -43,7 +44,8 @@ llm.generate([list(range(1000, 1512))], SamplingParams(max_tokens=1, temperature
 prefill = 512 / (time.perf_counter() - t)
 print(json.dumps({"load_s": load, "rss_after_load_gib": after, "decode_tok_s": best, "prefill_512_tok_s": prefill,
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                  "weights_gib": llm.engine.memory.weights_resident / 2**30}))
+                  "weights_gib": (llm.engine.memory.weights_resident + llm.engine.memory.weights_mapped) / 2**30,
+                  "weights_mapped_gib": llm.engine.memory.weights_mapped / 2**30}))
 """
 
 

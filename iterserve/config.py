@@ -70,6 +70,17 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k get no RoPE
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first fraction of each head only
 
+    def param_counts(self) -> tuple[int, int]:
+        """(non-embedding parameters, all parameters) of the decoder: what a token's step multiplies
+        by (2 FLOPs each), for the simulator's analytic profile and the server's step timeout."""
+        q = self.hidden_size * self.num_heads * self.head_dim
+        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        layers = self.num_layers * (q + kv + o + mlp)
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return layers, layers + embed
+
     def layer_window(self, layer: int) -> int:
         """The sliding window of `layer` (0: full causal attention)."""
         if not self.sliding_window:

@@ -333,3 +333,21 @@ def test_sigterm_drains_then_aborts_with_errors(tiny_model_dir, tmp_path):
     assert seen["health"] == (503, "1")
     assert seen["late"][0] == 503 and seen["late"][1] == "1" and "shutting down" in seen["late"][2]
     assert 2 <= elapsed < 15
+
+
+def test_step_timeout_covers_the_longest_step_of_a_large_model():
+    """--step-timeout is a floor: an 8B's full prefill step (2,048 tokens, ~70 s on two cores) must not be
+    taken for a hung kernel, a tiny model keeps the flag's value."""
+    from types import SimpleNamespace
+
+    from iterserve.config import ModelConfig
+    from iterserve.server.async_engine import longest_step_s
+
+    llama_8b = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                           num_kv_heads=8, head_dim=128)
+    tiny = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+    budget = EngineConfig(max_num_batched_tokens=2048)
+    big = longest_step_s(SimpleNamespace(model_config=llama_8b, config=budget))
+    assert 250 < big < 400  # 6.98e9 weights x 2 x 2048 tokens at 1e11 FLOP/s
+    assert longest_step_s(SimpleNamespace(model_config=tiny, config=budget)) < 1

@@ -173,13 +173,25 @@ def error_output(request_id: str, message: str, reason: str = "error") -> Reques
     return RequestOutput(request_id, [], "", True, reason, 0, 0, RequestTimes(time.monotonic()), error=message)
 
 
+SLOWEST_FLOPS = 1e11  # FLOP/s a slow host (2 cores, AVX2, under load) still reaches in a prefill's GEMMs
+
+
+def longest_step_s(engine: LLMEngine) -> float:
+    """What the largest step this engine can schedule (max_num_batched_tokens of prefill) may take on
+    a slow host: 2 FLOPs per weight per token at SLOWEST_FLOPS. The step timeout is never shorter, so
+    a long prompt chunk of an 8B model on two cores (~70 s here) is not taken for a hung kernel."""
+    body, _ = engine.model_config.param_counts()
+    return 2.0 * body * engine.config.max_num_batched_tokens / SLOWEST_FLOPS
+
+
 @dataclass
 class AsyncEngine:
     engine: LLMEngine
     busy_window_s: float = 10.0
     history: int = 4096  # step records kept for /v1/scheduler
     warmup: bool = True  # one short generation in the engine thread before it reports ready
-    step_timeout: float | None = 60.0  # a step running longer makes /health 503 and fails open requests
+    # a step running longer makes /health 503 and fails open requests; raised to longest_step_s where that is longer
+    step_timeout: float | None = 60.0
     max_consecutive_failures: int = 3  # failed steps in a row that declare the engine dead
     step_listeners: list[Callable[[StepRecord], None]] = field(default_factory=list)  # engine thread
     finish_listeners: list[Callable[[RequestOutput], None]] = field(default_factory=list)  # loop thread
@@ -206,6 +218,8 @@ class AsyncEngine:
         self.step_started: float | None = None  # time.monotonic() of the step in progress (engine thread)
         self.consecutive_failures = 0
         self.ready = threading.Event()  # set once warmed up; /health answers 200 from then on
+        if self.step_timeout is not None:
+            self.step_timeout = max(self.step_timeout, longest_step_s(self.engine))
         self.state = self._take_state()
         self.engine.step_listeners.append(self._on_step)
 

@@ -61,17 +61,6 @@ def model_shape(name_or_path: str) -> tuple[str, ModelConfig]:
     return path.parent.name, ModelConfig.from_hf_dict(json.loads(path.read_text()))
 
 
-def param_counts(m: ModelConfig) -> tuple[int, int]:
-    """(non-embedding parameters, all parameters) of a Llama-family decoder."""
-    q = m.hidden_size * m.num_heads * m.head_dim
-    kv = 2 * m.hidden_size * m.num_kv_heads * m.head_dim
-    o = m.num_heads * m.head_dim * m.hidden_size
-    mlp = 3 * m.hidden_size * m.intermediate_size
-    layers = m.num_layers * (q + kv + o + mlp)
-    embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    return layers, layers + embed
-
-
 def analytic_profile(gpu: str, shape: str, bytes_per_param: int = 2, gpu_memory_utilization: float = 0.9,
                      flops_efficiency: float = 0.5, bandwidth_efficiency: float = 0.7,
                      overhead_s: float = 0.002) -> Profile:
@@ -79,7 +68,7 @@ def analytic_profile(gpu: str, shape: str, bytes_per_param: int = 2, gpu_memory_
         raise ValueError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS)}")
     spec = GPUS[gpu]
     name, m = model_shape(shape)
-    body, total = param_counts(m)
+    body, total = m.param_counts()
     weight_bytes = total * bytes_per_param
     kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * bytes_per_param
     kv_memory = int(spec.memory_bytes * gpu_memory_utilization - weight_bytes - ACTIVATION_RESERVE_BYTES)
