@@ -332,14 +332,33 @@ def gguf_twins(args) -> None:
     if args.sampler:
         sampler_cost(args)
     if args.numerics:
-        gguf_numerics(args.numerics)
+        gguf_numerics(args.numerics, llamacpp_url=args.llamacpp_url)
 
 
-def gguf_numerics(path: str, steps: int = 48) -> None:
+def llamacpp_teacher_forced(url: str, ids: list[int], n_prompt: int) -> tuple[list[int], list[float | None]]:
+    """llama-server's greedy token and its logprob of `ids[n]` at every position n >= n_prompt, each
+    asked as its own completion of ids[:n] (its prompt cache reuses the prefix): the same positions
+    the engines are teacher-forced on. None where ids[n] is not among its 20 most likely."""
+    import httpx
+
+    top, lp = [], []
+    with httpx.Client(timeout=300) as client:
+        for n in range(n_prompt, len(ids)):
+            r = client.post(f"{url}/completion", json={"prompt": ids[:n], "n_predict": 1, "n_probs": 20,
+                                                        "temperature": 0, "cache_prompt": True})
+            r.raise_for_status()
+            probs = r.json()["completion_probabilities"][0]["top_logprobs"]
+            top.append(int(probs[0]["id"]))
+            lp.append(next((float(p["logprob"]) for p in probs if int(p["id"]) == ids[n]), None))
+    return top, lp
+
+
+def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -> None:
     """A GGUF model decoding one sequence, teacher-forced on float32's greedy tokens (float32 holds
-    the file's values exactly): bf16 with no twin, with the twins of the file's own blocks
-    (quantization auto), and with the min-max 4-bit / Q8_0 twins rebuilt from the float weights
-    (quantization int4, the path before): top-1 agreement and |logprob difference| of float32's token."""
+    the file's values exactly): bf16 with no twin (a float copy), with the file's blocks as the
+    weights (quantization auto, the default: gguf_gemm for decode steps), and with the min-max 4-bit
+    / Q8_0 twins rebuilt from the float weights (quantization int4): top-1 agreement and |logprob
+    difference| of float32's token; with `llamacpp_url`, llama-server on the same file and positions."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
@@ -367,7 +386,14 @@ def gguf_numerics(path: str, steps: int = 48) -> None:
     del ref
     rows = torch.arange(len(want))
     tokens = torch.tensor(ids[n_prompt:])
-    for label, q in (("bf16, no twin", "none"), ("bf16 + twins of the file's blocks", "auto"),
+    if llamacpp_url:
+        top, lp = llamacpp_teacher_forced(llamacpp_url, ids, n_prompt)
+        top1 = (torch.tensor(top) == want.argmax(-1)).float().mean().item()
+        diffs = [abs(v - want[i, tokens[i]].item()) for i, v in enumerate(lp) if v is not None]
+        print(f"{'llama.cpp (llama-server, same file)':36s} vs float32 over {len(want)} positions: top-1 {top1:.3f}, "
+              f"|logprob diff| of float32's token mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.3f} "
+              f"({len(diffs)} positions where it is in llama.cpp's top 20)", flush=True)
+    for label, q in (("bf16, no twin", "none"), ("bf16, the file's blocks (default)", "auto"),
                      ("bf16 + min-max int4 / Q8_0 twins", "int4")):
         eng = LLMEngine(EngineConfig(**base, dtype="bfloat16", quantization=q))
         got = logits(eng, ids[:-1], n_prompt)
@@ -430,6 +456,7 @@ def main() -> None:
                    help="shapes with this many outputs are LM heads: also time the Q8_0 twin rebuilt from floats")
     p.add_argument("--sampler", action="store_true", help="also the sampler over that many logits")
     p.add_argument("--numerics", metavar="GGUF", help="also a GGUF model's logits with each twin vs float32")
+    p.add_argument("--llamacpp-url", help="with --numerics: a llama-server serving the same file, asked the same positions")
     p.set_defaults(fn=gguf_twins)
     args = ap.parse_args()
     args.fn(args)
