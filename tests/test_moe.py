@@ -134,10 +134,10 @@ def test_moe_family_matches_transformers(family, moe_dirs, prompts):
     for i, (got, ref) in enumerate(zip(ours, ref_ids)):
         assert got == ref, f"prompt {i} after preemption: first difference at {_first_difference(got, ref)}"
 
-    # bf16 through the engine's own loading (the CPU platform swaps the dense projections, norms and
-    # the dense MLP; the experts stay plain torch): top-1 agreement with the float32 tokens
+    # bf16 through the engine's own loading (the CPU platform's layouts and kernels, the experts on its
+    # tiled GEMM where it is vectorised): top-1 agreement with the float32 tokens
     eng = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory="32MiB").engine
-    assert type(eng.model.layers[0].mlp) is SparseMoeBlock
+    assert isinstance(eng.model.layers[0].mlp, SparseMoeBlock)
     agree = total = 0
     for p, ref in zip(prompts, ref_ids):
         logits = sequence_logits((eng.model, eng.model_config, eng.tokenizer), p + ref[:-1])[len(p) - 1:]
@@ -172,6 +172,28 @@ def test_one_token_reads_only_its_experts(moe_dirs, monkeypatch):
     expected = {block.gate.weight.data_ptr()} | {w13[e].data_ptr() for e in ids[0].tolist()} | \
                {w2[e].data_ptr() for e in ids[0].tolist()}
     assert len(touched) == 1 + 2 * cfg.num_experts_per_tok and set(touched) == expected
+
+
+@torch.inference_mode()
+def test_cpu_experts_on_the_tiled_gemm_bit_equal(moe_dirs):
+    """The CPU platform's bf16 experts (packed for the tiled GEMM, SiLU-and-mul kernel) give the plain
+    block's bits, on steps of one row and of many."""
+    from iterserve.platform.cpu_kernels import load_cpu_kernels
+    from iterserve.platform.cpu_linear import tiled_gemm_vectorised
+    from iterserve.platform.cpu_moe import CpuSparseMoeBlock, use_cpu_moe
+
+    if not tiled_gemm_vectorised(load_cpu_kernels()):
+        pytest.skip("the tiled bf16 GEMM needs the C++ kernels with AVX512-BF16")
+    model, cfg, _, _ = load_model(str(moe_dirs("qwen3_moe")), torch.bfloat16)
+    plain = model.layers[0].mlp
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(n, cfg.hidden_size, generator=g).bfloat16() for n in (1, 3, 40)]
+    ref = [plain(x) for x in xs]
+    assert use_cpu_moe(model) == 2  # the two MoE layers; the dense layer is not one
+    fast = model.layers[0].mlp
+    assert type(fast) is CpuSparseMoeBlock and not any(n.startswith("experts") for n, _ in fast.named_parameters())
+    for x, r in zip(xs, ref):
+        assert torch.equal(fast(x), r)
 
 
 def test_engine_features_on_moe(moe_dirs, prompts):
@@ -265,3 +287,9 @@ def test_moe_options_refused(tmp_path):
     hf = AutoConfig.for_model("olmoe", **{**BASE, **MOE_FAMILIES["olmoe"][1], "clip_qkv": 8.0})
     with pytest.raises(ValueError, match="clip_qkv"):
         FAMILIES["olmoe"].configure(hf, common_config(hf, "olmoe"))
+
+
+def test_compile_refused_on_moe(moe_dirs):
+    """--compile on a MoE model is refused by name rather than run wrong (see decoder.compile_decoder)."""
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(model=str(moe_dirs("olmoe")), dtype="float32", kv_cache_memory="32MiB", compile=True)

@@ -111,6 +111,12 @@ class DecoderForCausalLM(nn.Module):
         # (docs/profile.md). The parameters go unguarded, and dynamo keeps its graphs on the
         # function's code object: a code object of its own per model, or a second model in this
         # process would run the first's graph (its layer count and constants baked in).
+        if self.cfg.num_experts:
+            # the experts a step runs are data read on the host (model/moe.py): a graph break in every
+            # MoE layer, and the resumed graphs, their module guards skipped as below, would be
+            # reused across layers (measured: wrong tokens from the second step on)
+            raise ValueError("--compile does not run mixture-of-experts models (their experts are chosen per "
+                             "step on the host); run them without --compile")
         f = type(self).decoder_stack
         own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         self._compiled_stack = torch.compile(

@@ -10,8 +10,8 @@ Why this shape:
   `w2_weight` [E, H, F] (vLLM's names), not E nn.Linear modules: one step touches only the experts its
   tokens chose, so the step's (token, expert) pairs are sorted by expert and each used expert runs
   once over its rows (F.linear on its slice): a one-token decode reads k experts, not E. The CPU
-  platform's linear swaps (nn.Linear -> CpuLinear) never see these parameters, so they stay plain
-  torch (float32 or bf16).
+  platform's linear swaps (nn.Linear -> CpuLinear) never see these parameters; in bf16 it lays each
+  expert out for its tiled GEMM instead (platform/cpu_moe.py), float32 keeps F.linear (MKL).
 - The pairs are ordered by (expert, slot in the top-k, token), the order transformers visits them in,
   and summed with index_add_ in the activations' dtype, expert by expert: the same additions in the
   same order, so float32 results match transformers' to the last bit where the GEMMs do.
@@ -77,12 +77,16 @@ class SparseMoeBlock(nn.Module):
         tokens = order % T
         pair_weights = weights.t().reshape(-1)[order, None]
         out = torch.zeros_like(x)
-        w13, w2 = self.experts.w13_weight, self.experts.w2_weight
         start = 0
         for e, n in zip(experts.tolist(), counts.tolist()):
             rows = tokens[start:start + n]
-            gate, up = F.linear(x[rows], w13[e]).split(self.inter, dim=-1)
-            h = F.linear(self.act(gate) * up, w2[e])
+            h = self.expert_forward(e, x[rows])
             out.index_add_(0, rows, (h * pair_weights[start:start + n]).to(x.dtype))
             start += n
         return out
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s gated MLP on its rows: one GEMM for gate and up, act-and-mul, one for down
+        (the CPU platform's CpuSparseMoeBlock runs them on its bf16 GEMM: platform/cpu_moe.py)."""
+        gate, up = F.linear(x, self.experts.w13_weight[e]).split(self.inter, dim=-1)
+        return F.linear(self.act(gate) * up, self.experts.w2_weight[e])
