@@ -127,6 +127,9 @@ class CpuPlatform(Platform):
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
             self._use_blocks(model, None, "float32", 0)
             return
+        if cfg.batch_invariant and model.cfg.num_experts:
+            raise ValueError("batch_invariant (--batch-invariant) is not built for mixture-of-experts models: their "
+                             "router runs on torch's GEMM, whose rounding may change with the step's rows")
         if cfg.batch_invariant:  # one kernel for every row count: ours, which computes each row alike
             n = optimize_cpu_linears(model, "tiled", 0, 0, self.kernels)
             n += self._use_blocks(model, None, "tiled", 0)
