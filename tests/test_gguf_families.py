@@ -26,7 +26,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf_convert import convert, llama_quantize, llama_quantize_binary, mixed_quant
-from model_utils import sequence_logits
 from test_model_families import FAMILIES, WINDOW, random_model
 from test_moe import MOE_FAMILIES
 
@@ -190,7 +189,8 @@ def _hf_qwen3_moe_from(hf, model) -> None:
             raise AssertionError(f"{name} kept as blocks: load with block_types empty")
         if name.endswith("qkv_proj.weight"):
             base = name.removesuffix("qkv_proj.weight")
-            state |= {base + "q_proj.weight": p[:q], base + "k_proj.weight": p[q:q + kv], base + "v_proj.weight": p[q + kv:]}
+            state |= {base + "q_proj.weight": p[:q], base + "k_proj.weight": p[q:q + kv],
+                      base + "v_proj.weight": p[q + kv:]}
         elif name.endswith("experts.w13_weight"):
             state[name.replace("w13_weight", "gate_up_proj")] = p
         elif name.endswith("experts.w2_weight"):

@@ -39,8 +39,8 @@ MOE_FAMILIES = {
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
                                     moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1])),
     # (its q/k norms are hidden_size wide: head_dim must be hidden / heads)
-    "olmoe": ("olmoe", dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, head_dim=16,
-                            pad_token_id=0)),
+    "olmoe": ("olmoe", dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                            head_dim=16, pad_token_id=0)),
     "granitemoe": ("granitemoe", dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
                                       embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.05,
                                       logits_scaling=2.0)),
@@ -222,7 +222,8 @@ def test_engine_features_on_moe(moe_dirs, prompts):
     assert vectors[0] != vectors[1]
 
 
-def _write_lora(folder, cfg, targets: dict[str, tuple[int, int]], prefix: str = "base_model.model.model.layers.0.") -> None:
+def _write_lora(folder, cfg, targets: dict[str, tuple[int, int]],
+                prefix: str = "base_model.model.model.layers.0.") -> None:
     from safetensors.torch import save_file
 
     folder.mkdir()

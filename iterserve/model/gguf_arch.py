@@ -125,7 +125,8 @@ def configure_experts(m: GGUFMeta, cfg: ModelConfig, renormalize: bool) -> None:
     cfg.num_experts_per_tok = int(m.require("expert_used_count"))
     cfg.moe_intermediate_size = int(m.scalar("expert_feed_forward_length") or cfg.intermediate_size)
     cfg.router_renormalize = bool(m.get("expert_weights_norm", renormalize))
-    cfg.dense_mlp_layers = tuple(i for i in range(cfg.num_layers) if not m.has_tensor(f"blk.{i}.{ROUTER_TENSOR}.weight"))
+    cfg.dense_mlp_layers = tuple(i for i in range(cfg.num_layers)
+                                 if not m.has_tensor(f"blk.{i}.{ROUTER_TENSOR}.weight"))
     if any(m.has_tensor(f"blk.{i}.ffn_gate_shexp.weight") for i in range(cfg.num_layers)):
         raise GGUFError(f"{m.where}a shared expert (ffn_*_shexp tensors) is not supported")
 

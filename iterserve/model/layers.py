@@ -1,8 +1,8 @@
 """The layers every family of the model registry is built from: RMSNorm (Llama's and Gemma's
 forms), rotary embeddings (default, linear, Llama 3, YaRN, Phi-3's long-rope, llama.cpp's frequency
-factors; partial rotary), the gated MLP (SiLU or GELU-tanh; a mixture of experts' in model/moe.py), attention with per-layer options
-(sliding window, q/k norm, logit soft-capping, the query scale) and the decoder layer with its norm
-placements (pre, sandwich, post).
+factors; partial rotary), the gated MLP (SiLU or GELU-tanh; a mixture of experts' in model/moe.py),
+attention with per-layer options (sliding window, q/k norm, logit soft-capping, the query scale) and
+the decoder layer with its norm placements (pre, sandwich, post).
 
 The tensor code is shaped for continuous batching: a flat batch of tokens [T, hidden] (prefill
 chunks and decodes of many sequences, concatenated) with per-token positions; no batch dimension,

@@ -11,7 +11,8 @@ from iterserve.config import ModelConfig
 from iterserve.model.families import granite
 from iterserve.model.families.base import Family, refuse_expert_options, set_experts
 
-_NAMES = {".block_sparse_moe.router.layer.": ".mlp.gate.", ".block_sparse_moe.input_linear.weight": ".mlp.experts.w13_weight",
+_NAMES = {".block_sparse_moe.router.layer.": ".mlp.gate.",
+          ".block_sparse_moe.input_linear.weight": ".mlp.experts.w13_weight",
           ".block_sparse_moe.output_linear.weight": ".mlp.experts.w2_weight"}
 
 
