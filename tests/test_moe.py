@@ -276,6 +276,8 @@ def test_moe_architectures_refused_by_missing_piece(architecture, model_type, mi
         load_model(str(tmp_path))
     with pytest.raises(UnsupportedArchitecture, match=missing):
         family_for([architecture], model_type)
+    with pytest.raises(UnsupportedArchitecture, match=missing):  # a config.json with a model_type alone
+        family_for(None, model_type)
 
 
 def test_moe_options_refused(tmp_path):

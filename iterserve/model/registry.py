@@ -32,6 +32,10 @@ MISSING_PIECE = {
     "GraniteMoeSharedForCausalLM": "GraniteMoE-Shared needs its shared expert",
     "GraniteMoeHybridForCausalLM": "GraniteMoE-Hybrid needs Mamba 2 layers and a shared expert",
 }
+_MISSING_BY_MODEL_TYPE = {"gpt_oss": "GptOssForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                          "deepseek_v3": "DeepseekV3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                          "qwen3_next": "Qwen3NextForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM",
+                          "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 MISSING_PIECE_GGUF = {
     "gpt-oss": MISSING_PIECE["GptOssForCausalLM"], "deepseek2": MISSING_PIECE["DeepseekV3ForCausalLM"],
     "qwen2moe": MISSING_PIECE["Qwen2MoeForCausalLM"], "qwen3next": MISSING_PIECE["Qwen3NextForCausalLM"],
@@ -67,12 +71,14 @@ def family_for_gguf(arch: str | None) -> Family:
 def family_for(architectures: Sequence[str] | None, model_type: str | None) -> Family:
     """The family of a Hugging Face config: its first known `architectures` entry, else its
     `model_type`; an unknown one gets an error that names what is supported."""
+    refused = [a for a in architectures or () if a in MISSING_PIECE] or \
+        ([_MISSING_BY_MODEL_TYPE[model_type]] if model_type in _MISSING_BY_MODEL_TYPE else [])
     for arch in architectures or ():
         if arch in _BY_ARCHITECTURE:
             return _BY_ARCHITECTURE[arch]
-        if arch in MISSING_PIECE:
-            raise UnsupportedArchitecture(f"{arch} is not supported: {MISSING_PIECE[arch]}, which iterserve "
-                                          "does not have (docs/models.md)")
+    if refused:
+        raise UnsupportedArchitecture(f"{refused[0]} is not supported: {MISSING_PIECE[refused[0]]}, which iterserve "
+                                      "does not have (docs/models.md)")
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
     what = ", ".join(architectures or ()) or f"model_type {model_type!r}"
