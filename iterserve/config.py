@@ -69,6 +69,19 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: sliding layers' RoPE base (default RoPE, no scaling)
     no_rope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k get no RoPE
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first fraction of each head only
+    # ---- mixture of experts (model/moe.py): the MLP of a layer is `num_experts` gated MLPs and a
+    # router that sends each token to `num_experts_per_tok` of them; 0 experts: every MLP is dense ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's feed-forward width (intermediate_size stays the dense MLPs')
+    # how the router turns its logits into the chosen experts' weights, as transformers computes each:
+    # softmax over all experts in float32, then top-k (Mixtral, Qwen3-MoE, OLMoE), or top-k of the
+    # float32 logits, then softmax over those k (GraniteMoE)
+    router_topk_first: bool = False
+    router_renormalize: bool = False  # the top-k probabilities divided by their sum (norm_topk_prob; Mixtral always)
+    # Mixtral scales each expert's output by the float32 weights; the others round them to the model's dtype first
+    router_weights_float32: bool = False
+    dense_mlp_layers: tuple[int, ...] = ()  # Qwen3-MoE (decoder_sparse_step, mlp_only_layers): layers with a dense MLP
 
     def param_counts(self) -> tuple[int, int]:
         """(non-embedding parameters, all parameters) of the decoder: what a token's step multiplies
@@ -88,6 +101,10 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] != "sliding_attention":
             return 0
         return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the experts' (model/moe.py) rather than the dense one."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def has_windows(self) -> bool:

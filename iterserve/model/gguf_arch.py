@@ -6,13 +6,17 @@ What the tables follow is llama.cpp's converter (convert_hf_to_gguf.py) and its 
 
 - Q/K rows: the converter permutes q_proj / k_proj rows (biases too) of the architectures llama.cpp
   runs with its "normal" (interleaved-pair) RoPE, the converter classes derived from its LlamaModel:
-  llama (Llama, Mistral), granite, smollm3. The others (qwen2, qwen3, gemma2, gemma3, phi3, olmo2)
+  llama (Llama, Mistral, Mixtral), granite, granitemoe, smollm3. The others (qwen2, qwen3, gemma2, gemma3, phi3, olmo2)
   run NEOX RoPE, Hugging Face's rotate-half, and are stored as they are.
 - Gemma: the converter adds 1 to every tensor whose HF name ends in "norm.weight" (Gemma's RMSNorm
   scales by 1 + w; llama.cpp's by w): the four sandwich norms, the final norm and Gemma 3's q/k norms.
   The loader subtracts 1 in float32 (as transformers' GGUF loader does), for the decoder's (1 + w).
 - Phi-3: q, k and v stay fused as attn_qkv, and gate and up as ffn_up, [gate; up] in that order (its
   SwiGLU takes the first half as the gate): both are the decoder's fused parameters as they are.
+- Mixture of experts (Mixtral as llama with `expert_count` > 0, qwen3moe, olmoe, granitemoe): the
+  router `ffn_gate_inp` and the experts stacked as `ffn_{gate,up,down}_exps` [experts, rows, cols];
+  how the router renormalises is llama.cpp's per architecture (no key but `expert_weights_norm`).
+  Quantised expert tensors are dequantised to floats at load (the block kernels take 2-d weights).
 - Tied embeddings: no output.weight (Gemma's converter drops lm_head even when present).
 - Hyper-parameters GGUF has no key for come from llama.cpp's loader: Gemma 2/3's query scale
   (head_dim ** -0.5, or (hidden / heads) ** -0.5 for the 27B, told by the layer count), Gemma 2's
@@ -79,6 +83,11 @@ SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_a
 POST_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# mixture of experts (model/moe.py): the router and every expert's projection stacked in one 3-d tensor
+# (experts x rows x cols, as llama.cpp's converter stacks the per-expert checkpoint tensors)
+EXPERTS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+           "ffn_down_exps": "mlp.experts.down_proj"}
+ROUTER_TENSOR = "ffn_gate_inp"  # always read as floats: the router computes in float (llama-quantize keeps it so)
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # read elsewhere (RoPE tables) or unused by llama.cpp itself
 SKIPPED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -106,12 +115,33 @@ def _window_every_layer(m: GGUFMeta, cfg: ModelConfig) -> None:
     cfg.layer_types = ()
 
 
+def configure_experts(m: GGUFMeta, cfg: ModelConfig, renormalize: bool) -> None:
+    """The mixture-of-experts sizes (`expert_count`, `expert_used_count`, `expert_feed_forward_length`,
+    else `feed_forward_length`). A layer without a router tensor has a dense MLP (Qwen3-MoE's
+    mlp_only_layers, which GGUF has no key for: told by the tensors). `renormalize`: whether
+    llama.cpp renormalises this architecture's top-k weights (its graph hard-codes it per
+    architecture; `expert_weights_norm`, when written, says it)."""
+    cfg.num_experts = int(m.require("expert_count"))
+    cfg.num_experts_per_tok = int(m.require("expert_used_count"))
+    cfg.moe_intermediate_size = int(m.scalar("expert_feed_forward_length") or cfg.intermediate_size)
+    cfg.router_renormalize = bool(m.get("expert_weights_norm", renormalize))
+    cfg.dense_mlp_layers = tuple(i for i in range(cfg.num_layers)
+                                 if not m.has_tensor(f"blk.{i}.{ROUTER_TENSOR}.weight"))
+    if any(m.has_tensor(f"blk.{i}.ffn_gate_shexp.weight") for i in range(cfg.num_layers)):
+        raise GGUFError(f"{m.where}a shared expert (ffn_*_shexp tensors) is not supported")
+
+
 def configure_llama(m: GGUFMeta, cfg: ModelConfig) -> None:
     """Llama, and Mistral (written as llama): a window on every layer when the file says so
-    (llama.cpp's converter writes none; llama.cpp's llama ignores one)."""
+    (llama.cpp's converter writes none; llama.cpp's llama ignores one). With `expert_count` > 0:
+    Mixtral (softmax, top-k, renormalised, the weights kept in float32 as transformers keeps them)."""
     _window_every_layer(m, cfg)
     if cfg.sliding_window:
         cfg.architecture = "mistral"
+    if m.get("expert_count"):
+        cfg.architecture = "mixtral"
+        configure_experts(m, cfg, renormalize=True)
+        cfg.router_weights_float32 = True
 
 
 def no_options(m: GGUFMeta, cfg: ModelConfig) -> None:
@@ -183,6 +213,28 @@ def configure_granite(m: GGUFMeta, cfg: ModelConfig) -> None:
     cfg.logits_divisor = float(m.require("logit_scale"))
 
 
+def configure_qwen3moe(m: GGUFMeta, cfg: ModelConfig) -> None:
+    """Qwen3-MoE: llama.cpp always renormalises its top-k weights (norm_topk_prob, true in every
+    released Qwen3-MoE), and reads no window."""
+    cfg.qk_norm = "head"
+    configure_experts(m, cfg, renormalize=True)
+
+
+def configure_olmoe(m: GGUFMeta, cfg: ModelConfig) -> None:
+    """OLMoE: q/k RMSNorm over all heads; top-k weights not renormalised (llama.cpp's graph, and
+    OLMoE-1B-7B's norm_topk_prob)."""
+    cfg.qk_norm = "all"
+    configure_experts(m, cfg, renormalize=False)
+
+
+def configure_granitemoe(m: GGUFMeta, cfg: ModelConfig) -> None:
+    """GraniteMoE: Granite's multipliers; the router as transformers computes it (top-k of the
+    logits, softmax over those k: llama.cpp's renormalised softmax, in other rounding)."""
+    configure_granite(m, cfg)
+    configure_experts(m, cfg, renormalize=False)  # a softmax over the top k sums to 1 already
+    cfg.router_topk_first = True
+
+
 def configure_olmo2(m: GGUFMeta, cfg: ModelConfig) -> None:
     if m.get("attention.sliding_window"):
         raise GGUFError(f"{m.where}an olmo2 file with a sliding window is OLMo 3, which iterserve does not run")
@@ -196,8 +248,8 @@ def configure_smollm3(m: GGUFMeta, cfg: ModelConfig) -> None:
 
 
 GGUF_ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
-    GGUFArch("llama", "llama", {**PRE_NORMS, **PROJECTIONS}, configure_llama, permuted_qk=True,
-             features="Llama, and Mistral (llama arch; a window when the file has one)"),
+    GGUFArch("llama", "llama", {**PRE_NORMS, **PROJECTIONS, **EXPERTS}, configure_llama, permuted_qk=True,
+             features="Llama, Mistral (llama arch; a window when the file has one), and Mixtral (expert_count > 0)"),
     GGUFArch("qwen2", "qwen2", {**PRE_NORMS, **PROJECTIONS}, no_options),
     GGUFArch("qwen3", "qwen3", {**PRE_NORMS, **PROJECTIONS, **QK_NORMS}, configure_qwen3),
     GGUFArch("gemma2", "gemma2", {**SANDWICH_NORMS, **PROJECTIONS}, configure_gemma2, norm_offset=True),
@@ -207,6 +259,10 @@ GGUF_ARCHS: dict[str, GGUFArch] = {a.name: a for a in (
     GGUFArch("granite", "granite", {**PRE_NORMS, **PROJECTIONS}, configure_granite, permuted_qk=True),
     GGUFArch("olmo2", "olmo2", {**POST_NORMS, **PROJECTIONS, **QK_NORMS}, configure_olmo2),
     GGUFArch("smollm3", "smollm3", {**PRE_NORMS, **PROJECTIONS}, configure_smollm3, permuted_qk=True),
+    GGUFArch("qwen3moe", "qwen3_moe", {**PRE_NORMS, **PROJECTIONS, **QK_NORMS, **EXPERTS}, configure_qwen3moe),
+    GGUFArch("olmoe", "olmoe", {**PRE_NORMS, **PROJECTIONS, **QK_NORMS, **EXPERTS}, configure_olmoe),
+    GGUFArch("granitemoe", "granitemoe", {**PRE_NORMS, **PROJECTIONS, **EXPERTS}, configure_granitemoe,
+             permuted_qk=True),
 )}
 
 

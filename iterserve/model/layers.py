@@ -1,8 +1,8 @@
 """The layers every family of the model registry is built from: RMSNorm (Llama's and Gemma's
 forms), rotary embeddings (default, linear, Llama 3, YaRN, Phi-3's long-rope, llama.cpp's frequency
-factors; partial rotary), the gated MLP (SiLU or GELU-tanh), attention with per-layer options
-(sliding window, q/k norm, logit soft-capping, the query scale) and the decoder layer with its norm
-placements (pre, sandwich, post).
+factors; partial rotary), the gated MLP (SiLU or GELU-tanh; a mixture of experts' in model/moe.py),
+attention with per-layer options (sliding window, q/k norm, logit soft-capping, the query scale) and
+the decoder layer with its norm placements (pre, sandwich, post).
 
 The tensor code is shaped for continuous batching: a flat batch of tokens [T, hidden] (prefill
 chunks and decodes of many sequences, concatenated) with per-token positions; no batch dimension,
@@ -21,6 +21,8 @@ from torch import nn
 
 from iterserve.attention.paged_attention import paged_attention
 from iterserve.config import ModelConfig
+from iterserve.model.activations import activation
+from iterserve.model.moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -210,18 +212,13 @@ class Attention(nn.Module):
         return apply_rope(x, cos, sin)
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
 class MLP(nn.Module):
     """act(gate(x)) * up(x) -> down, gate and up in one matmul."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
         self.hidden_act = cfg.hidden_act
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -250,7 +247,7 @@ class DecoderLayer(nn.Module):
         if cfg.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"norm_placement {cfg.norm_placement!r}: use one of {', '.join(NORM_PLACEMENTS)}")
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.placement = cfg.norm_placement
         for name in NORM_PLACEMENTS[cfg.norm_placement]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset))

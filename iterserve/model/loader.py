@@ -27,8 +27,8 @@ import torch
 from iterserve.config import ModelConfig
 from iterserve.model.decoder import DecoderForCausalLM
 from iterserve.model.families.base import Family, common_config
-from iterserve.model.gguf_arch import (GGUF_ARCHS, GLOBAL_TENSORS, SKIPPED_BLOCK_TENSORS, SKIPPED_TENSORS, GGUFArch,
-                                       GGUFMeta, base_config, longrope_scaling)
+from iterserve.model.gguf_arch import (GGUF_ARCHS, GLOBAL_TENSORS, ROUTER_TENSOR, SKIPPED_BLOCK_TENSORS,
+                                       SKIPPED_TENSORS, GGUFArch, GGUFMeta, base_config, longrope_scaling)
 from iterserve.model.gguf_file import (FLOAT_TYPES, GGUF_DEQUANT_TYPES, GGUFError, GGUFIndex, QuantShard, cache_dir,
                                        dequantize_tensor, file_key, iter_tensors, read_index, unpermute_qk)
 from iterserve.model.registry import UnsupportedArchitecture, family_for, family_for_gguf
@@ -243,6 +243,8 @@ def _weight_types(index: GGUFIndex, spec: GGUFArch, fused: dict[str, tuple[str, 
     """Module path -> the storage types of its 2-d weight tensors in the file."""
     types: dict[str, set[str]] = {}
     for t in index.tensors:
+        if f".{ROUTER_TENSOR}." in t.name:
+            continue  # a MoE router: a parameter of its own, never a projection (model/moe.py)
         name = gguf_to_hf_name(t.name, spec)
         if name and name.endswith(".weight") and len(t.shape) == 2:
             types.setdefault(_module_and_row(name, fused)[0], set()).add(t.qtype)
@@ -314,7 +316,8 @@ def finish_sources(sources: dict[str, list[QuantShard]], cfg: ModelConfig) -> di
 
 _GROUPS = {"attn_q": ("attn", "q"), "attn_k": ("attn", "k"), "attn_v": ("attn", "v"), "attn_qkv": ("attn", "qkv"),
            "attn_output": ("attn", "o"), "ffn_gate": ("ffn", "gate"), "ffn_up": ("ffn", "up"),
-           "ffn_down": ("ffn", "down")}
+           "ffn_down": ("ffn", "down"), "ffn_gate_exps": ("ffn", "gate_exps"), "ffn_up_exps": ("ffn", "up_exps"),
+           "ffn_down_exps": ("ffn", "down_exps")}
 
 
 def gguf_load_info(src: ModelSource, index: GGUFIndex, cfg: ModelConfig) -> dict:
@@ -413,6 +416,9 @@ def describe(cfg: ModelConfig) -> str:
     """One line on what runs: family, size, and its windows / soft-caps / RoPE variants."""
     parts = [f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, vocab {cfg.vocab_size}"]
+    if cfg.num_experts:
+        moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        parts.append(f"{cfg.num_experts} experts, top {cfg.num_experts_per_tok}, on {moe} of {cfg.num_layers} layers")
     windowed = [i for i in range(cfg.num_layers) if cfg.layer_window(i)]
     if windowed:
         parts.append(f"sliding window {cfg.sliding_window} on {len(windowed)} of {cfg.num_layers} layers")

@@ -22,6 +22,7 @@ from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_blocks_for_budget, parse_dtype
 from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_moe import use_cpu_moe
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, GGUF_BLOCKS, bf16_gemm_layout, bf16_linears_available,
                                            four_bit_max_tokens, gguf_twin_name, gguf_twins_of, int4_kernel_available,
@@ -113,6 +114,8 @@ class CpuPlatform(Platform):
         self._log_attention_paths(model.cfg)
         if self.dtype == torch.bfloat16 and self.kernels is not None:
             use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
+            if tiled_gemm_vectorised(self.kernels) and use_cpu_moe(model):
+                log.info("CPU bf16: the experts of mixture-of-experts layers on our tiled bf16 GEMM")
         if self.kernels is not None:
             use_cpu_elementwise(model)  # eager steps: SiLU-and-multiply and RoPE one kernel each
         blocks = getattr(model, "block_modules", set())
@@ -124,6 +127,9 @@ class CpuPlatform(Platform):
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
             self._use_blocks(model, None, "float32", 0)
             return
+        if cfg.batch_invariant and model.cfg.num_experts:
+            raise ValueError("batch_invariant (--batch-invariant) is not built for mixture-of-experts models: their "
+                             "router runs on torch's GEMM, whose rounding may change with the step's rows")
         if cfg.batch_invariant:  # one kernel for every row count: ours, which computes each row alike
             n = optimize_cpu_linears(model, "tiled", 0, 0, self.kernels)
             n += self._use_blocks(model, None, "tiled", 0)

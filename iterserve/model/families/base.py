@@ -89,3 +89,16 @@ def common_config(hf: Any, family: str) -> ModelConfig:
 def refuse_mlp_bias(hf: Any, family: str) -> None:
     if getattr(hf, "mlp_bias", False):
         raise ValueError(f"{family}: mlp_bias=true is not supported")
+
+
+def set_experts(cfg: ModelConfig, num_experts: int, per_token: int, inter: int) -> None:
+    """The mixture-of-experts sizes every MoE family sets (model/moe.py); the router's variant is the family's."""
+    cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size = int(num_experts), int(per_token), int(inter)
+
+
+def refuse_expert_options(hf: Any, family: str) -> None:
+    """Options of transformers' MoE configs this decoder does not compute: refused by name, never ignored."""
+    if getattr(hf, "shared_expert_intermediate_size", 0) or getattr(hf, "shared_intermediate_size", 0):
+        raise ValueError(f"{family}: a shared expert (shared_expert_intermediate_size) is not supported")
+    if getattr(hf, "clip_qkv", None) is not None:
+        raise ValueError(f"{family}: clip_qkv (q, k, v clamped) is not supported")

@@ -1,0 +1,92 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, GraniteMoE): a router picks each token's
+top-k experts and their weights; each expert is a gated MLP; a token's output is the weighted sum of
+its experts' outputs.
+
+Why this shape:
+- The router (`TopKRouter`) follows transformers' arithmetic for each family exactly, dtype casts
+  included (the ModelConfig's router_* fields say which variant): a near-tie between two experts
+  must resolve as transformers resolves it, or a whole expert's output changes.
+- The experts are stacked parameters, `w13_weight` [E, 2F, H] (gate rows, then up rows) and
+  `w2_weight` [E, H, F] (vLLM's names), not E nn.Linear modules: one step touches only the experts its
+  tokens chose, so the step's (token, expert) pairs are sorted by expert and each used expert runs
+  once over its rows (F.linear on its slice): a one-token decode reads k experts, not E. The CPU
+  platform's linear swaps (nn.Linear -> CpuLinear) never see these parameters; in bf16 it lays each
+  expert out for its tiled GEMM instead (platform/cpu_moe.py), float32 keeps F.linear (MKL).
+- The pairs are ordered by (expert, slot in the top-k, token), the order transformers visits them in,
+  and summed with index_add_ in the activations' dtype, expert by expert: the same additions in the
+  same order, so float32 results match transformers' to the last bit where the GEMMs do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.config import ModelConfig
+from iterserve.model.activations import activation
+
+
+class TopKRouter(nn.Module):
+    """Router logits (x @ weight.T, in the activations' dtype) -> (weights [T, k], expert ids [T, k])."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k = cfg.num_experts_per_tok
+        self.topk_first = cfg.router_topk_first
+        self.renormalize = cfg.router_renormalize
+        self.weights_float32 = cfg.router_weights_float32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        if self.topk_first:  # GraniteMoE: top-k of the float32 logits, softmax over those k
+            top, ids = logits.float().topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:  # softmax over every expert in float32, then top-k (Mixtral, Qwen3-MoE, OLMoE)
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.weights_float32 else weights.to(x.dtype)), ids
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a mixture-of-experts layer: `gate` (the router, Hugging Face's name) and the
+    stacked experts; [T, H] in, [T, H] out, as MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ValueError(f"num_experts_per_tok {cfg.num_experts_per_tok} must be in 1..num_experts "
+                             f"({cfg.num_experts})")
+        self.num_experts = cfg.num_experts
+        self.inter = cfg.moe_intermediate_size or cfg.intermediate_size
+        self.act = activation(cfg.hidden_act)
+        self.gate = TopKRouter(cfg)
+        self.experts = nn.Module()  # parameter names under it: Hugging Face's `mlp.experts.` prefix
+        self.experts.w13_weight = nn.Parameter(torch.empty(cfg.num_experts, 2 * self.inter, cfg.hidden_size))
+        self.experts.w2_weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, self.inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        T = x.shape[0]
+        # the (token, expert) pairs in (expert, top-k slot, token) order: slot-major flattening, then
+        # a stable sort by expert
+        flat = ids.t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        tokens = order % T
+        pair_weights = weights.t().reshape(-1)[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            rows = tokens[start:start + n]
+            h = self.expert_forward(e, x[rows])
+            out.index_add_(0, rows, (h * pair_weights[start:start + n]).to(x.dtype))
+            start += n
+        return out
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s gated MLP on its rows: one GEMM for gate and up, act-and-mul, one for down
+        (the CPU platform's CpuSparseMoeBlock runs them on its bf16 GEMM: platform/cpu_moe.py)."""
+        gate, up = F.linear(x, self.experts.w13_weight[e]).split(self.inter, dim=-1)
+        return F.linear(self.act(gate) * up, self.experts.w2_weight[e])
