@@ -84,13 +84,16 @@ class ModelConfig:
     dense_mlp_layers: tuple[int, ...] = ()  # Qwen3-MoE (decoder_sparse_step, mlp_only_layers): layers with a dense MLP
 
     def param_counts(self) -> tuple[int, int]:
-        """(non-embedding parameters, all parameters) of the decoder: what a token's step multiplies
-        by (2 FLOPs each), for the simulator's analytic profile and the server's step timeout."""
+        """(non-embedding parameters a token is multiplied by, all of those parameters) of the decoder:
+        2 FLOPs each per token, for the simulator's analytic profile and the server's step timeout. An
+        MoE layer counts the experts a token uses (num_experts_per_tok) and its router."""
         q = self.hidden_size * self.num_heads * self.head_dim
         kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        layers = self.num_layers * (q + kv + o + mlp)
+        dense = 3 * self.hidden_size * self.intermediate_size
+        experts = (self.num_experts_per_tok * 3 * self.hidden_size * self.moe_intermediate_size
+                   + self.num_experts * self.hidden_size)
+        layers = sum(q + kv + o + (experts if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return layers, layers + embed
 
