@@ -153,8 +153,13 @@ def weight_bytes(tensors: Iterable[torch.Tensor], maps: Path = Path("/proc/self/
 
 
 def kv_cache_bytes(kv_caches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Bytes of the KV cache's allocated tensors (keys and values of every layer)."""
-    return sum(k.nbytes + v.nbytes for k, v in kv_caches)
+    """Bytes of the KV cache's allocated tensors (keys and values of every layer), each tensor once:
+    with KV cache groups, layer j of every group shares tensor pair j (core/kv_groups.py)."""
+    seen: dict[int, int] = {}
+    for k, v in kv_caches:
+        for t in (k, v):
+            seen[id(t)] = t.nbytes
+    return sum(seen.values())
 
 
 # ---- workspace, estimated --------------------------------------------------------------------------
