@@ -346,3 +346,40 @@ def test_engine_soak_with_aborts_and_prefix_caching(family_loaded):
         eng.pool.check_invariants()
     assert not eng.pool.tables and eng.pool.num_free == eng.pool.num_usable_blocks
     assert eng.scheduler.prefix_cache_hits > 0
+
+
+def test_simulator_and_plan_count_blocks_by_groups(tmp_path):
+    """A profile's recorded model shape gives the simulator's pool (and `plan`, which runs it) the
+    engine's groups and block count: Gemma 3 270M's 1 GiB is 21,845 blocks of 3 layers."""
+    import dataclasses
+
+    from iterserve.bench.workload import poisson
+    from iterserve.sim.profile import Profile
+    from iterserve.sim.simulator import SimEngine, simulate
+    from iterserve.sim.step_model import LinearStepModel
+
+    cfg = gemma3_270m_config(tmp_path)
+    prof = Profile(kind="measured", model="gemma3-270m-shape", dtype="bfloat16",
+                   step_model=LinearStepModel([0.004, 0.0002, 0.00002, 0.0, 1e-7, 0.0]),
+                   kv_bytes_per_token=2 * 18 * 256 * 2, max_model_len=4096, kv_memory_bytes=2**30,
+                   model_shape=json_roundtrip(dataclasses.asdict(cfg)))
+    config = EngineConfig(block_size=16)
+    assert prof.kv_groups().windows == (0,) + (512,) * 5
+    assert prof.num_kv_blocks(config) == 2**30 // (2 * 3 * 16 * 256 * 2)
+    eng = SimEngine(config, prof)
+    assert eng.pool.group_windows == (0,) + (512,) * 5
+    assert eng.pool.num_usable_blocks // eng.pool.blocks_per_sequence(4096) == 51
+    specs = poisson(40, 20.0, seed=1, input_len=(1500, 3000), output_len=(8, 64))
+    run = simulate(specs, config, prof)
+    assert run.result.summary()["completed"] == len(specs)
+    # a profile without a shape (written before groups) counts as before: every layer in a block
+    old = Profile(kind="measured", model="x", dtype="float32", step_model=prof.step_model,
+                  kv_bytes_per_token=1024, max_model_len=2048, kv_memory_bytes=2**20)
+    assert old.num_kv_blocks(config) == 2**20 // (1024 * 16)
+
+
+def json_roundtrip(d: dict) -> dict:
+    """As a profile file stores it (tuples become lists)."""
+    import json
+
+    return json.loads(json.dumps(d))

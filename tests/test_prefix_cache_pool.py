@@ -309,7 +309,7 @@ def make_shared_machine(block_size: int, num_blocks: int):
                 hashes = hash_block_chain(self.tokens[r], block_size)
                 for i, b in enumerate(t):
                     if pool.ref_count[b] > 1:
-                        assert i < len(hashes) and pool._block_hash.get(b) == hashes[i]
+                        assert i < len(hashes) and pool._block_hash.get(b) == (0, hashes[i])  # (group, hash)
             # stored tokens count each block once
             distinct: dict[int, int] = {}
             for r, t in pool.tables.items():
