@@ -117,7 +117,9 @@ def test_engine_reports_capacity_in_log_and_scheduler_endpoint(gemma3_270m_shape
     with caplog.at_level(logging.INFO, logger="iterserve"):
         llm = LLM(model=str(gemma3_270m_shape_dir), dtype="bfloat16", kv_cache_memory="1GiB", max_model_len=4096,
                   block_size=16)
-    resolved = llm.engine.resolved_config()  # what /v1/scheduler reports next to the EngineConfig
+    from iterserve.server.dashboard import engine_info
+
+    resolved = engine_info(llm.engine, "gemma3", "gemma3")  # /v1/scheduler's "config"
     assert resolved["max_num_sequences"] == 51 and resolved["num_kv_blocks"] == 2**30 // (2 * 3 * 16 * 256 * 2)
     assert [g["window"] for g in resolved["kv_cache_groups"]] == [0] + [512] * 5
     assert "fits 51 sequences of max_model_len 4096" in caplog.text
@@ -334,7 +336,8 @@ def test_engine_soak_with_aborts_and_prefix_caching(family_loaded):
     live: list[str] = []
     for step in range(150):
         if rng.random() < 0.4:
-            p = rng.choice(heads)[: rng.randrange(4, 30)] + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 20))]
+            tail = [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 20))]
+            p = rng.choice(heads)[: rng.randrange(4, 30)] + tail
             params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 16), ignore_eos=True)
             live.append(eng.add_request(prompt_token_ids=p, params=params).request_id)
         if live and rng.random() < 0.1:

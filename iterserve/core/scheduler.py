@@ -17,6 +17,10 @@ instead of preempting (it preempts only a request the policy ranks below itself,
 even one token fits); a request that was preempted is re-admitted only when all the blocks it needs
 to reach its next token are free, not one chunk's worth that the next step would take back.
 
+KV cache groups (core/kv_groups.py): every group's blocks are counted together, and before each step
+a running request's windowed groups give back the blocks its next query can no longer see
+(`BlockPool.remove_skipped_blocks`), so decodes and chunks of a windowed model mostly recycle blocks.
+
 The static batcher (core/static.py) implements the same interface, and everything that differs
 between the two is declared on it (`SchedulerBase`): when an idle engine should wake up
 (`next_deadline`), whether a finished request is released at once or held (`finish`), and which
@@ -110,12 +114,11 @@ class SchedulerOutput:
         sharing 400 tokens); step records carry the count so a step model can price both. Shared
         blocks are always full and lead the table (hash-chained prefixes), so rows whose first block
         nobody else has are skipped without walking their tables. Group 0's tables are read (a full
-        group's, when the model has full layers); a windowed group's freed entries are one null block,
-        (null_block: BlockPool.null_block) counted as shared by no one."""
+        group's, when the model has full layers); a windowed group's freed entries all name the null
+        block (null_block: BlockPool.null_block), which counts as shared by no one."""
         rows = [s for s in self.scheduled if s.num_tokens == 1 and s.block_table]
         if len(rows) < 2:
             return 0
-
         firsts: dict[int, int] = {}
         for s in rows:
             firsts[s.block_table[0]] = firsts.get(s.block_table[0], 0) + 1
