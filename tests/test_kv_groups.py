@@ -386,3 +386,21 @@ def json_roundtrip(d: dict) -> dict:
     import json
 
     return json.loads(json.dumps(d))
+
+
+def test_windowed_model_with_speculative_decoding_and_static_batching(family_loaded):
+    """Gemma 3's groups with n-gram drafts (rejected drafts' blocks trimmed from every group) and with
+    static batching (each group's blocks reserved for the whole sequence): transformers' tokens."""
+    _, hf, loaded = family_loaded("gemma3")
+    g = torch.Generator().manual_seed(9)
+    motif = torch.randint(3, 49152, (15,), generator=g).tolist()
+    prompts = [motif * 5, torch.randint(3, 49152, (70,), generator=g).tolist()]  # drafts find the motif
+    ref = hf_greedy_each(hf, prompts)
+    spec = checked(LLM(loaded=loaded, kv_cache_memory="8MiB", block_size=BS,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 4}))
+    assert greedy(spec, prompts) == ref and spec.freed_any
+    assert sum(r.spec_draft_tokens for r in spec.engine.records) > 0
+    static = checked(LLM(loaded=loaded, kv_cache_memory="8MiB", block_size=BS, batching="static", max_batch_size=2,
+                         batch_timeout_ms=0))
+    assert greedy(static, prompts) == ref
+    assert static.engine.pool.num_free == static.engine.pool.num_usable_blocks
