@@ -404,3 +404,18 @@ def test_windowed_model_with_speculative_decoding_and_static_batching(family_loa
                          batch_timeout_ms=0))
     assert greedy(static, prompts) == ref
     assert static.engine.pool.num_free == static.engine.pool.num_usable_blocks
+
+
+def test_shared_decode_kv_counts_no_null_block():
+    """Two decode rows of a window-only model whose first entries were freed name the null block:
+    not KV they share (step records and the simulator's step model price shared KV cheaper)."""
+    from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
+    from iterserve.request import Request
+
+    def row(rid: str, table: list[int]) -> ScheduledRequest:
+        req = Request(rid, list(range(20)), SamplingParams(max_tokens=1))
+        return ScheduledRequest(req, 1, 19, table, [0], sample=True)
+
+    out = SchedulerOutput([row("a", [0, 0, 5, 6, 7]), row("b", [0, 0, 8, 9, 10])])
+    assert out.shared_decode_kv(4, null_block=0) == 0
+    assert out.shared_decode_kv(4) == 8  # block 0 read as a real block by both rows (one group)

@@ -143,7 +143,8 @@ class SimEngine:
             return None
         oh = self.overhead
         self.step_start = now + oh.admit_s * len(sched.admitted)
-        self.run_end = self.step_start + self.step_model.predict(step_features(sched, self.config.block_size))
+        features = step_features(sched, self.config.block_size, self.pool.null_block)
+        self.run_end = self.step_start + self.step_model.predict(features)
         if self.lora is not None:
             self.run_end += self.lora.price(sched)
         self.in_flight = sched
