@@ -191,7 +191,7 @@ class LLMEngine:
         resident, mapped = weight_bytes(model_tensors(self.model))
         return MemoryReport(weights_resident=resident, weights_mapped=mapped,
                             kv_cache=kv_cache_bytes(self.runner.kv_caches), num_kv_blocks=num_blocks,
-                            block_size=self.config.block_size,
+                            block_size=self.config.block_size, layers_per_block=self.kv_groups.group_size,
                             workspace_estimate=workspace_estimate(self.config, self.model_config, self.dtype),
                             available=available_memory())
 

@@ -125,6 +125,7 @@ def test_engine_reports_capacity_in_log_and_scheduler_endpoint(gemma3_270m_shape
     assert "fits 51 sequences of max_model_len 4096" in caplog.text
     assert "6 groups of 3 layers (1 full, 5 windowed: window 512)" in caplog.text
     assert llm.engine.memory.kv_cache <= 2**30  # each shared tensor counted once
+    assert llm.engine.memory.layers_per_block == 3 and "blocks x 16 tokens x 3 layers" in caplog.text
 
 
 @pytest.fixture(scope="module")
