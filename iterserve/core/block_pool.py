@@ -1,8 +1,8 @@
 """KV block pool: which cache blocks are free, which each request holds, and which hold a cached
 prefix that a later request may share.
 
-It knows nothing about models or tensors: a block id indexes the first dimension of every layer's
-cache tensor (ModelRunner.kv_caches). Blocks are taken on demand as a request's tokens grow and
+It knows nothing about models or tensors: a block id indexes the first dimension of the cache
+tensors of the layers of whichever KV cache group's table holds it (ModelRunner.kv_caches). Blocks are taken on demand as a request's tokens grow and
 released the moment it finishes, is aborted or is preempted.
 
 Prefix caching (vLLM v1's design): a full block whose KV has been computed is registered under its
