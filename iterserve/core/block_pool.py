@@ -70,8 +70,8 @@ class BlockPool:
     tokens, 0 for full attention; the default is one full-attention group (every block kept for the
     whole sequence). A windowed group frees a request's blocks once no query of it can see them
     again (`remove_skipped_blocks`) and its table keeps their places with the null block: block 0,
-    reserved when any group is windowed, never handed out and never read (attention skips or masks
-    positions outside the window), as vLLM's null block.
+    reserved when any group is windowed, never handed out, never attended to (the kernels skip positions
+    outside the window; the torch path gathers and masks them), as vLLM's null block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
