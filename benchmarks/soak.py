@@ -6,6 +6,7 @@ server had exited; `lost` (no answer on an open connection, a dropped connection
 
     .venv/bin/python benchmarks/soak.py --duration 600            # the issue's 10 minutes
     .venv/bin/python benchmarks/soak.py --duration 90 --rate 6    # a smoke run
+    .venv/bin/python benchmarks/soak.py --duration 90 --windowed  # KV cache groups freeing windows
 
 Writes a summary JSON (--out, default runs/soak.json) and prints it; exits 1 when anything was lost
 or leaked. The server is started here: --num-kv-blocks small enough that the running requests
@@ -19,6 +20,7 @@ import json
 import random
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,6 +30,22 @@ import httpx
 from iterserve.bench.launcher import ServerProcess
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven bakers sing of distant harbours".split()
+
+
+def windowed_model(folder: Path) -> str:
+    """A small random Gemma 3 with SmolLM2's tokenizer, saved as a Hugging Face folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from iterserve.model.loader import load_tokenizer, resolve_model
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("gemma3_text", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                               sliding_window=32, query_pre_attn_scalar=32, max_position_embeddings=1024)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    load_tokenizer(resolve_model("smollm2-135m")).save_pretrained(folder)
+    return str(folder)
 
 
 def prompt(rng: random.Random) -> str:
@@ -143,7 +161,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/soak.json", help="summary JSON (default runs/soak.json)")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for iterserve serve (repeatable)")
+    p.add_argument("--windowed", action="store_true",
+                   help="serve a random-weight Gemma 3 (5 local layers of window 32 : 1 global) instead of --model: "
+                        "windowed KV cache groups free blocks mid-sequence under the same load")
     args = p.parse_args()
+    if args.windowed:
+        args.model = windowed_model(Path(tempfile.mkdtemp(prefix="soak-gemma3-")))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,13 @@
-"""Gemma 3's KV memory for a long chat: all layers' blocks kept (what iterserve does today) against
-the windowed layers' out-of-window blocks freed (vLLM's hybrid KV cache manager), measured from the
-block pool.
+"""Gemma 3's KV memory for a long chat: every layer's blocks kept (iterserve before KV cache groups)
+against what the block pool holds now that windowed groups free their out-of-window blocks (vLLM's
+hybrid KV cache manager, core/kv_groups.py), and against the least that must be held.
 
 A random-weight Gemma 3 with the 270M model's attention shape (18 layers, 5 local : 1 global, window
 512, 1 KV head of 256, so KV bytes per token are the real model's) and a small hidden size (block
 counts do not depend on it) serves one chat of `--prompt-tokens` + `--output-tokens` through the
-engine. Every step, the pool's blocks held by the chat are read; the freed variant keeps the global
-layers' blocks and, for each local layer, only the blocks that hold a position the next query can
+engine. Every step, the pool's blocks held by the chat are read (each block is one group's 3 layers);
+"kept" is what keeping every layer's blocks for the whole sequence would hold, "needed" the global
+layers' blocks plus, for each local layer, only the blocks holding a position the next query can
 still see (the last `window` positions). Bytes per block per layer are the bf16 cache's.
 
     .venv/bin/python benchmarks/window_kv_memory.py [--prompt-tokens 4000] [--output-tokens 96]
@@ -59,19 +60,22 @@ def main() -> None:
         windowed = [i for i in range(cfg.num_layers) if cfg.layer_window(i)]
         n_global, n_local, window = cfg.num_layers - len(windowed), len(windowed), cfg.sliding_window
         per_layer_block = 2 * bs * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+        layers_per_block = eng.kv_groups.group_size
         peak = {"kept": 0, "freed": 0, "tokens": 0}
 
         def on_step(rec) -> None:
             for rid, table in eng.pool.tables.items():
                 tokens = eng.requests[rid].num_computed_tokens if rid in eng.requests else 0
-                held = len(table)
+                held = len(table)  # table entries: blocks per layer when every layer keeps every block
                 # a local layer's next query (position `tokens`) sees positions tokens - window + 1 ..
                 first_visible = max(0, tokens - window + 1)
                 local_blocks = held - first_visible // bs
                 kept = held * cfg.num_layers
                 freed = held * n_global + local_blocks * n_local
+                now = len(eng.pool.held_blocks(rid)) * layers_per_block
                 if kept > peak["kept"]:
-                    peak.update(kept=kept, freed=freed, tokens=tokens, held=held, local_blocks=local_blocks)
+                    peak.update(kept=kept, freed=freed, now=now, tokens=tokens, held=held, local_blocks=local_blocks,
+                                pool_blocks=len(eng.pool.held_blocks(rid)))
 
         eng.step_listeners.append(on_step)
         g = torch.Generator().manual_seed(0)
@@ -83,16 +87,21 @@ def main() -> None:
         "model": "Gemma 3 270M attention shape (18 layers: 15 local with window 512, 3 global; 1 KV head x 256)",
         "tokens_in_cache": peak["tokens"], "block_size": bs, "blocks_held_per_layer": peak["held"],
         "local_layer_blocks_in_window": peak["local_blocks"],
-        "kv_mib_all_layers_kept": round(mib(peak["kept"]), 2), "kv_mib_windowed_freed": round(mib(peak["freed"]), 2),
-        "ratio": round(peak["kept"] / peak["freed"], 2),
+        "kv_cache_groups": f"{len(eng.kv_groups.groups)} groups of {layers_per_block} layers",
+        "pool_blocks_held": peak["pool_blocks"],
+        "kv_mib_all_layers_kept": round(mib(peak["kept"]), 2), "kv_mib_held": round(mib(peak["now"]), 2),
+        "kv_mib_needed": round(mib(peak["freed"]), 2),
+        "ratio_kept_to_held": round(peak["kept"] / peak["now"], 2),
         "host": {"cpu": cpu_model_name(), "flags": cpu_flags_line()},
         "command": "benchmarks/window_kv_memory.py " + " ".join(sys.argv[1:]),
     }
     print(f"{summary['tokens_in_cache']} tokens in cache, {bs}-token blocks: {peak['held']} blocks per layer")
-    print(f"  all layers kept : {summary['kv_mib_all_layers_kept']:7.2f} MiB (bf16)")
-    print(f"  windowed freed  : {summary['kv_mib_windowed_freed']:7.2f} MiB "
+    print(f"  all layers kept : {summary['kv_mib_all_layers_kept']:7.2f} MiB (bf16; before KV cache groups)")
+    print(f"  held now        : {summary['kv_mib_held']:7.2f} MiB ({peak['pool_blocks']} pool blocks of "
+          f"{layers_per_block} layers, {summary['kv_cache_groups']})")
+    print(f"  needed          : {summary['kv_mib_needed']:7.2f} MiB "
           f"({n_global} global layers x {peak['held']} blocks + {n_local} local x {peak['local_blocks']})")
-    print(f"  ratio           : {summary['ratio']}x")
+    print(f"  ratio kept/held : {summary['ratio_kept_to_held']}x")
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")
 

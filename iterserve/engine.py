@@ -24,6 +24,7 @@ import torch
 
 from iterserve.config import EngineConfig, ModelConfig
 from iterserve.core.block_pool import BlockPool
+from iterserve.core.kv_groups import describe_groups, kv_cache_groups
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
 from iterserve.lora.adapter import LoRAAdapter, LoRAError
@@ -133,7 +134,9 @@ class LLMEngine:
         self.max_input_len = config.max_input_len or self.max_model_len
         self.max_output_len = config.max_output_len or self.max_model_len
         num_blocks = self.platform.num_kv_blocks(mcfg, self._profile_run)
-        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.prefix_caching)
+        self.kv_groups = kv_cache_groups(mcfg)
+        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.prefix_caching,
+                              group_windows=self.kv_groups.windows)
         self.scheduler: SchedulerBase = build_scheduler(config, self.pool, self.max_model_len)
         self.runner = self._new_runner(num_blocks)
         self.lora = self._init_lora()
@@ -141,11 +144,10 @@ class LLMEngine:
             self._compile_model()
         self.memory = self._memory_report(num_blocks)
         log.info("%s", self.memory.log_line())
-        fits = num_blocks // self.pool.blocks_for(self.max_model_len)
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB); fits %d sequences of max_model_len %d",
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB) in %s; fits %d sequences of max_model_len %d",
                  num_blocks, config.block_size,
                  num_blocks * kv_bytes_per_block(mcfg, config.block_size, self.dtype) / 2**20,
-                 fits, self.max_model_len)
+                 describe_groups(self.kv_groups), self.max_num_sequences(), self.max_model_len)
         self.structured = StructuredOutputManager(
             tokenizer, mcfg.vocab_size, mcfg.eos_token_ids,
             StructuredOutputConfig(any_whitespace=config.structured_outputs_any_whitespace,
@@ -189,7 +191,7 @@ class LLMEngine:
         resident, mapped = weight_bytes(model_tensors(self.model))
         return MemoryReport(weights_resident=resident, weights_mapped=mapped,
                             kv_cache=kv_cache_bytes(self.runner.kv_caches), num_kv_blocks=num_blocks,
-                            block_size=self.config.block_size,
+                            block_size=self.config.block_size, layers_per_block=self.kv_groups.group_size,
                             workspace_estimate=workspace_estimate(self.config, self.model_config, self.dtype),
                             available=available_memory())
 
@@ -280,7 +282,12 @@ class LLMEngine:
 
     def _new_runner(self, num_blocks: int) -> ModelRunner:
         return ModelRunner(self.model, self.model_config, num_blocks, self.config.block_size, self.device,
-                           self.dtype, self.platform.attention)
+                           self.dtype, self.platform.attention, kv_cache_groups(self.model_config))
+
+    def max_num_sequences(self) -> int:
+        """How many sequences of max_model_len the KV cache holds at once (decoding their last
+        token): full groups hold every block, windowed groups only the window's."""
+        return self.pool.num_usable_blocks // self.pool.blocks_per_sequence(self.max_model_len)
 
     def _profile_run(self) -> None:
         """The largest step the engine schedules (a prefill at the token budget), on a cache of
@@ -296,6 +303,8 @@ class LLMEngine:
                 "max_model_len": self.max_model_len,
                 "max_input_len": self.max_input_len, "max_output_len": self.max_output_len,
                 "num_kv_blocks": self.pool.num_blocks, "enable_prefix_caching": self.pool.enable_caching,
+                "kv_cache_groups": [{"window": g.window, "layers": list(g.layers)} for g in self.kv_groups.groups],
+                "max_num_sequences": self.max_num_sequences(),
                 "lora": self.lora.info() if self.lora is not None else None,
                 "model_load": getattr(self.model, "load_info", None),
                 "speculative_config": (dataclasses.asdict(self.config.speculative_config)
@@ -354,9 +363,9 @@ class LLMEngine:
                                       + ("" if self.lora is not None else " (LoRA is not enabled)"), status_code=404)
             req.cache_key = self.lora.cache_key(req.lora_name)
         need = self.scheduler.max_blocks_per_request(req)
-        if need > self.pool.num_blocks:
+        if need > self.pool.num_usable_blocks:
             raise RequestRejected(f"request needs {need} KV blocks but the whole cache has "
-                                  f"{self.pool.num_blocks}: shorten it or raise the KV cache size")
+                                  f"{self.pool.num_usable_blocks}: shorten it or raise the KV cache size")
         bad = [t for t in params.logit_bias or () if t >= self.model_config.vocab_size]
         if bad:
             raise RequestRejected(f"logit_bias: token id {bad[0]} is outside the vocabulary "
@@ -621,7 +630,7 @@ class LLMEngine:
             preempted=[r.request_id for r in sched.preempted], finished=finished,
             admitted=list(sched.admitted), prefix_cache_queries=queries - prev_queries,
             prefix_cache_hits=hits - prev_hits, decode_kv_tokens=decode_kv, prefill_kv_tokens=prefill_kv,
-            decode_kv_shared_tokens=sched.shared_decode_kv(self.config.block_size),
+            decode_kv_shared_tokens=sched.shared_decode_kv(self.config.block_size, self.pool.null_block),
             prefill_cached_kv_tokens=sched.cached_prefill_kv(),
             spec_propose_seconds=propose_s,
         )

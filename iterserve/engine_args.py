@@ -134,7 +134,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "evictable, after their request ends. Default: on with continuous batching; "
                         "static batching keeps its contiguous, unshared KV (it is the baseline) and "
                         "refuses it")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="number of KV blocks; overrides the memory budget")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="number of KV blocks, each of one KV cache group's layers (every layer unless the model "
+                        "mixes full and sliding-window layers); overrides the memory budget")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="CPU memory for KV blocks, e.g. 512MiB, 2GiB")
     g.add_argument("--skip-memory-check", action="store_true",
                    help="load the model even when its weights, KV cache and workspace (estimated from the "

@@ -82,6 +82,7 @@ class MemoryReport:
     block_size: int
     workspace_estimate: int
     available: int | None
+    layers_per_block: int = 0  # a block holds one KV cache group's layers (core/kv_groups.py); 0: unknown
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +90,8 @@ class MemoryReport:
     def log_line(self) -> str:
         avail = "available memory unknown" if self.available is None else f"{gib(self.available)} GiB available"
         return (f"memory: weights {gib(self.weights_resident)} GiB resident + {gib(self.weights_mapped)} GiB mapped, "
-                f"KV cache {gib(self.kv_cache)} GiB ({self.num_kv_blocks} blocks x {self.block_size} tokens), "
+                f"KV cache {gib(self.kv_cache)} GiB ({self.num_kv_blocks} blocks x {self.block_size} tokens"
+                f"{f' x {self.layers_per_block} layers' if self.layers_per_block else ''}), "
                 f"workspace ~{gib(self.workspace_estimate)} GiB (estimate); {avail}")
 
 
@@ -153,8 +155,13 @@ def weight_bytes(tensors: Iterable[torch.Tensor], maps: Path = Path("/proc/self/
 
 
 def kv_cache_bytes(kv_caches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Bytes of the KV cache's allocated tensors (keys and values of every layer)."""
-    return sum(k.nbytes + v.nbytes for k, v in kv_caches)
+    """Bytes of the KV cache's allocated tensors (keys and values of every layer), each tensor once:
+    with KV cache groups, layer j of every group shares tensor pair j (core/kv_groups.py)."""
+    seen: dict[int, int] = {}
+    for k, v in kv_caches:
+        for t in (k, v):
+            seen[id(t)] = t.nbytes
+    return sum(seen.values())
 
 
 # ---- workspace, estimated --------------------------------------------------------------------------

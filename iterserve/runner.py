@@ -6,9 +6,13 @@ final hidden states of prompt positions (an embedding request: pooling.py); both
 same forward pass as the sampled logits, and neither goes through the sampler or the constraints.
 
 It owns the KV cache tensors and the sampler. Everything it needs about a step comes in the
-scheduler's output (each request's block table, start position and input ids), so it never reads
+scheduler's output (each request's block tables, start position and input ids), so it never reads
 the block pool; the device, dtype and attention backend come from the platform, chosen once when
 the engine starts.
+
+KV cache groups (core/kv_groups.py): the cache is `group_size` tensor pairs, layer j of every group
+using pair j, and each group's rows get their own block tables and slots, so the step has one
+AttentionMetadata per group and each layer reads its group's (the forward context maps them).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.forward_context import forward_context
 from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.config import ModelConfig
+from iterserve.core.kv_groups import KVCacheGroups, single_group
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.lora.layers import LoRABatch
 from iterserve.rejection_sampler import Verified, verify_drafts
@@ -56,7 +61,7 @@ class StepInputs:
     """One step's model inputs, in the flat order `prepare` chose."""
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    metas: list[AttentionMetadata]  # one per KV cache group
     logits_indices: torch.Tensor  # flat rows whose logits are sampled
     sampled: list[int]  # index into sched.scheduled of each sampled request, in the same order
     last_index: list[int]  # flat row of each scheduled request's last token this step
@@ -82,16 +87,23 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, attention: AttentionBackend) -> None:
+                 device: torch.device, dtype: torch.dtype, attention: AttentionBackend,
+                 kv_groups: KVCacheGroups | None = None) -> None:
+        """kv_groups: how the layers share block tables (None: one group of every layer, every block
+        kept for the whole sequence, as a pool with one full group keeps them)."""
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.attention = attention
+        self.kv_groups = kv_groups or single_group(cfg)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+        slots = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                 for _ in range(self.kv_groups.group_size)]
+        placement = [self.kv_groups.layer_slot(i) for i in range(cfg.num_layers)]
+        self.layer_group = [g for g, _ in placement]  # which group's metadata each layer reads
+        self.kv_caches = [slots[j] for _, j in placement]  # layer j of every group shares tensor pair j
         self.sampler = Sampler(cfg.vocab_size)
         self.constraints = TokenConstraints(cfg.vocab_size)
         self.lora = None  # lora.manager.LoRAManager with --enable-lora (the engine sets it)
@@ -109,24 +121,28 @@ class ModelRunner:
         sampled: list[int] = []
         prompt_rows: list[tuple[int, list[int], list[int]]] = []
         pooled_rows: list[tuple[int, list[int], int]] = []
-        dec_tables, dec_ctx, pre_tables, pre_q, pre_ctx = [], [], [], [], []
+        num_groups = len(self.kv_groups.groups)
+        slots = [[] for _ in range(num_groups)]
+        dec_tables = [[] for _ in range(num_groups)]
+        pre_tables = [[] for _ in range(num_groups)]
+        dec_ctx, pre_q, pre_ctx = [], [], []
         row_slots: list[int] | None = None
         if self.lora is not None and any(sched.scheduled[i].request.lora_name for i in rows):
             row_slots = []
         for i in rows:
             s = sched.scheduled[i]
-            n, start, table = s.num_tokens, s.start, s.block_table
+            n, start, tables = s.num_tokens, s.start, s.group_tables(num_groups)
             if row_slots is not None:
                 name = s.request.lora_name
                 row_slots.extend([self.lora.slot(name) if name else -1] * n)
             tokens.extend(s.token_ids)
             positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            for g, table in enumerate(tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                (dec_tables if n == 1 else pre_tables)[g].append(table)
             if n == 1:
-                dec_tables.append(table)
                 dec_ctx.append(start + 1)
             else:
-                pre_tables.append(table)
                 pre_q.append(n)
                 pre_ctx.append(start + n)
             last_index[i] = len(tokens) - 1
@@ -145,20 +161,22 @@ class ModelRunner:
                 logits_idx.extend(range(len(tokens) - 1 - len(s.spec_token_ids), len(tokens)))
                 sampled.append(i)
         dev = self.device
-        decode = prefill = None
-        if dec_tables:
-            decode = DecodeMetadata(block_tables=_pad_tables(dec_tables, dev),
-                                    context_lens=torch.tensor(dec_ctx, dtype=torch.long, device=dev),
-                                    max_context_len=max(dec_ctx))
-        if pre_tables:
-            prefill = PrefillMetadata(block_tables=_pad_tables(pre_tables, dev), query_lens=pre_q,
-                                      context_lens=pre_ctx)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 num_decode_tokens=len(dec_tables), decode=decode, prefill=prefill)
+        metas = []
+        dec_lens = torch.tensor(dec_ctx, dtype=torch.long, device=dev) if dec_ctx else None
+        for g in range(num_groups):
+            decode = prefill = None
+            if dec_ctx:
+                decode = DecodeMetadata(block_tables=_pad_tables(dec_tables[g], dev), context_lens=dec_lens,
+                                        max_context_len=max(dec_ctx))
+            if pre_q:
+                prefill = PrefillMetadata(block_tables=_pad_tables(pre_tables[g], dev), query_lens=pre_q,
+                                          context_lens=pre_ctx)
+            metas.append(AttentionMetadata(slot_mapping=torch.tensor(slots[g], dtype=torch.long, device=dev),
+                                           num_decode_tokens=len(dec_ctx), decode=decode, prefill=prefill))
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
+            metas=metas,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             sampled=sampled,
             last_index=last_index,
@@ -168,14 +186,16 @@ class ModelRunner:
         )
 
     @contextmanager
-    def step_context(self, meta: AttentionMetadata, lora: LoRABatch | None = None) -> Iterator[None]:
-        """The forward context every layer's attention and LoRA hook reads (attention/forward_context.py)."""
-        with forward_context(meta, self.kv_caches, self.attention, lora):
+    def step_context(self, metas: list[AttentionMetadata], lora: LoRABatch | None = None) -> Iterator[None]:
+        """The forward context every layer's attention and LoRA hook reads (attention/forward_context.py).
+        metas: one per KV cache group, or one that every group reads (a dummy step)."""
+        layer_meta = [metas[g] for g in self.layer_group] if len(metas) > 1 else None
+        with forward_context(metas[0], self.kv_caches, self.attention, lora, layer_meta):
             yield
 
     def compute_logits(self, inp: StepInputs, logits_indices: torch.Tensor) -> torch.Tensor:
         """Runs the model on a prepared step; logits [len(logits_indices), vocab]."""
-        with self.step_context(inp.meta, inp.lora):
+        with self.step_context(inp.metas, inp.lora):
             return self.model(inp.input_ids, inp.positions, logits_indices)
 
     @torch.inference_mode()
@@ -190,7 +210,7 @@ class ModelRunner:
 
             decode = DecodeMetadata(block_tables=zeros().view(n, 1), context_lens=zeros() + 1, max_context_len=1)
             meta = AttentionMetadata(slot_mapping=zeros(), num_decode_tokens=n, decode=decode, prefill=None)
-            with self.step_context(meta):
+            with self.step_context([meta]):
                 self.model(zeros(), zeros(), torch.arange(n, device=self.device))
 
     @torch.inference_mode()
@@ -213,7 +233,7 @@ class ModelRunner:
         if inp.pooled_rows:
             hidden_idx = torch.tensor([r for _, rows, _ in inp.pooled_rows for r in rows], dtype=torch.long,
                                       device=self.device)
-            with self.step_context(inp.meta, inp.lora):
+            with self.step_context(inp.metas, inp.lora):
                 all_logits, hidden = self.model.forward_with_hidden(inp.input_ids, inp.positions, rows_idx,
                                                                     hidden_idx)
             self._pool(inp, hidden, results)

@@ -19,6 +19,8 @@ import pytest
 import torch
 from model_utils import sequence_logits
 
+from iterserve.core.block_pool import BlockPool
+from iterserve.core.kv_groups import kv_cache_groups
 from iterserve.llm import LLM
 from iterserve.model.loader import load_model, load_tokenizer, resolve_model
 from iterserve.sampling import SamplingParams
@@ -170,8 +172,16 @@ def test_family_matches_transformers(family, family_dirs, prompts):
     for i, (got, ref) in enumerate(zip(ours, ref_ids)):
         assert got == ref, f"prompt {i} in a batch of 8: first difference at {_first_difference(got, ref)}"
 
-    # a cache too small for all of them: preempted and recomputed
-    tight = LLM(loaded=loaded, num_kv_blocks=30, block_size=16, max_num_seqs=8)
+    # a cache too small for all of them: preempted and recomputed. With windows, blocks are one KV
+    # cache group's layers and windowed groups hold only their window (core/kv_groups.py): room for
+    # 2 of the 8 longest sequences, and prompts in chunks, so more are admitted than can grow; a
+    # model with a window on every layer holds a constant few blocks per sequence: room for one
+    groups = kv_cache_groups(cfg)
+    longest = BlockPool(2, 16, group_windows=groups.windows).blocks_per_sequence(max(map(len, batch)) + NEW_TOKENS)
+    sizing = (dict(num_kv_blocks=30) if not cfg.has_windows
+              else dict(num_kv_blocks=2 * longest + 1, max_num_batched_tokens=64) if 0 in groups.windows
+              else dict(num_kv_blocks=longest + 2, max_num_batched_tokens=16))
+    tight = LLM(loaded=loaded, block_size=16, max_num_seqs=8, **sizing)
     results = _greedy(tight, batch)
     assert tight.engine.scheduler.num_preemptions_total > 0
     ours = [r.token_ids for r, p in zip(results, batch) if p in prompts]

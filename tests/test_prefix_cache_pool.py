@@ -52,13 +52,14 @@ BS = 4
 
 def admit(pool: BlockPool, rid: str, tokens: list[int]) -> list[int]:
     """What the scheduler does: look up the cached prefix (always leaving the last token to
-    compute), allocate, compute everything, register the full blocks. Returns the hit blocks."""
+    compute), allocate, compute everything, register the full blocks. Returns the hit blocks (the
+    pool's one group's)."""
     hashes = hash_block_chain(tokens, BS)
     hit = pool.find_cached_prefix(hashes[: (len(tokens) - 1) // BS])
     assert pool.allocate(rid, len(tokens), hit)
     pool.cache_blocks(rid, hashes, len(tokens))
     pool.check_invariants()
-    return hit
+    return hit[0]
 
 
 def test_lookup_shares_the_longest_cached_prefix_by_reference() -> None:
@@ -119,12 +120,12 @@ def test_eviction_only_when_no_free_block_is_left_least_recent_first_tail_first(
     # the next block evicts a's tail block (released first, and a sequence's tail before its head)
     assert pool.allocate("c", 12)
     assert pool.tables["c"][-1] == a[1]
-    assert pool.find_cached_prefix(hash_block_chain(list(range(8)), BS)) == [a[0]]
+    assert pool.find_cached_prefix(hash_block_chain(list(range(8)), BS)) == [[a[0]]]
     assert pool.allocate("c", 16)
     assert pool.tables["c"][-1] == a[0]
-    assert pool.find_cached_prefix(hash_block_chain(list(range(8)), BS)) == []
+    assert pool.find_cached_prefix(hash_block_chain(list(range(8)), BS)) == [[]]
     # b's prefix is still cached and reusable
-    assert pool.find_cached_prefix(hash_block_chain(list(range(100, 108)), BS)) == b[:2]
+    assert pool.find_cached_prefix(hash_block_chain(list(range(100, 108)), BS)) == [b[:2]]
     pool.check_invariants()
 
 
@@ -136,7 +137,7 @@ def test_allocation_counts_revived_cached_blocks_against_what_is_free() -> None:
     pool.free("a")
     hashes = hash_block_chain(list(range(12)), BS)
     hit = pool.find_cached_prefix(hashes[:2])
-    assert len(hit) == 2
+    assert len(hit[0]) == 2
     assert pool.can_allocate("b", 12, hit)  # 2 shared + 1 new = 3
     assert not pool.can_allocate("b", 16, hit)  # would need 2 new, only 1 left
     assert not pool.allocate("b", 16, hit)
@@ -153,7 +154,7 @@ def test_duplicate_computation_registers_one_block_and_frees_the_other() -> None
     assert pool.allocate("a", 5) and pool.allocate("b", 5)  # both admitted before either computed
     pool.cache_blocks("a", hashes, 5)
     pool.cache_blocks("b", hashes, 5)
-    assert pool.find_cached_prefix(hashes) == pool.tables["a"][:1]
+    assert pool.find_cached_prefix(hashes) == [pool.tables["a"][:1]]
     b0 = pool.tables["b"][0]
     pool.free("b")
     assert b0 in pool._free
@@ -166,9 +167,9 @@ def test_only_computed_full_blocks_are_registered() -> None:
     hashes = hash_block_chain(toks, BS)
     assert pool.allocate("a", 12)
     pool.cache_blocks("a", hashes, 6)  # a prefill chunk of 6 tokens: only block 0 is complete
-    assert pool.find_cached_prefix(hashes) == pool.tables["a"][:1]
+    assert pool.find_cached_prefix(hashes) == [pool.tables["a"][:1]]
     pool.cache_blocks("a", hashes, 12)
-    assert pool.find_cached_prefix(hashes) == pool.tables["a"]
+    assert pool.find_cached_prefix(hashes) == [pool.tables["a"]]
 
 
 def test_caching_disabled_is_a_plain_free_list() -> None:
@@ -176,7 +177,7 @@ def test_caching_disabled_is_a_plain_free_list() -> None:
     admit(pool, "a", list(range(8)))
     pool.free("a")
     assert pool.num_cached_blocks == 0 and pool.usage().cached_free_blocks == 0
-    assert pool.find_cached_prefix(hash_block_chain(list(range(8)), BS)) == []
+    assert pool.find_cached_prefix(hash_block_chain(list(range(8)), BS)) == [[]]
     assert pool.allocate_contiguous("s", 16)
     with pytest.raises(ValueError, match="unshared"):
         BlockPool(4, BS, enable_caching=True).allocate_contiguous("s", 4)
@@ -241,14 +242,15 @@ def make_shared_machine(block_size: int, num_blocks: int):
                 return
             toks = PREFIXES[prefix][:cut] + tail
             hashes = hash_block_chain(toks, block_size)
-            hit = self.pool.find_cached_prefix(hashes[: (len(toks) - 1) // block_size])
+            hit_groups = self.pool.find_cached_prefix(hashes[: (len(toks) - 1) // block_size])
+            hit = hit_groups[0]
             for i, b in enumerate(hit):
                 assert self.content.get(b) == hashes[i], "a cache hit names a block holding other KV"
             held_elsewhere = {b for t in self.pool.tables.values() for b in t}
             free_before, refs_before = self.pool.num_free, list(self.pool.ref_count)
             revived = sum(1 for b in hit if self.pool.ref_count[b] == 0)
             need_new = -(-len(toks) // block_size) - len(hit)
-            ok = self.pool.allocate(rid, len(toks), hit)
+            ok = self.pool.allocate(rid, len(toks), hit_groups)
             assert ok == (need_new <= free_before - revived)
             if not ok:
                 assert rid not in self.pool.tables and self.pool.ref_count == refs_before
@@ -307,7 +309,7 @@ def make_shared_machine(block_size: int, num_blocks: int):
                 hashes = hash_block_chain(self.tokens[r], block_size)
                 for i, b in enumerate(t):
                     if pool.ref_count[b] > 1:
-                        assert i < len(hashes) and pool._block_hash.get(b) == hashes[i]
+                        assert i < len(hashes) and pool._block_hash.get(b) == (0, hashes[i])  # (group, hash)
             # stored tokens count each block once
             distinct: dict[int, int] = {}
             for r, t in pool.tables.items():

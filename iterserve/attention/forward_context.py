@@ -43,6 +43,12 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: AttentionBackend
     lora: ProjectionDeltas | None = None  # the step's LoRA rows; None: no row carries an adapter
+    # per layer, its KV cache group's metadata (core/kv_groups.py: each group has its own block
+    # tables and slots); None: every layer reads `meta` (one group)
+    layer_meta: list[AttentionMetadata] | None = None
+
+    def meta_for(self, layer: int) -> AttentionMetadata:
+        return self.meta if self.layer_meta is None else self.layer_meta[layer]
 
 
 _local = threading.local()  # .current: the running step's ForwardContext, per thread
@@ -50,9 +56,10 @@ _local = threading.local()  # .current: the running step's ForwardContext, per t
 
 @contextmanager
 def forward_context(meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    backend: AttentionBackend, lora: ProjectionDeltas | None = None) -> Iterator[None]:
+                    backend: AttentionBackend, lora: ProjectionDeltas | None = None,
+                    layer_meta: list[AttentionMetadata] | None = None) -> Iterator[None]:
     prev = getattr(_local, "current", None)
-    _local.current = ForwardContext(meta, kv_caches, backend, lora)
+    _local.current = ForwardContext(meta, kv_caches, backend, lora, layer_meta)
     try:
         yield
     finally:

@@ -20,7 +20,7 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer
                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [T, heads, D], this step's k and v [T, kv_heads, D] -> [T, heads, D]."""
     ctx = get_forward_context()
-    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta, scale, window, softcap)
+    return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta_for(layer), scale, window, softcap)
 
 
 _lib.impl("paged_attention", _paged_attention_op, "CompositeExplicitAutograd")

@@ -17,6 +17,10 @@ instead of preempting (it preempts only a request the policy ranks below itself,
 even one token fits); a request that was preempted is re-admitted only when all the blocks it needs
 to reach its next token are free, not one chunk's worth that the next step would take back.
 
+KV cache groups (core/kv_groups.py): every group's blocks are counted together, and before each step
+a running request's windowed groups give back the blocks its next query can no longer see
+(`BlockPool.remove_skipped_blocks`), so decodes and chunks of a windowed model mostly recycle blocks.
+
 The static batcher (core/static.py) implements the same interface, and everything that differs
 between the two is declared on it (`SchedulerBase`): when an idle engine should wake up
 (`next_deadline`), whether a finished request is released at once or held (`finish`), and which
@@ -49,6 +53,13 @@ class ScheduledRequest:
     # speculative decoding: draft tokens verified after the request's last token (token_ids ends
     # with them); every position is sampled and the longest accepted run is kept (rejection_sampler.py)
     spec_token_ids: list[int] = field(default_factory=list)
+    # one block table per KV cache group (core/kv_groups.py), block_table being group 0's; empty:
+    # block_table serves every group (one group, or a dummy step whose blocks are all the same)
+    block_tables: list[list[int]] = field(default_factory=list)
+
+    def group_tables(self, num_groups: int) -> list[list[int]]:
+        """The request's table of each of num_groups KV cache groups."""
+        return self.block_tables or [self.block_table] * num_groups
 
 
 @dataclass
@@ -95,14 +106,16 @@ class SchedulerOutput:
         matrix, a later chunk's reads of its whole cached context skip nothing."""
         return sum(s.num_tokens * s.start for s in self.scheduled if s.num_tokens > 1)
 
-    def shared_decode_kv(self, block_size: int) -> int:
+    def shared_decode_kv(self, block_size: int, null_block: int | None = None) -> int:
         """Of the single-token rows' attended tokens (attended_kv's first number), those in KV blocks
         that an earlier row of this step also reads: prefix caching's shared blocks. A block read
         again in the same step is still in the CPU's caches, so a decode step over rows that share a
         long system prompt runs faster than one over distinct blocks (measured: 10-35% at 8-32 rows
         sharing 400 tokens); step records carry the count so a step model can price both. Shared
         blocks are always full and lead the table (hash-chained prefixes), so rows whose first block
-        nobody else has are skipped without walking their tables."""
+        nobody else has are skipped without walking their tables. Group 0's tables are read (a full
+        group's, when the model has full layers); a windowed group's freed entries all name the null
+        block (null_block: BlockPool.null_block), which counts as shared by no one."""
         rows = [s for s in self.scheduled if s.num_tokens == 1 and s.block_table]
         if len(rows) < 2:
             return 0
@@ -112,11 +125,11 @@ class SchedulerOutput:
         seen: set[int] = set()
         shared = 0
         for s in rows:
-            if firsts[s.block_table[0]] < 2:
+            if firsts[s.block_table[0]] < 2 or s.block_table[0] == null_block:
                 continue
             n = -(-(s.start + 1) // block_size)  # blocks this row attends to
             j = 0
-            while j < n and s.block_table[j] in seen:
+            while j < n and s.block_table[j] in seen and s.block_table[j] != null_block:
                 shared += min(block_size, s.start + 1 - j * block_size)
                 j += 1
             seen.update(s.block_table[j:n])
@@ -245,15 +258,18 @@ class SchedulerBase:
         """`n` more tokens of `req`, which already holds the blocks for them; with drafts, its last
         token and n - 1 drafts after it."""
         start = req.num_computed_tokens
+        tables = self.pool.group_tables[req.request_id]
+        many = tables if len(tables) > 1 else []
         if drafts:
-            return ScheduledRequest(req, n, start, self.pool.tables[req.request_id],
-                                    req.token_slice(start, 1) + drafts, sample=True, spec_token_ids=drafts)
-        return ScheduledRequest(req, n, start, self.pool.tables[req.request_id], req.token_slice(start, n),
-                                sample=start + n == req.num_tokens)
+            return ScheduledRequest(req, n, start, tables[0], req.token_slice(start, 1) + drafts, sample=True,
+                                    spec_token_ids=drafts, block_tables=many)
+        return ScheduledRequest(req, n, start, tables[0], req.token_slice(start, n),
+                                sample=start + n == req.num_tokens, block_tables=many)
 
     def max_blocks_per_request(self, req: Request) -> int:
-        """Blocks the request could ever need (for rejecting what can never fit)."""
-        return self.pool.blocks_for(min(req.max_total_tokens, self.max_model_len))
+        """Blocks the request needs at least (for rejecting what can never fit): its whole length in
+        full groups, its window in windowed ones (a prefill chunk shrinks to what is free)."""
+        return self.pool.blocks_per_sequence(min(req.max_total_tokens, self.max_model_len))
 
 
 class Scheduler(SchedulerBase):
@@ -282,14 +298,15 @@ class Scheduler(SchedulerBase):
 
     def _fit(self, req: Request) -> int:
         """Tokens the request can compute now without taking blocks from anyone."""
-        have = len(self.pool.tables.get(req.request_id, ()))
-        return (have + self.pool.num_free) * self.pool.block_size - req.num_computed_tokens
+        return self.pool.fit_tokens(req.request_id, req.num_computed_tokens)
 
     def schedule(self, now: float) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
         for req in self.running:  # last step's KV is written: share its full blocks from now on
             self._cache_computed(req)
+            # windowed groups give back what the next query no longer sees (before anyone allocates)
+            self.pool.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
         budget = cfg.max_num_batched_tokens
         # decodes first, then prefill chunks; stable, so arrival order holds within each group
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -365,13 +382,19 @@ class Scheduler(SchedulerBase):
                     continue  # base-model requests behind it still go: they need no slot
             hashes = self._update_block_hashes(req)
             cached = self.pool.find_cached_prefix(hashes[: req.max_cached_tokens() // bs])
-            num_cached = len(cached) * bs
+            num_cached = len(cached[0]) * bs
             n = min(req.num_tokens - num_cached, budget)
             # a preempted request takes all the blocks it needs to reach its next token at once
             # (or waits for them): one chunk's worth would be taken back by the next step
-            reserve = req.num_tokens + 1 if req.num_preemptions else num_cached + n
-            if not self.pool.allocate(req.request_id, reserve, cached):
-                break  # head of line waits for blocks: keeps the policy's order fair
+            reserve = req.num_tokens + 1 if req.num_preemptions else 0
+            if not self.pool.allocate(req.request_id, num_cached + n, cached, num_cached, reserve):
+                if self.running:
+                    break  # head of line waits for blocks: keeps the policy's order fair
+                # nothing runs to give blocks back: the first chunk shrinks to what is free (a windowed
+                # model's whole first chunk may need more than a sequence holds once it decodes)
+                n = min(n, self.pool.fit_tokens(req.request_id, num_cached, cached))
+                if n < 1 or not self.pool.allocate(req.request_id, num_cached + n, cached, num_cached):
+                    break
             self.waiting.remove(req.request_id)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached

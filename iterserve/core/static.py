@@ -38,7 +38,7 @@ class StaticScheduler(SchedulerBase):
         while batch:
             reserve = min(self.max_model_len, max(r.num_prompt_tokens for r in batch)
                           + max(r.params.max_tokens for r in batch))
-            if self.pool.blocks_for(reserve) * len(batch) <= self.pool.num_free:
+            if self.pool.blocks_for(reserve) * self.pool.num_groups * len(batch) <= self.pool.num_free:
                 break
             batch.pop()
         for req in batch:
@@ -65,10 +65,10 @@ class StaticScheduler(SchedulerBase):
     def _padding(self, req: Request) -> ScheduledRequest:
         """A finished member keeps being computed, as a static batcher would: its last token again,
         at its next position (kept inside its reservation), sampled and dropped."""
-        table = self.pool.tables[req.request_id]
-        start = min(req.num_computed_tokens, len(table) * self.pool.block_size - 1)
-        return ScheduledRequest(req, 1, start, table, [req.token_at(req.num_tokens - 1)], sample=True,
-                                padding=True)
+        tables = self.pool.group_tables[req.request_id]
+        start = min(req.num_computed_tokens, len(tables[0]) * self.pool.block_size - 1)
+        return ScheduledRequest(req, 1, start, tables[0], [req.token_at(req.num_tokens - 1)], sample=True,
+                                padding=True, block_tables=tables if len(tables) > 1 else [])
 
     def finish(self, req: Request) -> list[tuple[Request, int]]:
         if req not in self.running:

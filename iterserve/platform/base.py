@@ -17,6 +17,7 @@ from torch import nn
 
 from iterserve.attention.backend import AttentionBackend
 from iterserve.config import EngineConfig, ModelConfig, parse_size
+from iterserve.core.kv_groups import KVCacheGroups, kv_cache_groups
 from iterserve.model.loader import ModelSource
 
 if TYPE_CHECKING:
@@ -46,10 +47,13 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers: keys and values, block_size tokens each."""
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVCacheGroups | None = None) -> int:
+    """Bytes of one KV block: keys and values, block_size tokens each, of one KV cache group's
+    layers (core/kv_groups.py: all layers for a model with one kind of attention; 3 of Gemma 3
+    270M's 18). groups: None = the model's own grouping (`kv_cache_groups`)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    layers = (groups or kv_cache_groups(cfg)).group_size
+    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 def kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.bench.common import load_average
-from iterserve.config import EngineConfig, parse_size
+from iterserve.config import EngineConfig, ModelConfig, parse_size
+from iterserve.core.kv_groups import KVCacheGroup, KVCacheGroups, kv_cache_groups
 from iterserve.cpu_info import cpu_flags
 from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
 from iterserve.sim.step_model import LinearStepModel, StepTimeModel, errors_by_kind, features_of, model_from_dict
@@ -53,12 +54,26 @@ class Profile:
     def overhead(self) -> ServerOverhead:
         return self.server_overhead or NO_OVERHEAD
 
+    def kv_groups(self) -> KVCacheGroups:
+        """The model's KV cache groups (core/kv_groups.py), from its recorded shape: full and windowed
+        layers grouped as the engine groups them. A profile without a shape is one group of every
+        layer, every block kept (what profiles written before groups counted)."""
+        shape = {f.name: self.model_shape[f.name] for f in dataclasses.fields(ModelConfig)
+                 if f.name in self.model_shape}
+        try:
+            return kv_cache_groups(ModelConfig(**shape))
+        except (TypeError, ValueError):
+            return KVCacheGroups((KVCacheGroup(0, (0,)),), 1)  # per-token bytes are then one "layer"
+
     def num_kv_blocks(self, config: EngineConfig) -> int:
-        """As the engine sizes its cache: --num-kv-blocks, else the memory over the bytes per block."""
+        """As the engine sizes its cache: --num-kv-blocks, else the memory over the bytes per block
+        (one KV cache group's layers: kv_bytes_per_token covers every layer)."""
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         memory = self.kv_memory_bytes if self.kv_memory_bytes is not None else parse_size(config.kv_cache_memory)
-        return max(1, memory // (self.kv_bytes_per_token * config.block_size))
+        groups = self.kv_groups()
+        per_block = self.kv_bytes_per_token * config.block_size * groups.group_size // groups.num_layers
+        return max(1, memory // per_block)
 
     def describe(self) -> str:
         label = "ESTIMATE (analytic roofline)" if self.estimate else "measured"

@@ -90,7 +90,8 @@ class SimEngine:
         self.max_model_len = config.max_model_len or profile.max_model_len
         self.max_input_len = config.max_input_len or self.max_model_len
         self.max_output_len = config.max_output_len or self.max_model_len
-        self.pool = BlockPool(profile.num_kv_blocks(config), config.block_size, enable_caching=config.prefix_caching)
+        self.pool = BlockPool(profile.num_kv_blocks(config), config.block_size, enable_caching=config.prefix_caching,
+                              group_windows=profile.kv_groups().windows)
         self.scheduler = make_scheduler(config, self.pool, self.max_model_len)
         if lora is not None:  # the engine's residency rule over --max-loras slots, without weights
             from iterserve.lora.slots import SlotTable
@@ -129,8 +130,9 @@ class SimEngine:
             req.lora_name = self.lora.adapter_of(spec.index)
             req.cache_key = req.lora_name
         need = self.scheduler.max_blocks_per_request(req)
-        if need > self.pool.num_blocks:
-            raise RequestRejected(f"request needs {need} KV blocks but the whole cache has {self.pool.num_blocks}")
+        if need > self.pool.num_usable_blocks:
+            raise RequestRejected(f"request needs {need} KV blocks but the whole cache has "
+                                  f"{self.pool.num_usable_blocks}")
         self.scheduler.add_request(req)
         return req
 
@@ -141,7 +143,8 @@ class SimEngine:
             return None
         oh = self.overhead
         self.step_start = now + oh.admit_s * len(sched.admitted)
-        self.run_end = self.step_start + self.step_model.predict(step_features(sched, self.config.block_size))
+        features = step_features(sched, self.config.block_size, self.pool.null_block)
+        self.run_end = self.step_start + self.step_model.predict(features)
         if self.lora is not None:
             self.run_end += self.lora.price(sched)
         self.in_flight = sched

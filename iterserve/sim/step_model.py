@@ -70,17 +70,17 @@ class StepFeatures:
                 self.prefill_cached_kv_k]
 
 
-def step_features(sched: SchedulerOutput, block_size: int) -> StepFeatures:
+def step_features(sched: SchedulerOutput, block_size: int, null_block: int | None = None) -> StepFeatures:
     """Each row attends to its `start` cached tokens plus its `n` new ones (a static padding row's
     start is kept inside its reservation, as the runner computes it). A speculative verify row
     (its last token and its drafts) is priced as a prompt chunk of that many tokens: its positions
     count as prefill tokens, its attention (multi-token: attended_kv's second number) likewise. `block_size`: the KV cache's,
-    to count the tokens of shared blocks."""
+    to count the tokens of shared blocks; `null_block`: the pool's (a windowed group's freed entries)."""
     decode_kv, prefill_kv = sched.attended_kv()
     verify = sum(s.num_tokens for s in sched.scheduled if s.spec_token_ids)
     return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens + verify, decode_kv,
                         prefill_kv / 1e3,
-                        sched.shared_decode_kv(block_size), sched.cached_prefill_kv() / 1e3)
+                        sched.shared_decode_kv(block_size, null_block), sched.cached_prefill_kv() / 1e3)
 
 
 def record_features(step: dict[str, Any]) -> StepFeatures | None:

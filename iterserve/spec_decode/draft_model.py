@@ -63,6 +63,7 @@ class DraftModelProposer(Proposer):
         layout, attention) with a KV pool of spec.draft_kv_cache_memory bytes. The vocabulary is
         checked from the config before any weight is read."""
         from iterserve.model.loader import load_model, model_config, resolve_model
+        from iterserve.core.kv_groups import single_group
         from iterserve.platform.base import kv_bytes_per_block
 
         src = resolve_model(spec.model)
@@ -73,7 +74,8 @@ class DraftModelProposer(Proposer):
                                                 max_positions=max_pos, block_types=platform.gguf_block_types())
         check_vocab(cfg, target_cfg, tokenizer, target_tokenizer)
         platform.prepare_model(model, src)
-        per_block = kv_bytes_per_block(cfg, block_size, platform.dtype)
+        # one group: the draft's pool keeps every block (its proposer never frees windowed ones)
+        per_block = kv_bytes_per_block(cfg, block_size, platform.dtype, single_group(cfg))
         num_blocks = parse_size(spec.draft_kv_cache_memory) // per_block
         if num_blocks < 1:
             raise ValueError(f"speculative_config: draft_kv_cache_memory {spec.draft_kv_cache_memory} holds no "
