@@ -26,6 +26,22 @@ from iterserve.model.loader import load_model, load_tokenizer, resolve_model
 from iterserve.sampling import SamplingParams
 
 NEW_TOKENS = 24
+
+
+def preempting_cache(cfg, batch: list[list[int]], block_size: int = 16) -> dict:
+    """LLM arguments for a KV cache too small for `batch` (prompts + NEW_TOKENS each): requests are
+    preempted and recomputed. 30 blocks where every layer keeps every block; with windows, blocks are
+    one KV cache group's layers and windowed groups hold only their window (core/kv_groups.py): room
+    for 2 of the longest sequences and prompts in chunks, so more are admitted than can grow; a model
+    with a window on every layer holds a constant few blocks per sequence: room for one."""
+    if not cfg.has_windows:
+        return dict(num_kv_blocks=30)
+    groups = kv_cache_groups(cfg)
+    longest = BlockPool(2, block_size, group_windows=groups.windows).blocks_per_sequence(
+        max(map(len, batch)) + NEW_TOKENS)
+    if 0 in groups.windows:
+        return dict(num_kv_blocks=2 * longest + 1, max_num_batched_tokens=64)
+    return dict(num_kv_blocks=longest + 2, max_num_batched_tokens=16)
 WINDOW = 40  # shorter than every prompt (100+ tokens) and than prompt + output
 LOGPROB_TOL = 2e-3
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -172,16 +188,8 @@ def test_family_matches_transformers(family, family_dirs, prompts):
     for i, (got, ref) in enumerate(zip(ours, ref_ids)):
         assert got == ref, f"prompt {i} in a batch of 8: first difference at {_first_difference(got, ref)}"
 
-    # a cache too small for all of them: preempted and recomputed. With windows, blocks are one KV
-    # cache group's layers and windowed groups hold only their window (core/kv_groups.py): room for
-    # 2 of the 8 longest sequences, and prompts in chunks, so more are admitted than can grow; a
-    # model with a window on every layer holds a constant few blocks per sequence: room for one
-    groups = kv_cache_groups(cfg)
-    longest = BlockPool(2, 16, group_windows=groups.windows).blocks_per_sequence(max(map(len, batch)) + NEW_TOKENS)
-    sizing = (dict(num_kv_blocks=30) if not cfg.has_windows
-              else dict(num_kv_blocks=2 * longest + 1, max_num_batched_tokens=64) if 0 in groups.windows
-              else dict(num_kv_blocks=longest + 2, max_num_batched_tokens=16))
-    tight = LLM(loaded=loaded, block_size=16, max_num_seqs=8, **sizing)
+    # a cache too small for all of them: preempted and recomputed
+    tight = LLM(loaded=loaded, block_size=16, max_num_seqs=8, **preempting_cache(cfg, batch))
     results = _greedy(tight, batch)
     assert tight.engine.scheduler.num_preemptions_total > 0
     ours = [r.token_ids for r, p in zip(results, batch) if p in prompts]

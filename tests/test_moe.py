@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from model_utils import sequence_logits
 from test_model_families import BASE, LOGPROB_TOL, NEW_TOKENS, WINDOW, _first_difference, _greedy, _save_family
-from test_model_families import hf_bf16_agreement, hf_reference
+from test_model_families import hf_bf16_agreement, hf_reference, preempting_cache
 
 from iterserve.llm import LLM
 from iterserve.model.loader import load_model
@@ -127,7 +127,7 @@ def test_moe_family_matches_transformers(family, moe_dirs, prompts):
     for i, (got, ref) in enumerate(zip(ours, ref_ids)):
         assert got == ref, f"prompt {i} in a batch of 8: first difference at {_first_difference(got, ref)}"
 
-    tight = LLM(loaded=loaded, num_kv_blocks=30, block_size=16, max_num_seqs=8)
+    tight = LLM(loaded=loaded, block_size=16, max_num_seqs=8, **preempting_cache(cfg, batch))
     results = _greedy(tight, batch)
     assert tight.engine.scheduler.num_preemptions_total > 0
     ours = [r.token_ids for r, p in zip(results, batch) if p in prompts]
