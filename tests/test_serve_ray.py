@@ -188,6 +188,9 @@ def test_sixteen_concurrent_clients_all_complete(client, cluster):
     sched = wait_for(lambda: (s := httpx.get(cluster + "/v1/scheduler", timeout=10).json())["running"] == 0 and s,
                      "both replicas idle")
     assert len(sched["replicas"]) == 2 and all(r["step"] > 0 for r in sched["replicas"])  # both served
+    mem = sched["memory"]  # the deployment's: KV caches summed, one file's mapped weights counted once
+    assert mem["replicas"] == 2 and mem["kv_cache"] == sum(r["memory"]["kv_cache"] for r in sched["replicas"]) > 0
+    assert mem["weights_mapped"] == max(r["memory"]["weights_mapped"] for r in sched["replicas"])
 
 
 def test_metrics_label_each_replica(cluster):

@@ -78,10 +78,26 @@ def aggregate_scheduler(states: list[dict], router: str) -> dict:
                          "hits": hits, "hit_rate": hits / queries if queries else None,
                          "cached_free_blocks": total("prefix_cache", "cached_free_blocks")},
         "speculative": _aggregate_speculative(states),
+        "memory": _aggregate_memory(states),
         "config": {**first.get("config", {}), "replicas": len(states), "router": router},
         "steps": steps,
         "replicas": [{k: v for k, v in s.items() if k != "steps"} for s in states],
     }
+
+
+def _aggregate_memory(states: list[dict]) -> dict | None:
+    """The replicas' memory (memory.MemoryReport) on this deployment: private weights, KV caches and
+    workspaces summed; mapped weights once, the largest replica's, since replicas serving one file share
+    its pages (a GGUF's blocks are read in place from the map); available memory the least seen."""
+    mems = [s["memory"] for s in states if s.get("memory")]
+    if not mems:
+        return None
+    total = lambda key: sum(m.get(key) or 0 for m in mems)  # noqa: E731
+    available = [m["available"] for m in mems if m.get("available") is not None]
+    return {"weights_resident": total("weights_resident"), "weights_mapped": max(m.get("weights_mapped") or 0
+                                                                                 for m in mems),
+            "kv_cache": total("kv_cache"), "workspace_estimate": total("workspace_estimate"),
+            "available": min(available) if available else None, "replicas": len(mems)}
 
 
 def _aggregate_speculative(states: list[dict]) -> dict:
