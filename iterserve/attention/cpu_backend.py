@@ -29,9 +29,9 @@ class CpuKernelAttentionBackend(AttentionBackend):
                                                    scale, window, softcap)
 
     def prefill_kernel_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """The prefill kernel's domain: bf16 queries and cache, a build with AVX512-BF16, head_dim a
-        multiple of 32 and at most 24 query heads per KV head; elsewhere the torch path runs."""
-        return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+        """The prefill kernel's domain: bf16 queries, a bf16 or 8-bit cache, a build with AVX512-BF16,
+        head_dim a multiple of 32 and at most 24 query heads per KV head; elsewhere the torch path runs."""
+        return (q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and q.shape[-1] % 32 == 0
                 and q.shape[1] // k_cache.shape[2] <= 24 and self.kernels.bf16_gemm_is_vectorised())
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
