@@ -142,9 +142,9 @@ class LLMEngine:
         self.memory = self._memory_report(num_blocks)
         log.info("%s", self.memory.log_line())
         fits = num_blocks // self.pool.blocks_for(self.max_model_len)
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB); fits %d sequences of max_model_len %d",
-                 num_blocks, config.block_size,
-                 num_blocks * kv_bytes_per_block(mcfg, config.block_size, self.dtype) / 2**20,
+        log.info("KV cache (%s): %d blocks of %d tokens (%.0f MiB); fits %d sequences of max_model_len %d",
+                 self.platform.kv_cache.name, num_blocks, config.block_size,
+                 num_blocks * kv_bytes_per_block(mcfg, config.block_size, self.platform.kv_cache) / 2**20,
                  fits, self.max_model_len)
         self.structured = StructuredOutputManager(
             tokenizer, mcfg.vocab_size, mcfg.eos_token_ids,
@@ -173,7 +173,8 @@ class LLMEngine:
             log.info("memory check skipped: %s", reason)
             return
         dtype, cfg = self.platform.dtype, self.config
-        kv_cache = kv_blocks_for_budget(cfg, mcfg, dtype) * kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+        kv = self.platform.kv_cache
+        kv_cache = kv_blocks_for_budget(cfg, mcfg, kv) * kv_bytes_per_block(mcfg, cfg.block_size, kv)
         blocks = self.platform.gguf_block_types()  # a GGUF's weights the loader keeps as their blocks
         plan = MemoryPlan(weights=estimate_weight_bytes(src, dtype, blocks), kv_cache=kv_cache,
                           workspace=workspace_estimate(cfg, mcfg, dtype), available=available_memory())
@@ -280,7 +281,7 @@ class LLMEngine:
 
     def _new_runner(self, num_blocks: int) -> ModelRunner:
         return ModelRunner(self.model, self.model_config, num_blocks, self.config.block_size, self.device,
-                           self.dtype, self.platform.attention)
+                           self.dtype, self.platform.attention, kv_cache=self.platform.kv_cache)
 
     def _profile_run(self) -> None:
         """The largest step the engine schedules (a prefill at the token budget), on a cache of

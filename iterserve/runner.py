@@ -21,6 +21,7 @@ import torch
 
 from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.forward_context import forward_context
+from iterserve.attention.kv_cache_dtype import KVCacheFormat, format_of_dtype
 from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.config import ModelConfig
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -82,16 +83,20 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, attention: AttentionBackend) -> None:
+                 device: torch.device, dtype: torch.dtype, attention: AttentionBackend,
+                 kv_cache: KVCacheFormat | None = None) -> None:
+        """kv_cache: the caches' format (--kv-cache-dtype, resolved by the platform); None: the model's dtype."""
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.attention = attention
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+        self.kv_cache = kv_cache or format_of_dtype(dtype)
+        shape = self.kv_cache.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        store = self.kv_cache.storage
+        self.kv_caches = [(torch.zeros(shape, dtype=store, device=device),
+                           torch.zeros(shape, dtype=store, device=device)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler(cfg.vocab_size)
         self.constraints = TokenConstraints(cfg.vocab_size)
         self.lora = None  # lora.manager.LoRAManager with --enable-lora (the engine sets it)

@@ -22,6 +22,7 @@ class AttentionBackend:
     `name` is what EngineConfig.decode_attention and the logs call the backend."""
 
     name: str = ""
+    reads_8bit_kv: bool = True  # whether it reads fp8 and q8_0 caches (kv_cache_dtype.py); else refused at start
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:

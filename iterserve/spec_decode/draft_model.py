@@ -73,7 +73,7 @@ class DraftModelProposer(Proposer):
                                                 max_positions=max_pos, block_types=platform.gguf_block_types())
         check_vocab(cfg, target_cfg, tokenizer, target_tokenizer)
         platform.prepare_model(model, src)
-        per_block = kv_bytes_per_block(cfg, block_size, platform.dtype)
+        per_block = kv_bytes_per_block(cfg, block_size, platform.kv_cache)
         num_blocks = parse_size(spec.draft_kv_cache_memory) // per_block
         if num_blocks < 1:
             raise ValueError(f"speculative_config: draft_kv_cache_memory {spec.draft_kv_cache_memory} holds no "
@@ -81,7 +81,7 @@ class DraftModelProposer(Proposer):
         log.info("draft model %s: KV pool of %d blocks of %d tokens (%.0f MiB)", src.name, num_blocks,
                  block_size, num_blocks * per_block / 2**20)
         runner = ModelRunner(model, cfg, num_blocks, block_size, platform.device, platform.dtype,
-                             platform.attention)
+                             platform.attention, kv_cache=platform.kv_cache)
         return cls(runner, BlockPool(num_blocks, block_size), max_pos)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
