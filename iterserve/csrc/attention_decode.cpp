@@ -220,6 +220,20 @@ inline void axpy_group(const float* p, const Q8Block* v, float* acc, int64_t D) 
 #endif
 }
 
+#if defined(__AVX512F__)
+// a head_dim-64 row as four vectors of floats, for decode_heads' register accumulators
+template <typename C>
+inline void load_row64(const C* v, __m512* r) {
+  for (int j = 0; j < 4; ++j) r[j] = lv_load(v + 16 * j);
+}
+inline void load_row64(const Q8Block* v, __m512* r) {
+  for (int b = 0; b < 2; ++b) {
+    const __m512 s = _mm512_set1_ps(q8_scale(v[b]));
+    r[2 * b] = lv_q8(v[b], 0, s);
+    r[2 * b + 1] = lv_q8(v[b], 16, s);
+  }
+}
+#endif
 
 // A block's rows of one KV head (BS token rows token_stride apart, `row_bytes` each) asked into
 // cache ahead of their use. The decode loops walk a block's keys (then values) one token row at a
@@ -290,7 +304,7 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
 #if defined(__AVX512F__)
   // head_dim 64 (SmolLM2, Llama 3.2 1B): the GB x 4 accumulators stay in registers for the whole
   // value loop instead of a load and store per head per value; same FMAs, same order
-  if constexpr (GB <= 6 && kValuesPer<C> == 1) {
+  if constexpr (GB <= 6) {
     if (D == 64) {
       __m512 a[GB][4];
       for (int g = 0; g < GB; ++g)
@@ -302,7 +316,9 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
           prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * row, BS, token_stride, row_bytes);
         for (int64_t o = o0; o < o1; ++o, ++t0) {
           const C* v = vb + o * token_stride;
-          const __m512 v0 = lv_load(v), v1 = lv_load(v + 16), v2 = lv_load(v + 32), v3 = lv_load(v + 48);
+          __m512 vr[4];
+          load_row64(v, vr);
+          const __m512 v0 = vr[0], v1 = vr[1], v2 = vr[2], v3 = vr[3];
           for (int g = 0; g < GB; ++g) {
             const __m512 pv = _mm512_set1_ps(sc[g * keys + t0 - first]);
             a[g][0] = _mm512_fmadd_ps(pv, v0, a[g][0]);
@@ -318,7 +334,7 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
   }
 #endif
   float p[GB];
-  for (int64_t t0 = first; t0 < len && !(ISV_DECODE_REGS_64 && GB <= 6 && kValuesPer<C> == 1 && D == 64);) {
+  for (int64_t t0 = first; t0 < len && !(ISV_DECODE_REGS_64 && GB <= 6 && D == 64);) {
     const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
     const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * row;
     if (t0 / BS + kAheadBlocks <= last_block)
