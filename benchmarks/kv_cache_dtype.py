@@ -11,10 +11,14 @@
     attention shape; then, with --engine, whole decode steps of the engine (16 requests whose
     prompts are --context tokens of distinct text, prefix caching off), steps timed after the prefill.
     bf16 and the 8-bit formats alternate in one process, best of --reps.
+(d) the scale question: the K/V rows a docs window leaves in a bf16 cache, quantised offline each
+    way, relative RMS error per layer (mean over layers): fp8 at scale 1.0 (what --kv-cache-dtype fp8
+    does), fp8 at a per-layer scale amax / 448 (vLLM's calculated scales, here from the very data:
+    their best case), e5m2, and q8_0's per-32 scales.
 (c) with --llama-cpp (llama-perplexity from $LLAMA_PERPLEXITY or PATH): llama.cpp's own figures
     for its `-ctk q8_0 -ctv q8_0` cache against its f16 cache on the same Gemma 3 GGUF and text
     (--kl-divergence: "same top p", the top-1 agreement, and the mean KL divergence; it scores the
-    second half of each --window-token chunk).
+    second half of each --window-token chunk, so it runs twice --windows chunks).
 
     .venv/bin/python benchmarks/kv_cache_dtype.py [--models smollm2-135m gemma3] [--engine] \
         [--out results/kv_cache_dtype.json]
@@ -42,7 +46,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import figures_line, machine_figures  # noqa: E402
 
-from iterserve.attention.kv_cache_dtype import FORMATS, quantise  # noqa: E402
+from iterserve.attention.kv_cache_dtype import FORMATS, dequantise, quantise  # noqa: E402
 from iterserve.config import EngineConfig  # noqa: E402
 from iterserve.engine import LLMEngine  # noqa: E402
 from iterserve.platform.cpu_kernels import load_cpu_kernels  # noqa: E402
@@ -164,6 +168,36 @@ def engine_speed(model: str, seqs: int, context: int, steps: int) -> dict:
     return out
 
 
+def scale_errors(model: str, window: int) -> dict:
+    """Relative RMS error of each way of quantising the K and V a real window leaves in the cache."""
+    eng = LLMEngine(EngineConfig(model=model_path(model), kv_cache_dtype="bfloat16", enable_prefix_caching=False,
+                                 kv_cache_memory="256MiB"))
+    prompt = text_windows(eng.tokenizer, window, 1)[0]
+    eng.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, temperature=0.0))
+    while eng.has_unfinished_requests():
+        eng.step()
+    e4m3 = FORMATS["fp8_e4m3"].storage
+
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+        return ((x - y).norm() / x.norm()).item()
+
+    ways = {"fp8_e4m3_scale_1": lambda x: quantise(x, e4m3).float(),
+            "fp8_e4m3_per_layer_scale": lambda x: quantise(x / (s := x.abs().amax() / 448), e4m3).float() * s,
+            "fp8_e5m2_scale_1": lambda x: quantise(x, FORMATS["fp8_e5m2"].storage).float(),
+            "q8_0": lambda x: dequantise(quantise(x, torch.uint8), torch.float32)}
+    out: dict = {}
+    for name, fn in ways.items():
+        for kind in (0, 1):
+            errs = []
+            for layer in eng.runner.kv_caches:
+                # the prompt's slots (blocks handed out from the pool; an unused slot is zero and dropped)
+                rows = layer[kind].float().flatten(0, 1)
+                rows = rows[rows.abs().sum((1, 2)) > 0]
+                errs.append(rel(rows, fn(rows)))
+            out.setdefault(name, {})["k" if kind == 0 else "v"] = round(sum(errs) / len(errs), 5)
+    return out
+
+
 def llama_cpp_kld(binary: str, gguf: str, window: int, chunks: int) -> dict:
     """llama-perplexity's KL divergence of its q8_0 K/V cache from its f16 one (flash attention on in
     both: llama.cpp needs it for a quantised V cache)."""
@@ -199,7 +233,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--engine", action="store_true", help="also time whole engine decode steps (slow: a 16 x context prefill per format)")
     ap.add_argument("--engine-steps", type=int, default=24)
-    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-accuracy", action="store_true", help="no teacher-forced runs (a speed-only sitting)")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also llama.cpp's q8_0 K/V against its f16 (llama-perplexity from $LLAMA_PERPLEXITY or PATH), Gemma 3")
     ap.add_argument("--out", default=str(REPO / "results" / "kv_cache_dtype.json"))
@@ -216,6 +250,9 @@ def main() -> None:
             entry["kernel_decode"] = kernel_speed(kernels, SHAPES[model], args.seqs, args.context, args.reps)
             print(f"{model} decode attention, {args.seqs} x {args.context} tokens, {SHAPES[model]['layers']} "
                   f"layers: {json.dumps(entry['kernel_decode'])}", flush=True)
+        entry["scale_errors"] = scale_errors(model, args.window)
+        print(f"{model} relative RMS error of K / V quantised each way: {json.dumps(entry['scale_errors'])}",
+              flush=True)
         if not args.skip_accuracy:
             entry["accuracy"] = accuracy(model, args.window, args.windows, args.chunk)
             print(f"{model} accuracy vs the bf16 cache: {json.dumps(entry['accuracy'])}", flush=True)
@@ -225,7 +262,7 @@ def main() -> None:
             binary = os.environ.get("LLAMA_PERPLEXITY") or shutil.which("llama-perplexity")
             if binary is None:
                 raise SystemExit("--llama-cpp: set $LLAMA_PERPLEXITY or put llama-perplexity on PATH")
-            entry["llama_cpp"] = llama_cpp_kld(binary, model_path(model), args.window, args.windows)
+            entry["llama_cpp"] = llama_cpp_kld(binary, model_path(model), args.window, 2 * args.windows)
             print(f"{model} llama.cpp q8_0 K/V vs its f16: {json.dumps(entry['llama_cpp'])}", flush=True)
         result[model] = entry
     result["load_average_end"] = os.getloadavg()

@@ -405,6 +405,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0, "the GQA ratio does not match the caches");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   const KVFormat fmt = kv_format(k_cache, D);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per sequence");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
@@ -420,7 +421,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
                   "block id ", tp[b * tables.size(1) + j], " is outside the cache");
   }
   const auto qt = q.scalar_type();
-  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "q must be float32 or bfloat16");
 #define ISV_CALL(T, C)                                                                                       \
   decode_attention_impl<T, C>(ptr<T>(q), reinterpret_cast<const C*>(k_cache.const_data_ptr()),              \
                               reinterpret_cast<const C*>(v_cache.const_data_ptr()), tp,                     \
