@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("ITERSERVE_MEASURE_KERNELS", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# a shared host: OpenMP threads that spin-wait turn a small op into a wait for a descheduled thread
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
@@ -149,7 +152,8 @@ def engine_speed(model: str, seqs: int, context: int, steps: int) -> dict:
                                      enable_prefix_caching=False, kv_cache_memory="2GiB",
                                      max_model_len=context + steps + 8))
         prompts = text_windows(eng.tokenizer, context, seqs)
-        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+        # the prompts are admitted one a step, so the first request decodes `seqs` tokens before all run
+        params = SamplingParams(max_tokens=steps + seqs + 2, temperature=0.0, ignore_eos=True)
         for p in prompts:
             eng.add_request(prompt_token_ids=p, params=params)
         times = []

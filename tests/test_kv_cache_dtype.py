@@ -153,6 +153,26 @@ def test_decode_kernel_reads_8bit_as_its_dequantised_float32(fmt, q_dtype, head_
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_write_kernel_stores_the_torch_forms_bytes(dtype, variant_kernels):
+    """The CPU backend writes q8_0 rows with q8_0_kv_write: the same bytes as quantise (round half to
+    even, float16 scales to nearest even, zero blocks, tiny and huge values), into the named slots only."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 3, 64, generator=g) * torch.logspace(-9, 4, 40).view(40, 1, 1)
+    x[3] = 0
+    x[4, 0, :32] = torch.arange(32) - 15.5  # exact halves after scaling
+    x = x.to(dtype)
+    slots = torch.randperm(8 * 16, generator=g)[:40]
+    got = torch.zeros(FORMATS["q8_0"].cache_shape(8, 16, 3, 64), dtype=torch.uint8)
+    want = got.clone()
+    variant_kernels.q8_0_kv_write(x, got, slots)
+    write_rows(want, x, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        variant_kernels.q8_0_kv_write(x[:1], got, torch.tensor([8 * 16]))
+
+
+@needs_kernels
 def test_decode_kernel_refuses_a_cache_that_is_no_format():
     q, k_cache, v_cache, meta = random_case([5], 16, 2, head_dim=64)
     bad = torch.zeros(k_cache.shape[:3] + (60,), dtype=torch.uint8)
