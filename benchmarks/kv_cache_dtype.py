@@ -150,7 +150,7 @@ def engine_speed(model: str, seqs: int, context: int, steps: int) -> dict:
     for fmt in ("bfloat16", "fp8_e4m3", "q8_0"):
         eng = LLMEngine(EngineConfig(model=model_path(model), kv_cache_dtype=fmt, max_num_seqs=seqs,
                                      enable_prefix_caching=False, kv_cache_memory="2GiB",
-                                     max_model_len=context + steps + 8))
+                                     max_model_len=context + steps + seqs + 8))
         prompts = text_windows(eng.tokenizer, context, seqs)
         # the prompts are admitted one a step, so the first request decodes `seqs` tokens before all run
         params = SamplingParams(max_tokens=steps + seqs + 2, temperature=0.0, ignore_eos=True)

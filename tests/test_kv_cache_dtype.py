@@ -12,6 +12,8 @@ counted in the format (twice the blocks in the same memory), and /v1/scheduler n
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -267,6 +269,23 @@ def test_engine_greedy_with_an_8bit_cache(make_engine, head32_loaded, fmt, decod
     else:  # fp8's 3 (e4m3) or 2 (e5m2) mantissa bits drift sooner here (SmolLM2's test and the benchmark
         # measure them on a real model): the prefill's token still agrees
         assert sum(p > 0 for p in prefixes) >= 3, prefixes
+
+
+@pytest.mark.parametrize("decode_attention", ["cpu", "torch"])
+def test_float32_model_with_a_bf16_cache(make_engine, head32_loaded, decode_attention):
+    """What auto gives a CPU without fast bf16: a float32 model (float32 queries) over a bf16 cache,
+    through the decode kernel's mixed path or the torch path, with chunked prefills reading it back."""
+    if decode_attention == "cpu" and kernels is None:
+        pytest.skip("no CPU kernels")
+    model, cfg, tok = head32_loaded
+    loaded = (copy.deepcopy(model).float(), cfg, tok)
+    kw = dict(loaded=loaded, decode_attention=decode_attention, max_num_batched_tokens=32)
+    want = greedy_tokens(make_engine(**kw), PROMPTS, 16)
+    eng = make_engine(kv_cache_dtype="bfloat16", **kw)
+    assert eng.dtype == torch.float32 and eng.runner.kv_caches[0][0].dtype == torch.bfloat16
+    got = greedy_tokens(eng, PROMPTS, 16)
+    prefixes = [agreeing_prefix(w, g) for w, g in zip(want, got)]
+    assert sum(prefixes) >= 0.75 * 16 * len(PROMPTS), prefixes
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "q8_0"])

@@ -22,6 +22,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.engine import LLMEngine
+from iterserve.platform.base import kv_bytes_per_block
 from iterserve.request import Request
 from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile, cpu_machine, git_commit, now_iso
@@ -158,7 +159,7 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
     pred = np.array([model.predict(f) for f in feats])
     rel = np.abs(pred - np.array(secs)) / np.array(secs)
     mcfg = engine.model_config
-    per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * engine.dtype.itemsize
+    per_token = kv_bytes_per_block(mcfg, 1, engine.platform.kv_cache)  # in the cache's format (--kv-cache-dtype)
     machine = {**cpu_machine(), "device": str(engine.device), "torch_threads": torch.get_num_threads(),
                "torch": torch.__version__}
     if engine.device.type == "cuda":
