@@ -240,13 +240,16 @@ def main() -> None:
     ap.add_argument("--skip-accuracy", action="store_true", help="no teacher-forced runs (a speed-only sitting)")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also llama.cpp's q8_0 K/V against its f16 (llama-perplexity from $LLAMA_PERPLEXITY or PATH), Gemma 3")
-    ap.add_argument("--out", default=str(REPO / "results" / "kv_cache_dtype.json"))
+    ap.add_argument("--out", default="results/kv_cache_dtype.json")
     args = ap.parse_args()
 
     fig = machine_figures()
     host = figures_line(fig)
     print(host, flush=True)
-    result: dict = {"host": host, "machine": fig, "load_average_start": os.getloadavg(), "args": vars(args)}
+    out = Path(args.out).resolve()  # in the JSON relative to the repository (no machine path)
+    shown = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else out.name
+    result: dict = {"host": host, "machine": fig, "load_average_start": os.getloadavg(),
+                    "args": {**vars(args), "out": shown}}
     kernels = load_cpu_kernels()
     for model in args.models:
         entry: dict = {}
