@@ -284,6 +284,10 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget (tests of preemption)
     kv_cache_memory: str = "1GiB"  # CPU budget for KV blocks
+    # the KV cache's format (vLLM's names): auto (the model's dtype; bfloat16 for a CPU run in float32
+    # only for lack of fast bf16), bfloat16, float32, fp8 (= fp8_e4m3), fp8_e5m2, or q8_0 (llama.cpp's
+    # int8 blocks): attention/kv_cache_dtype.py
+    kv_cache_dtype: str = "auto"
     # start-up refuses, before loading, a model whose weights + KV cache + workspace exceed the memory
     # available (iterserve/memory.py); True: load anyway (an estimate can be wrong; swap, a lazy map)
     skip_memory_check: bool = False

@@ -144,9 +144,9 @@ class LLMEngine:
             self._compile_model()
         self.memory = self._memory_report(num_blocks)
         log.info("%s", self.memory.log_line())
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB) in %s; fits %d sequences of max_model_len %d",
-                 num_blocks, config.block_size,
-                 num_blocks * kv_bytes_per_block(mcfg, config.block_size, self.dtype) / 2**20,
+        log.info("KV cache (%s): %d blocks of %d tokens (%.0f MiB) in %s; fits %d sequences of max_model_len %d",
+                 self.platform.kv_cache.name, num_blocks, config.block_size,
+                 num_blocks * kv_bytes_per_block(mcfg, config.block_size, self.platform.kv_cache, self.kv_groups) / 2**20,
                  describe_groups(self.kv_groups), self.max_num_sequences(), self.max_model_len)
         self.structured = StructuredOutputManager(
             tokenizer, mcfg.vocab_size, mcfg.eos_token_ids,
@@ -175,7 +175,8 @@ class LLMEngine:
             log.info("memory check skipped: %s", reason)
             return
         dtype, cfg = self.platform.dtype, self.config
-        kv_cache = kv_blocks_for_budget(cfg, mcfg, dtype) * kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+        kv = self.platform.kv_cache
+        kv_cache = kv_blocks_for_budget(cfg, mcfg, kv) * kv_bytes_per_block(mcfg, cfg.block_size, kv)
         blocks = self.platform.gguf_block_types()  # a GGUF's weights the loader keeps as their blocks
         plan = MemoryPlan(weights=estimate_weight_bytes(src, dtype, blocks), kv_cache=kv_cache,
                           workspace=workspace_estimate(cfg, mcfg, dtype), available=available_memory())
@@ -282,7 +283,8 @@ class LLMEngine:
 
     def _new_runner(self, num_blocks: int) -> ModelRunner:
         return ModelRunner(self.model, self.model_config, num_blocks, self.config.block_size, self.device,
-                           self.dtype, self.platform.attention, kv_cache_groups(self.model_config))
+                           self.dtype, self.platform.attention, kv_cache_groups(self.model_config),
+                           kv_cache=self.platform.kv_cache)
 
     def max_num_sequences(self) -> int:
         """How many sequences of max_model_len the KV cache holds at once (decoding their last

@@ -138,6 +138,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="number of KV blocks, each of one KV cache group's layers (every layer unless the model "
                         "mixes full and sliding-window layers); overrides the memory budget")
     g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="CPU memory for KV blocks, e.g. 512MiB, 2GiB")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   help="the KV cache's format (vLLM's names): auto (default: the model's dtype, but bfloat16 on a "
+                        "CPU without fast bf16 unless --dtype float32 is asked for), bfloat16, float32, fp8 "
+                        "(= fp8_e4m3), fp8_e5m2 (one byte a value, scale 1.0), or q8_0 (llama.cpp's int8 blocks: a "
+                        "float16 scale per 32 values). An 8-bit cache holds ~2x the tokens in --kv-cache-memory "
+                        "(docs/benchmarks/kv-cache-dtype.md: accuracy and speed)")
     g.add_argument("--skip-memory-check", action="store_true",
                    help="load the model even when its weights, KV cache and workspace (estimated from the "
                         "checkpoint before loading) exceed the memory available; by default start-up refuses "

@@ -25,6 +25,7 @@ import torch
 
 from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.forward_context import forward_context
+from iterserve.attention.kv_cache_dtype import KVCacheFormat, format_of_dtype
 from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from iterserve.config import ModelConfig
 from iterserve.core.kv_groups import KVCacheGroups, single_group
@@ -88,9 +89,10 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention: AttentionBackend,
-                 kv_groups: KVCacheGroups | None = None) -> None:
+                 kv_groups: KVCacheGroups | None = None, kv_cache: KVCacheFormat | None = None) -> None:
         """kv_groups: how the layers share block tables (None: one group of every layer, every block
-        kept for the whole sequence, as a pool with one full group keeps them)."""
+        kept for the whole sequence, as a pool with one full group keeps them). kv_cache: the caches'
+        format (--kv-cache-dtype, resolved by the platform); None: the model's dtype."""
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -98,8 +100,10 @@ class ModelRunner:
         self.dtype = dtype
         self.attention = attention
         self.kv_groups = kv_groups or single_group(cfg)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        slots = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_cache = kv_cache or format_of_dtype(dtype)
+        shape = self.kv_cache.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        store = self.kv_cache.storage
+        slots = [(torch.zeros(shape, dtype=store, device=device), torch.zeros(shape, dtype=store, device=device))
                  for _ in range(self.kv_groups.group_size)]
         placement = [self.kv_groups.layer_slot(i) for i in range(cfg.num_layers)]
         self.layer_group = [g for g, _ in placement]  # which group's metadata each layer reads

@@ -61,7 +61,7 @@ def test_engine_reports_the_weights_it_holds(make_engine, tiny_loaded):
     engine = make_engine(kv_cache_memory="16MiB")
     report = engine.memory
     assert report.weights_resident == unique_bytes(tiny_loaded[0]) and report.weights_mapped == 0
-    per_block = kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.dtype)
+    per_block = kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.platform.kv_cache)
     assert report.kv_cache == engine.pool.num_blocks * per_block == report.num_kv_blocks * per_block
     assert report.workspace_estimate == workspace_estimate(engine.config, engine.model_config, engine.dtype) > 0
     assert "GiB resident" in report.log_line() and f"{report.num_kv_blocks} blocks" in report.log_line()

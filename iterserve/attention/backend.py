@@ -22,6 +22,7 @@ class AttentionBackend:
     `name` is what EngineConfig.decode_attention and the logs call the backend."""
 
     name: str = ""
+    reads_8bit_kv: bool = True  # whether it reads fp8 and q8_0 caches (kv_cache_dtype.py); else refused at start
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
@@ -35,12 +36,18 @@ class AttentionBackend:
         to the cache) -> [T, heads, D], causal within each sequence (and within the window)."""
         return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Stores the step's k, v [T, kv_heads, D] in their slots, in the cache's format (the torch
+        form, torch_attention.write_kv, unless a backend has a kernel for it)."""
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """Writes this step's k, v [T, kv_heads, D] to the cache, then attends q [T, heads, D]. window:
         the layer's sliding window (0: none), softcap: its attention-logit cap (0.0: none)."""
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        self.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         d = meta.num_decode_tokens
         if meta.prefill is None:
             return self.decode(q, k_cache, v_cache, meta.decode, scale, window, softcap)

@@ -14,7 +14,6 @@ import torch
 
 from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from iterserve.attention.torch_attention import write_kv
 
 
 class CpuKernelAttentionBackend(AttentionBackend):
@@ -23,15 +22,23 @@ class CpuKernelAttentionBackend(AttentionBackend):
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
 
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """A q8_0 cache is written by the kernel (the torch form's bytes, in one pass instead of ~15 ops)."""
+        if k_cache.dtype != torch.uint8:
+            return super().write_kv(k_cache, v_cache, k, v, slot_mapping)
+        self.kernels.q8_0_kv_write(k, k_cache, slot_mapping)
+        self.kernels.q8_0_kv_write(v, v_cache, slot_mapping)
+
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                    scale, window, softcap)
 
     def prefill_kernel_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """The prefill kernel's domain: bf16 queries and cache, a build with AVX512-BF16, head_dim a
-        multiple of 32 and at most 24 query heads per KV head; elsewhere the torch path runs."""
-        return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+        """The prefill kernel's domain: bf16 queries, a bf16 or 8-bit cache, a build with AVX512-BF16,
+        head_dim a multiple of 32 and at most 24 query heads per KV head; elsewhere the torch path runs."""
+        return (q.dtype == torch.bfloat16 and k_cache.dtype != torch.float32 and q.shape[-1] % 32 == 0
                 and q.shape[1] // k_cache.shape[2] <= 24 and self.kernels.bf16_gemm_is_vectorised())
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,7 +65,7 @@ class BatchInvariantCpuAttentionBackend(CpuKernelAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        self.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         # each query as a decode ending at its own position: the kernel's window is then that query's own
         tables, lens = meta.per_query_tables()
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window, softcap)

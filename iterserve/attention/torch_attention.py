@@ -18,19 +18,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from iterserve.attention.kv_cache_dtype import dequantise, write_rows
 from iterserve.attention.metadata import DecodeMetadata, PrefillMetadata
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Stores this step's keys and values [T, kv_heads, head_dim] into their cache slots."""
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Stores this step's keys and values [T, kv_heads, head_dim] into their cache slots, in the
+    cache's format (8-bit ones quantised on the way in: kv_cache_dtype.py)."""
+    write_rows(k_cache, k, slot_mapping)
+    write_rows(v_cache, v, slot_mapping)
 
 
 def gather_blocks(cache: torch.Tensor, flat: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """[B, kv_heads, L, D] copy of the blocks `flat` names (L = whole blocks per sequence).
+    """[B, kv_heads, L, W] copy of the blocks `flat` names (L = whole blocks per sequence; W: the
+    cache's row width, head_dim but for q8_0).
     index_select copies whole blocks, which is cheaper than advanced indexing (cache[tables])."""
     _, bs, kvh, d = cache.shape
     return cache.index_select(0, flat).view(num_seqs, -1, kvh, d).transpose(1, 2)
@@ -64,7 +66,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     B, H, D = q.shape
     flat, mask = meta.gather_plan(k_cache.shape[1], window)
     k, v = gather_blocks(k_cache, flat, B), gather_blocks(v_cache, flat, B)  # [B, kvh, L, D]
-    out = attend(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
+    out = attend(q.unsqueeze(2), dequantise(k, q.dtype), dequantise(v, q.dtype), mask, scale, softcap)
     return out.view(B, H, D)
 
 
@@ -75,23 +77,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     a chunk sits at absolute position ctx - q_len + j and, with a window W > 0, sees keys from that
     position - W + 1 on. softcap: see `attend`.
 
-    A chunk with no cached prefix attends to its own fresh K/V (no cache read); a later chunk reads
-    its context from the cache, from the first block its first query's window reaches (the blocks
-    before it may have been freed)."""
+    A chunk with no cached prefix attends to its own fresh K/V (no cache read), unless the cache is
+    8-bit: then every query reads the quantised rows, as its later decodes and the C++ kernel do. A
+    later chunk reads its context from the cache, from the first block its first query's window
+    reaches (the blocks before it may have been freed)."""
     out = q.new_empty(q.shape)
     bs = k_cache.shape[1]
     start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
         lo = max(0, ctx - n - window + 1) if window > 0 else 0  # the first key any query of the chunk sees
         qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if ctx == n:  # then lo == 0
+        if ctx == n and k_cache.element_size() > 1:  # then lo == 0
             ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
             vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
         else:
             flat = meta.block_tables[i, lo // bs:-(-ctx // bs)]
             skip = lo % bs
-            ki = gather_blocks(k_cache, flat, 1)[:, :, skip:skip + ctx - lo].to(q.dtype)
-            vi = gather_blocks(v_cache, flat, 1)[:, :, skip:skip + ctx - lo].to(q.dtype)
+            ki = dequantise(gather_blocks(k_cache, flat, 1)[:, :, skip:skip + ctx - lo], q.dtype)
+            vi = dequantise(gather_blocks(v_cache, flat, 1)[:, :, skip:skip + ctx - lo], q.dtype)
         mask = None  # causal, when the chunk is the whole context and no window cuts into it
         if ctx != n or 0 < window < n:
             qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)

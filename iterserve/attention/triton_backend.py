@@ -121,6 +121,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    reads_8bit_kv = False  # its kernel reads float caches only
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:

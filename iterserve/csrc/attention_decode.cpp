@@ -4,9 +4,12 @@
 // window (W > 0: a query at position p sees keys max(0, p - W + 1) .. p; the keys before are never
 // read, nor their blocks' ids checked: they may be freed) and its logit soft-cap (c > 0: each scaled
 // score s becomes c * tanh(s / c) before the softmax), as Hugging Face defines them for Mistral and
-// Gemma 2 / 3; 0 turns either off. float32 or bf16 q and caches; float32 accumulation.
+// Gemma 2 / 3; 0 turns either off. float32 or bf16 q; float32, bf16 or 8-bit caches (kv_formats.h:
+// fp8 e4m3 / e5m2, q8_0 blocks), each value widened in registers as its row is read; float32
+// accumulation.
 #include "kernel_common.h"
 #include "kernels.h"
+#include "kv_formats.h"
 #include "lanes.h"
 #include "work_pool.h"
 
@@ -123,6 +126,115 @@ inline void axpy_group(const float* p, const C* v, float* acc, int64_t D) {
 
 
 
+// The same four over a q8_0 row (D / 32 blocks): each vector of int8 values is widened and scaled in
+// registers (d * q is exact in float32), then used exactly as dot / axpy use a float32 row's vector,
+// in the same chains and order: the results are those of the float32 row the blocks dequantise to.
+inline float q8_scale(const Q8Block& b) {
+#if defined(__F16C__)
+  return _cvtsh_ss(b.d);
+#else
+  return half_to_float(b.d);
+#endif
+}
+#if ISV_LANES
+inline LVec lv_q8(const Q8Block& b, int i, LVec s) { return lv_mul(lv_load_i8(b.qs + i), s); }
+#endif
+
+inline float dot(const float* q, const Q8Block* k, int64_t D) {
+#if ISV_LANES
+  LVec a[2] = {lv_zero(), lv_zero()};
+  for (int64_t b = 0; b < D / 32; ++b) {
+    const LVec s = lv_set1(q8_scale(k[b]));
+    for (int i = 0; i < 32; i += kLW) {
+      LVec& acc = a[kDotChains == 2 ? (i / kLW) & 1 : 0];
+      acc = lv_fma(lv_load(q + 32 * b + i), lv_q8(k[b], i, s), acc);
+    }
+  }
+  return lv_sum(kDotChains == 2 ? lv_add(a[0], a[1]) : a[0]);
+#else
+  float s = 0.f;
+  for (int64_t b = 0; b < D / 32; ++b) {
+    const float sc = q8_scale(k[b]);
+    for (int i = 0; i < 32; ++i) s += q[32 * b + i] * (sc * static_cast<float>(k[b].qs[i]));
+  }
+  return s;
+#endif
+}
+
+inline void axpy(float p, const Q8Block* v, float* acc, int64_t D) {
+#if ISV_LANES
+  const LVec pv = lv_set1(p);
+  for (int64_t b = 0; b < D / 32; ++b) {
+    const LVec s = lv_set1(q8_scale(v[b]));
+    for (int i = 0; i < 32; i += kLW) {
+      float* a = acc + 32 * b + i;
+      lv_store(a, lv_fma(pv, lv_q8(v[b], i, s), lv_load(a)));
+    }
+  }
+#else
+  for (int64_t b = 0; b < D / 32; ++b) {
+    const float sc = q8_scale(v[b]);
+    for (int i = 0; i < 32; ++i) acc[32 * b + i] += p * (sc * static_cast<float>(v[b].qs[i]));
+  }
+#endif
+}
+
+template <int GB>
+inline void dot_group(const float* q, const Q8Block* k, int64_t D, float* s) {
+#if ISV_LANES
+  LVec a0[GB], a1[GB];
+  for (int g = 0; g < GB; ++g) a0[g] = a1[g] = lv_zero();
+  for (int64_t b = 0; b < D / 32; ++b) {
+    const LVec sc = lv_set1(q8_scale(k[b]));
+    for (int i = 0; i < 32; i += kLW) {
+      const LVec kv = lv_q8(k[b], i, sc);
+      const int64_t d = 32 * b + i;
+      if (kDotChains == 2 && (i / kLW) & 1) {
+        for (int g = 0; g < GB; ++g) a1[g] = lv_fma(lv_load(q + g * D + d), kv, a1[g]);
+      } else {
+        for (int g = 0; g < GB; ++g) a0[g] = lv_fma(lv_load(q + g * D + d), kv, a0[g]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g) s[g] = lv_sum(kDotChains == 2 ? lv_add(a0[g], a1[g]) : a0[g]);
+#else
+  for (int g = 0; g < GB; ++g) s[g] = dot(q + g * D, k, D);
+#endif
+}
+
+template <int GB>
+inline void axpy_group(const float* p, const Q8Block* v, float* acc, int64_t D) {
+#if ISV_LANES
+  LVec pv[GB];
+  for (int g = 0; g < GB; ++g) pv[g] = lv_set1(p[g]);
+  for (int64_t b = 0; b < D / 32; ++b) {
+    const LVec sc = lv_set1(q8_scale(v[b]));
+    for (int i = 0; i < 32; i += kLW) {
+      const LVec vv = lv_q8(v[b], i, sc);
+      const int64_t d = 32 * b + i;
+      for (int g = 0; g < GB; ++g) lv_store(acc + g * D + d, lv_fma(pv[g], vv, lv_load(acc + g * D + d)));
+    }
+  }
+#else
+  for (int g = 0; g < GB; ++g) axpy(p[g], v, acc + g * D, D);
+#endif
+}
+
+#if defined(__AVX512F__)
+// a head_dim-64 row as four vectors of floats, for decode_heads' register accumulators
+template <typename C>
+inline void load_row64(const C* v, __m512* r) {
+  for (int j = 0; j < 4; ++j) r[j] = lv_load(v + 16 * j);
+}
+inline void load_row64(const Q8Block* v, __m512* r) {
+  for (int b = 0; b < 2; ++b) {
+    const __m512 s = _mm512_set1_ps(q8_scale(v[b]));
+    r[2 * b] = lv_q8(v[b], 0, s);
+    r[2 * b + 1] = lv_q8(v[b], 16, s);
+  }
+}
+#endif
+
 // A block's rows of one KV head (BS token rows token_stride apart, `row_bytes` each) asked into
 // cache ahead of their use. The decode loops walk a block's keys (then values) one token row at a
 // time, 1 KiB or more apart; once the step's weights have pushed the KV out of cache, each row was
@@ -153,19 +265,20 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
   float* sc = scores.data();  // sc[g * keys + i]: head h0 + g's score of the key at position first + i
   float mx[GB], s[GB];
   for (int g = 0; g < GB; ++g) mx[g] = -INFINITY;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C)), last_block = (len - 1) / BS;
+  const int64_t row = D / kValuesPer<C>;  // elements of C in one head's row
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C)), last_block = (len - 1) / BS;
   for (int64_t j = first / BS; len > first && j < std::min(last_block + 1, first / BS + kAheadBlocks); ++j) {
     // the first key blocks, and the first value blocks for after the scores
-    prefetch_block_rows(k_cache + table[j] * block_stride + kvh * D, BS, token_stride, row_bytes);
-    prefetch_block_rows(v_cache + table[j] * block_stride + kvh * D, BS, token_stride, row_bytes);
+    prefetch_block_rows(k_cache + table[j] * block_stride + kvh * row, BS, token_stride, row_bytes);
+    prefetch_block_rows(v_cache + table[j] * block_stride + kvh * row, BS, token_stride, row_bytes);
   }
   // the keys a block at a time: slots [o0, o1) of the block holding position t0 (o0 > 0 only in
   // the window's first block)
   for (int64_t t0 = first; t0 < len;) {
     const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
-    const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * D;
+    const C* kb = k_cache + table[t0 / BS] * block_stride + kvh * row;
     if (t0 / BS + kAheadBlocks <= last_block)
-      prefetch_block_rows(k_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
+      prefetch_block_rows(k_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * row, BS, token_stride, row_bytes);
     for (int64_t o = o0; o < o1; ++o, ++t0) {
       dot_group<GB>(qf.data(), kb + o * token_stride, D, s);
       for (int g = 0; g < GB; ++g) {
@@ -198,12 +311,14 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
         for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
       for (int64_t t0 = first; t0 < len;) {
         const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
-        const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+        const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * row;
         if (t0 / BS + kAheadBlocks <= last_block)
-          prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
+          prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * row, BS, token_stride, row_bytes);
         for (int64_t o = o0; o < o1; ++o, ++t0) {
           const C* v = vb + o * token_stride;
-          const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+          __m512 vr[4];
+          load_row64(v, vr);
+          const __m512 v0 = vr[0], v1 = vr[1], v2 = vr[2], v3 = vr[3];
           for (int g = 0; g < GB; ++g) {
             const __m512 pv = _mm512_set1_ps(sc[g * keys + t0 - first]);
             a[g][0] = _mm512_fmadd_ps(pv, v0, a[g][0]);
@@ -221,9 +336,9 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
   float p[GB];
   for (int64_t t0 = first; t0 < len && !(ISV_DECODE_REGS_64 && GB <= 6 && D == 64);) {
     const int64_t o0 = t0 % BS, o1 = std::min(BS, o0 + len - t0);
-    const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * D;
+    const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * row;
     if (t0 / BS + kAheadBlocks <= last_block)
-      prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * D, BS, token_stride, row_bytes);
+      prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * row, BS, token_stride, row_bytes);
     for (int64_t o = o0; o < o1; ++o, ++t0) {
       for (int g = 0; g < GB; ++g) p[g] = sc[g * keys + t0 - first];
       axpy_group<GB>(p, vb + o * token_stride, acc.data(), D);
@@ -241,7 +356,7 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
                            const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                            int64_t BS, int64_t table_width, float scale, int64_t window, float softcap) {
   const int64_t group = H / KVH;
-  const int64_t token_stride = KVH * D;   // elements between consecutive slots
+  const int64_t token_stride = KVH * (D / kValuesPer<C>);  // elements of C between consecutive slots
   const int64_t block_stride = BS * token_stride;
   const int64_t passes = (group + kMaxPass - 1) / kMaxPass;
   // one item = one (sequence, KV head, pass over its query heads); each row's result is its own
@@ -272,7 +387,7 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
 
 }  // namespace
 
-// q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, width] int64;
+// q [B, H, D]; caches [num_blocks, block_size, KVH, D] (q8_0: D / 32 * 34 bytes a row); block_tables [B, width] int64;
 // context_lens [B] int64 (tokens in cache, this step's included) -> [B, H, D] in q's dtype. window,
 // softcap: see the top of this file (0: off).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -289,7 +404,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const at::Tensor lens = context_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or the GQA ratio does not match the caches");
+  TORCH_CHECK(H % KVH == 0, "the GQA ratio does not match the caches");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  const KVFormat fmt = kv_format(k_cache, D);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per sequence");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
   at::Tensor out = at::empty_like(q);
@@ -303,17 +420,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       TORCH_CHECK(tp[b * tables.size(1) + j] >= 0 && tp[b * tables.size(1) + j] < k_cache.size(0),
                   "block id ", tp[b * tables.size(1) + j], " is outside the cache");
   }
-  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
-  TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && (ct == at::kFloat || ct == at::kBFloat16),
-              "float32 or bfloat16 only");
+  const auto qt = q.scalar_type();
 #define ISV_CALL(T, C)                                                                                       \
-  decode_attention_impl<T, C>(ptr<T>(q), ptr<C>(k_cache), ptr<C>(v_cache), tp,                              \
+  decode_attention_impl<T, C>(ptr<T>(q), reinterpret_cast<const C*>(k_cache.const_data_ptr()),              \
+                              reinterpret_cast<const C*>(v_cache.const_data_ptr()), tp,                     \
                               lp, reinterpret_cast<T*>(out.data_ptr()), B, H, KVH, D, BS, tables.size(1),    \
                               static_cast<float>(scale), window, static_cast<float>(softcap))
-  if (qt == at::kBFloat16 && ct == at::kBFloat16) ISV_CALL(uint16_t, uint16_t);
-  else if (qt == at::kFloat && ct == at::kBFloat16) ISV_CALL(float, uint16_t);
-  else if (qt == at::kBFloat16 && ct == at::kFloat) ISV_CALL(uint16_t, float);
-  else ISV_CALL(float, float);
+#define ISV_CACHES(T)                                                                                        \
+  switch (fmt) {                                                                                             \
+    case KVFormat::kFloat: ISV_CALL(T, float); break;                                                        \
+    case KVFormat::kBF16: ISV_CALL(T, uint16_t); break;                                                      \
+    case KVFormat::kE4M3: ISV_CALL(T, Fp8E4M3); break;                                                       \
+    case KVFormat::kE5M2: ISV_CALL(T, Fp8E5M2); break;                                                       \
+    case KVFormat::kQ8: ISV_CALL(T, Q8Block); break;                                                         \
+  }
+  if (qt == at::kBFloat16) {
+    ISV_CACHES(uint16_t);
+  } else {
+    ISV_CACHES(float);
+  }
+#undef ISV_CACHES
 #undef ISV_CALL
   return out;
 }

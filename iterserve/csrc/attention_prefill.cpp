@@ -3,6 +3,7 @@
 // Window and soft-cap as in attention_decode.cpp.
 #include "kernel_common.h"
 #include "kernels.h"
+#include "kv_formats.h"
 #include "lanes.h"
 #include "work_pool.h"
 
@@ -37,7 +38,8 @@ namespace {
 // key blocks a row sees in part (the diagonal, a window's edge) are masked; a block a row sees none
 // of leaves its state as it is. A soft-cap maps the scaled scores through c * tanh(s / c), 16 lanes
 // at a time, before the mask.
-// Needs AVX512-BF16, bf16 q and caches, head_dim a multiple of 32.
+// Needs AVX512-BF16, bf16 q, head_dim a multiple of 32; bf16 or 8-bit caches (kv_formats.h: their
+// rows widened and rounded to bf16 as the chunk's K/V are laid out, the one pass that reads them).
 #if ISV_BF16_DOT
 inline __m512 exp512_nonpositive(__m512 x) {  // lanes.h's exp_nonpositive, 16 lanes at a time
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -231,12 +233,44 @@ void prefill_block(int64_t rows, const uint32_t* qp, const int64_t* row_pos, con
     for (int64_t d = 0; d < D; ++d) store(out_rows[i] + d, acc[i * D + d] * inv);
   }
 }
+
+// Tile t (16 positions) of KV head h laid out for the micro-kernels: keys as [D/2][16][2], values as
+// [8][D][2], bf16; positions outside [first_key, ctx) stay as they are (zero). A bf16 cache's bits
+// are copied; an 8-bit cache's rows are widened (kv_formats.h) and rounded to bf16 here.
+template <typename C>
+void lay_out_tile(const void* k_cache, const void* v_cache, const int64_t* tp, int64_t h, int64_t t,
+                  int64_t first_key, int64_t ctx, int64_t D, int64_t BS, int64_t KVH, uint16_t* kt, uint16_t* vt) {
+  const C* kc = static_cast<const C*>(k_cache);
+  const C* vc = static_cast<const C*>(v_cache);
+  const int64_t row = D / kValuesPer<C>, token_stride = KVH * row, block_stride = BS * token_stride;
+  thread_local std::vector<float> kf, vf;
+  kf.resize(D);
+  vf.resize(D);
+  for (int64_t j = std::max<int64_t>(0, first_key - t * 16); j < 16 && t * 16 + j < ctx; ++j) {
+    const int64_t pos = t * 16 + j;
+    const C* kr = kc + tp[pos / BS] * block_stride + (pos % BS) * token_stride + h * row;
+    const C* vr = vc + tp[pos / BS] * block_stride + (pos % BS) * token_stride + h * row;
+    if constexpr (std::is_same_v<C, uint16_t>) {
+      for (int64_t d = 0; d < D; ++d) {
+        kt[((d / 2) * 16 + j) * 2 + d % 2] = kr[d];
+        vt[((j / 2) * D + d) * 2 + j % 2] = vr[d];
+      }
+    } else {
+      load_row(kr, D, kf.data());
+      load_row(vr, D, vf.data());
+      for (int64_t d = 0; d < D; ++d) {
+        store(kt + ((d / 2) * 16 + j) * 2 + d % 2, kf[d]);
+        store(vt + ((j / 2) * D + d) * 2 + j % 2, vf[d]);
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
 
 // q [n, H, D] bf16 (the chunk's queries, at positions ctx - n .. ctx - 1); caches [num_blocks,
-// block_size, KVH, D] bf16 holding the sequence's first ctx tokens (this chunk's written);
+// block_size, KVH, D] bf16 or 8-bit (q8_0: D / 32 * 34 bytes a row) holding the sequence's first ctx tokens (this chunk's written);
 // block_table [width] int64 -> [n, H, D] bf16. window, softcap: see attention_decode.cpp (0: off).
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, int64_t ctx, double scale, int64_t window,
@@ -244,14 +278,16 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
   TORCH_CHECK(ISV_BF16_DOT, "paged_prefill_attention needs a build with AVX512-BF16");
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q must be [n, H, D] and the caches [num_blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-              v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "q and the caches must be bfloat16, the caches contiguous");
+  TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == v_cache.scalar_type() &&
+              k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q must be bfloat16, the caches contiguous and of one dtype");
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = block_table.contiguous();
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && H % KVH == 0 && H / KVH <= 24,
-              "head_dim must match the caches and be a multiple of 32; at most 24 query heads per KV head");
+  TORCH_CHECK(D % 32 == 0 && H % KVH == 0 && H / KVH <= 24,
+              "head_dim must be a multiple of 32; at most 24 query heads per KV head");
+  const KVFormat fmt = kv_format(k_cache, D);
+  TORCH_CHECK(fmt != KVFormat::kFloat, "the caches must be bfloat16 or 8-bit (kv_formats.h), not float32");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1, "block_table must be a 1-d int64 tensor");
   TORCH_CHECK(n <= ctx && ctx <= table.size(0) * BS, "need n <= ctx <= the block table's capacity");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
@@ -266,9 +302,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
 #if ISV_BF16_DOT
   const int64_t G = H / KVH, D2 = D / 2, t0 = first_key / 16, tiles = (ctx + 15) / 16 - t0;
   const int64_t qb = std::max<int64_t>(1, kAttnRows / G), qblocks = (n + qb - 1) / qb;
-  const uint16_t* kc = ptr<uint16_t>(k_cache);
-  const uint16_t* vc = ptr<uint16_t>(v_cache);
-  const int64_t token_stride = KVH * D, block_stride = BS * token_stride;
   // tiles t0 .. of K as [KVH][tile][D/2][16][2] and of V as [KVH][tile][8][D][2], zero outside
   // [first_key, ctx)
   std::vector<uint16_t> kp(KVH * tiles * 16 * D, 0), vp(KVH * tiles * 16 * D, 0);
@@ -276,14 +309,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
     const int64_t h = item / tiles, t = t0 + item % tiles;
     uint16_t* kt = kp.data() + item * 16 * D;
     uint16_t* vt = vp.data() + item * 16 * D;
-    for (int64_t j = std::max<int64_t>(0, first_key - t * 16); j < 16 && t * 16 + j < ctx; ++j) {
-      const int64_t pos = t * 16 + j;
-      const uint16_t* kr = kc + tp[pos / BS] * block_stride + (pos % BS) * token_stride + h * D;
-      const uint16_t* vr = vc + tp[pos / BS] * block_stride + (pos % BS) * token_stride + h * D;
-      for (int64_t d = 0; d < D; ++d) {
-        kt[((d / 2) * 16 + j) * 2 + d % 2] = kr[d];
-        vt[((j / 2) * D + d) * 2 + j % 2] = vr[d];
-      }
+    const void* kc = k_cache.const_data_ptr();
+    const void* vc = v_cache.const_data_ptr();
+    switch (fmt) {
+      case KVFormat::kE4M3: lay_out_tile<Fp8E4M3>(kc, vc, tp, h, t, first_key, ctx, D, BS, KVH, kt, vt); break;
+      case KVFormat::kE5M2: lay_out_tile<Fp8E5M2>(kc, vc, tp, h, t, first_key, ctx, D, BS, KVH, kt, vt); break;
+      case KVFormat::kQ8: lay_out_tile<Q8Block>(kc, vc, tp, h, t, first_key, ctx, D, BS, KVH, kt, vt); break;
+      default: lay_out_tile<uint16_t>(kc, vc, tp, h, t, first_key, ctx, D, BS, KVH, kt, vt); break;
     }
   });
   const uint16_t* qs = ptr<uint16_t>(q);

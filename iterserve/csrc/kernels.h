@@ -22,6 +22,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
                                    const at::Tensor& block_table, int64_t ctx, double scale, int64_t window,
                                    double softcap);
 
+// kv_write.cpp
+void q8_0_kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping);
+
 // gemm_quant.cpp
 at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales);
 at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn);

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from iterserve.attention.backend import AttentionBackend
+from iterserve.attention.kv_cache_dtype import KVCacheFormat, resolve_kv_cache_dtype
 from iterserve.config import EngineConfig, ModelConfig, parse_size
 from iterserve.core.kv_groups import KVCacheGroups, kv_cache_groups
 from iterserve.model.loader import ModelSource
@@ -47,32 +48,41 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVCacheGroups | None = None) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache: KVCacheFormat,
+                       groups: KVCacheGroups | None = None) -> int:
     """Bytes of one KV block: keys and values, block_size tokens each, of one KV cache group's
     layers (core/kv_groups.py: all layers for a model with one kind of attention; 3 of Gemma 3
-    270M's 18). groups: None = the model's own grouping (`kv_cache_groups`)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    270M's 18), in the cache's format (q8_0's scales included). groups: None = the model's own
+    grouping (`kv_cache_groups`)."""
     layers = (groups or kv_cache_groups(cfg)).group_size
-    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * layers * block_size * cfg.num_kv_heads * kv_cache.bytes_per_token_head(cfg.head_dim)
 
 
-def kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+def kv_blocks_for_budget(config: EngineConfig, model_config: ModelConfig, kv_cache: KVCacheFormat) -> int:
     """KV blocks of --num-kv-blocks, else as many as --kv-cache-memory holds (at least one): the CPU
     platform's cache size, and what the memory plan (iterserve/memory.py) counts before loading."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    return max(1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, dtype))
+    return max(1, parse_size(config.kv_cache_memory) // kv_bytes_per_block(model_config, config.block_size, kv_cache))
 
 
 class Platform:
     """A device, its dtype, attention backend and LoRA kernel, decided once from the EngineConfig."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 attention: AttentionBackend, lora_sgmv: LoRAKernel | None = None) -> None:
+                 attention: AttentionBackend, lora_sgmv: LoRAKernel | None = None,
+                 kv_bf16_for_float32: bool = False) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.attention = attention
+        # the KV cache's format (--kv-cache-dtype); kv_bf16_for_float32: auto means bf16 for a float32
+        # model (a CPU run in float32 only for lack of fast bf16 GEMMs: kv_cache_dtype.py)
+        self.kv_cache = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, kv_bf16_for_float32)
+        if self.kv_cache.is_8bit and not attention.reads_8bit_kv:
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: the {attention.name} attention backend "
+                             "cannot read an 8-bit KV cache; use --kv-cache-dtype auto or bfloat16, or "
+                             "--decode-attention torch")
         # the LoRA deltas' kernel the engine hands the LoRA manager (lora/layers.py); None: torch's ops
         self.lora_sgmv = lora_sgmv
 
@@ -94,4 +104,4 @@ class Platform:
         """The switches as this platform resolved them ("auto" replaced by what it chose), for
         /v1/scheduler's config and the benchmarks' JSON."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "decode_attention": self.attention.name}
+                "decode_attention": self.attention.name, "kv_cache_dtype": self.kv_cache.name}

@@ -61,7 +61,8 @@ def _warn_bf16w_rounding(model: nn.Module) -> None:
 
 
 class CpuPlatform(Platform):
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 kv_bf16_for_float32: bool = False) -> None:
         self.kernels: ModuleType | None = load_cpu_kernels() if config.cpu_kernels else None
         if not config.cpu_kernels:
             log.info("CPU kernels off (cpu_kernels=False): torch and oneDNN paths only")
@@ -75,7 +76,8 @@ class CpuPlatform(Platform):
         else:
             attention = select_attention_backend(config.decode_attention, device, self.kernels)
         super().__init__(config, device, dtype, attention,
-                         lora_sgmv=self.kernels.lora_sgmv if self.kernels is not None else None)
+                         lora_sgmv=self.kernels.lora_sgmv if self.kernels is not None else None,
+                         kv_bf16_for_float32=kv_bf16_for_float32)
         self.layout = bf16_gemm_layout(config.bf16_gemm, self.kernels)  # validates the choice too
         if dtype == torch.float32:  # what a float32 run's projections get unless measured
             if config.bf16_gemm not in ("auto", *FLOAT32_LAYOUTS):
@@ -280,7 +282,7 @@ class CpuPlatform(Platform):
                 for key, c in choice.linears.items()}
 
     def num_kv_blocks(self, model_config: ModelConfig, profile_run: Callable[[], None]) -> int:
-        return kv_blocks_for_budget(self.config, model_config, self.dtype)
+        return kv_blocks_for_budget(self.config, model_config, self.kv_cache)
 
     def resolved(self) -> dict[str, Any]:
         layouts = sorted({c.layout for c in self.kernel_choice.linears.values()}) if self.kernel_choice else None

@@ -27,7 +27,7 @@ class CudaPlatform(Platform):
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(model_config, cfg.block_size, self.dtype)
+        per_block = kv_bytes_per_block(model_config, cfg.block_size, self.kv_cache)
         torch.cuda.reset_peak_memory_stats()
         profile_run()
         torch.cuda.synchronize()

@@ -27,5 +27,8 @@ def get_platform(config: EngineConfig, device: torch.device | None = None,
         return CudaPlatform(config, device, dtype or want)
     if device.type == "cpu":
         want = cpu_dtype(config.dtype)
-        return CpuPlatform(config, device, dtype or want)
+        # float32 only because this CPU lacks fast bf16 (not asked for, nor a loaded model's own): the
+        # KV cache stays bf16 under --kv-cache-dtype auto
+        auto_float32 = dtype is None and config.dtype == "auto" and want == torch.float32
+        return CpuPlatform(config, device, dtype or want, kv_bf16_for_float32=auto_float32)
     raise ValueError(f"device {device} is not supported: use auto, cpu or cuda[:N]")

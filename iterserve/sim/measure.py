@@ -20,8 +20,10 @@ import numpy as np
 import torch
 
 from iterserve.config import EngineConfig
+from iterserve.core.kv_groups import single_group
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.engine import LLMEngine
+from iterserve.platform.base import kv_bytes_per_block
 from iterserve.request import Request
 from iterserve.sampling import SamplingParams
 from iterserve.sim.profile import Profile, cpu_machine, git_commit, now_iso
@@ -158,7 +160,8 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
     pred = np.array([model.predict(f) for f in feats])
     rel = np.abs(pred - np.array(secs)) / np.array(secs)
     mcfg = engine.model_config
-    per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * engine.dtype.itemsize
+    # every layer's K and V for one token (the profile's unit), in the cache's format (--kv-cache-dtype)
+    per_token = kv_bytes_per_block(mcfg, 1, engine.platform.kv_cache, single_group(mcfg))
     machine = {**cpu_machine(), "device": str(engine.device), "torch_threads": torch.get_num_threads(),
                "torch": torch.__version__}
     if engine.device.type == "cuda":

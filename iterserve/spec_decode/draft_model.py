@@ -75,7 +75,7 @@ class DraftModelProposer(Proposer):
         check_vocab(cfg, target_cfg, tokenizer, target_tokenizer)
         platform.prepare_model(model, src)
         # one group: the draft's pool keeps every block (its proposer never frees windowed ones)
-        per_block = kv_bytes_per_block(cfg, block_size, platform.dtype, single_group(cfg))
+        per_block = kv_bytes_per_block(cfg, block_size, platform.kv_cache, single_group(cfg))
         num_blocks = parse_size(spec.draft_kv_cache_memory) // per_block
         if num_blocks < 1:
             raise ValueError(f"speculative_config: draft_kv_cache_memory {spec.draft_kv_cache_memory} holds no "
@@ -83,7 +83,7 @@ class DraftModelProposer(Proposer):
         log.info("draft model %s: KV pool of %d blocks of %d tokens (%.0f MiB)", src.name, num_blocks,
                  block_size, num_blocks * per_block / 2**20)
         runner = ModelRunner(model, cfg, num_blocks, block_size, platform.device, platform.dtype,
-                             platform.attention)
+                             platform.attention, kv_cache=platform.kv_cache)
         return cls(runner, BlockPool(num_blocks, block_size), max_pos)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
