@@ -13,6 +13,7 @@ counted in the format (twice the blocks in the same memory), and /v1/scheduler n
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -121,8 +122,7 @@ def test_triton_backend_refuses_an_8bit_cache_at_start():
 def test_bytes_per_block_count_the_format(tiny_loaded):
     cfg = tiny_loaded[1]
 
-    class Head32:  # q8_0 needs head_dim % 32 == 0: the same shape with head_dim 32
-        num_layers, num_kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, 32
+    Head32 = dataclasses.replace(cfg, head_dim=32)  # q8_0 needs head_dim % 32 == 0: the same shape, head_dim 32
 
     bf16 = kv_bytes_per_block(Head32, 16, FORMATS["bfloat16"])
     assert bf16 == 2 * Head32.num_layers * 16 * Head32.num_kv_heads * 32 * 2

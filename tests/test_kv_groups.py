@@ -21,6 +21,7 @@ import pytest
 import torch
 from test_model_families import random_model
 
+from iterserve.attention.kv_cache_dtype import FORMATS
 from iterserve.config import EngineConfig, ModelConfig
 from iterserve.core.block_hash import hash_block_chain
 from iterserve.core.block_pool import BlockPool
@@ -84,17 +85,22 @@ def gemma3_270m_config(folder) -> ModelConfig:
 
 def test_capacity_rises_3_5x_for_gemma3_270m(tmp_path):
     """--kv-cache-memory 1GiB, 4,096-token sequences of Gemma 3 270M's shape, bf16: the blocks
-    (of 3 layers now, 18 before) over the blocks one sequence holds (its window's in windowed groups)."""
+    (of 3 layers now, 18 before) over the blocks one sequence holds (its window's in windowed groups);
+    with an 8-bit cache on top (q8_0: 34 bytes per 32 values; fp8: 1 byte a value), 6.5x and more."""
     cfg = gemma3_270m_config(tmp_path)
     groups = kv_cache_groups(cfg)
     assert groups.windows == (0, 512, 512, 512, 512, 512)
     config = EngineConfig(kv_cache_memory="1GiB", block_size=16)
-    new = BlockPool(kv_blocks_for_budget(config, cfg, torch.bfloat16), 16, group_windows=groups.windows)
+
+    def fits(kv_format: str) -> int:
+        pool = BlockPool(kv_blocks_for_budget(config, cfg, FORMATS[kv_format]), 16, group_windows=groups.windows)
+        assert pool.blocks_per_sequence(4096) == 256 + 5 * 33
+        return pool.num_usable_blocks // pool.blocks_per_sequence(4096)
+
     old_blocks = 2**30 // (2 * 18 * 16 * 1 * 256 * 2)  # every layer in every block, as before
     old = old_blocks // (4096 // 16)
-    fits = new.num_usable_blocks // new.blocks_per_sequence(4096)
-    assert new.blocks_per_sequence(4096) == 256 + 5 * 33
-    assert (old, fits) == (14, 51) and fits >= 3.5 * old
+    assert (old, fits("bfloat16")) == (14, 51) and fits("bfloat16") >= 3.5 * old
+    assert (fits("q8_0"), fits("fp8_e4m3")) == (97, 103) and min(fits("q8_0"), fits("fp8_e4m3")) >= 6.5 * old
     # one kind of layer: the numbers of today (one group of every layer, no null block)
     same = BlockPool(old_blocks, 16, group_windows=single_group(cfg).windows)
     assert same.num_usable_blocks // same.blocks_per_sequence(4096) == old
@@ -128,6 +134,10 @@ def test_engine_reports_capacity_in_log_and_scheduler_endpoint(gemma3_270m_shape
     assert "6 groups of 3 layers (1 full, 5 windowed: window 512)" in caplog.text
     assert llm.engine.memory.kv_cache <= 2**30  # each shared tensor counted once
     assert llm.engine.memory.layers_per_block == 3 and "blocks x 16 tokens x 3 layers" in caplog.text
+    eight_bit = LLM(model=str(gemma3_270m_shape_dir), dtype="bfloat16", kv_cache_memory="1GiB", max_model_len=4096,
+                    block_size=16, kv_cache_dtype="q8_0")
+    info = engine_info(eight_bit.engine, "gemma3", "gemma3")
+    assert info["max_num_sequences"] == 97 and info["kv_cache_dtype"] == "q8_0"  # 6.9x the 14 of before
 
 
 @pytest.fixture(scope="module")
