@@ -125,3 +125,36 @@ def test_bf16_experts_from_blocks_as_the_dense_blocks_path(moe_file):
     k = load_cpu_kernels()
     h = k.silu_and_mul(k.gguf_gemm(few, ours.w13_buf, ours.w13_meta[5], 2 * ours.inter))
     assert torch.equal(ours.expert_forward(5, few), k.gguf_gemm(h, ours.w2_buf, ours.w2_meta[5], ours.hidden_size))
+
+
+@torch.inference_mode()
+def test_32_input_expert_blocks_are_repacked_per_expert():
+    """Experts in a 32-input type (Q8_0: a width that is no multiple of 256) are repacked expert by
+    expert into one buffer (pack_gguf_x4), each expert's offsets moved to its part: every expert's
+    output is the float block's on gguf-py's dequantisation, at every row count."""
+    import gguf
+
+    from iterserve.config import ModelConfig
+    from iterserve.model.gguf_file import QuantShard
+
+    E, H, F = 4, 96, 160
+    cfg = ModelConfig(vocab_size=8, hidden_size=H, intermediate_size=F, num_layers=1, num_heads=1, num_kv_heads=1,
+                      head_dim=H, num_experts=E, num_experts_per_tok=2)
+    block = SparseMoeBlock(cfg)
+    torch.manual_seed(0)
+    stored = []
+    for rows, cols in ((F, H), (F, H), (H, F)):
+        w = (0.1 * torch.randn(E * rows, cols)).numpy()
+        q = torch.from_numpy(gguf.quants.quantize(w, QT.Q8_0))
+        stored.append((QuantShard(0, E * rows, cols, "Q8_0", q),
+                       torch.from_numpy(gguf.quants.dequantize(q.numpy(), QT.Q8_0)).reshape(E, rows, cols)))
+    (gate, g), (up, u), (down, d) = stored
+    block.experts.w13_weight.data = torch.cat([g, u], 1)
+    block.experts.w2_weight.data = d
+    block.gate.weight.data = torch.randn(E, H)
+    ours = BlockSparseMoeBlock(block, gate, up, down, "float32", 4)
+    assert ours.w13_meta.shape == (E, 2, 4) and len(set(ours.w13_meta[:, 0, 3].tolist())) == E
+    x = torch.randn(12, H)
+    torch.testing.assert_close(ours(x), block(x), rtol=1e-5, atol=1e-5)  # float32 panels: the float numbers
+    few, ref = ours(x[:1]), block(x[:1])  # one row, top-2: each expert's row on gguf_gemm (quantised activations)
+    assert ((few - ref).norm() / ref.norm()).item() < 1e-2

@@ -82,7 +82,8 @@ def _stack_experts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     the file map's one storage and is kept once; copied (32-input types, repacked), the bufs are
     joined and each expert's offsets moved by where its buf starts."""
     bufs, metas = [b for b, _ in pairs], [m for _, m in pairs]
-    if len({b.untyped_storage().data_ptr() for b in bufs}) == 1:
+    whole = all(b.storage_offset() == 0 and b.numel() == b.untyped_storage().nbytes() for b in bufs)
+    if whole and len({b.untyped_storage().data_ptr() for b in bufs}) == 1:
         return bufs[0], torch.stack(metas).contiguous()
     starts = torch.tensor([0] + [b.numel() for b in bufs[:-1]]).cumsum(0)
     metas = [m.clone() for m in metas]
