@@ -42,7 +42,8 @@ def tensors(p: dict) -> list[tuple[str, tuple[int, ...], QT | None]]:
         if p.get("qk_norm"):  # OLMoE: RMSNorm over all heads' q and k
             out += [(f"blk.{i}.attn_q_norm.weight", (h,), None), (f"blk.{i}.attn_k_norm.weight", (kv,), None)]
         out += [(f"blk.{i}.ffn_norm.weight", (h,), None), (f"blk.{i}.ffn_gate_inp.weight", (e, h), None),
-                (f"blk.{i}.ffn_gate_exps.weight", (e, f, h), QT.Q4_K), (f"blk.{i}.ffn_up_exps.weight", (e, f, h), QT.Q4_K),
+                (f"blk.{i}.ffn_gate_exps.weight", (e, f, h), QT.Q4_K),
+                (f"blk.{i}.ffn_up_exps.weight", (e, f, h), QT.Q4_K),
                 (f"blk.{i}.ffn_down_exps.weight", (e, h, f), big)]
     out.append(("output_norm.weight", (h,), None))
     return out if p["tied"] else out + [("output.weight", (p["vocab"], h), QT.Q6_K)]

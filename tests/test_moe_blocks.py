@@ -11,6 +11,8 @@ dequantisation of the same file into w13 / w2):
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -62,8 +64,11 @@ def _moe_blocks(model) -> list[BlockSparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, BlockSparseMoeBlock)]
 
 
-def test_float32_experts_from_blocks_equal_the_float_path(moe_file):
-    blocks, dense = _llm(moe_file, dtype="float32"), _llm(moe_file, dtype="float32", quantization="none")
+def test_float32_experts_from_blocks_equal_the_float_path(moe_file, caplog):
+    with caplog.at_level(logging.INFO, logger="iterserve.platform"):
+        blocks = _llm(moe_file, dtype="float32")
+    assert "the experts of 2 mixture-of-experts layers compute from the GGUF's blocks (Q4_K)" in caplog.text
+    dense = _llm(moe_file, dtype="float32", quantization="none")
     model = blocks.engine.model
     assert {f"layers.{i}.mlp.experts" for i in range(2)} <= model.block_modules
     moe = _moe_blocks(model)

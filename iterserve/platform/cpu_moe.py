@@ -104,7 +104,8 @@ class BlockSparseMoeBlock(SparseMoeBlock):
         self.__dict__.update(block.__dict__)
         self._modules = {"gate": block.gate}  # the meta expert parameters go
         E, F, H = self.num_experts, self.inter, int(gate.cols)
-        self.hidden_size, self.layout, self.twin_max_tokens, self.amx_min_rows = H, layout, twin_max_tokens, amx_min_rows
+        self.hidden_size, self.layout = H, layout
+        self.twin_max_tokens, self.amx_min_rows = twin_max_tokens, amx_min_rows
         w13 = _stack_experts([pack_gguf_twin([ExpertShard(gate, e, F, 0), ExpertShard(up, e, F, F)], H)
                               for e in range(E)])
         w2 = _stack_experts([pack_gguf_twin([ExpertShard(down, e, H, 0)], F) for e in range(E)])
