@@ -51,12 +51,49 @@ def tensors(p: dict) -> list[tuple[str, tuple[int, int] | tuple[int], QT | None]
     return out + [("output_norm.weight", (h,), None), ("output.weight", (p["vocab"], h), QT.Q6_K)]
 
 
-def write(path: Path, p: dict, seed: int = 0) -> None:
+def add_tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
+    """SmolLM2's tokenizer (from the embedded model), padded with plain tokens to `vocab` entries."""
     from iterserve.model.loader import resolve_model
 
     src = gguf.GGUFReader(str(resolve_model("smollm2-135m").path))
     tok = {k: f.contents() for k, f in src.fields.items() if k.startswith("tokenizer.")}
-    pad = p["vocab"] - len(tok["tokenizer.ggml.tokens"])
+    pad = vocab - len(tok["tokenizer.ggml.tokens"])
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(list(tok["tokenizer.ggml.tokens"]) + [f"pad{i}" for i in range(pad)])
+    w.add_token_types(list(tok["tokenizer.ggml.token_type"]) + [gguf.TokenType.NORMAL] * pad)
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        getattr(w, f"add_{key.replace('unknown', 'unk').replace('padding', 'pad')}")(tok[f"tokenizer.ggml.{key}"])
+    w.add_chat_template(tok["tokenizer.chat_template"])
+
+
+def write_tensors(w: gguf.GGUFWriter, specs: list[tuple[str, tuple[int, ...], QT | None]], seed: int = 0) -> None:
+    """Writes the header, metadata and tensors (name, shape: (n,), (rows, cols) or (experts, rows, cols),
+    type: None for F32 ones), made one at a time, and closes the file."""
+    for name, shape, qtype in specs:
+        if qtype is None:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            nbytes = int(np.prod(shape)) // block * size
+            w.add_tensor_info(name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), nbytes,
+                              raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shape, qtype in specs:
+        if qtype is None:  # norms ones; a MoE router random, so that tokens spread over the experts
+            w.write_tensor_data(np.ones(shape, dtype=np.float32) if len(shape) == 1 else
+                                rng.standard_normal(shape, dtype=np.float32))
+        else:
+            rows = int(np.prod(shape[:-1]))
+            w.write_tensor_data(random_blocks(rows, shape[-1], qtype, rng).reshape(*shape[:-1], -1))
+    w.close()
+
+
+def write(path: Path, p: dict, seed: int = 0) -> None:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(p["layers"])
     w.add_context_length(8192)
@@ -69,32 +106,8 @@ def write(path: Path, p: dict, seed: int = 0) -> None:
     w.add_vocab_size(p["vocab"])
     w.add_rope_dimension_count(p["hidden"] // p["heads"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(list(tok["tokenizer.ggml.tokens"]) + [f"pad{i}" for i in range(pad)])
-    w.add_token_types(list(tok["tokenizer.ggml.token_type"]) + [gguf.TokenType.NORMAL] * pad)
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
-        getattr(w, f"add_{key.replace('unknown', 'unk').replace('padding', 'pad')}")(tok[f"tokenizer.ggml.{key}"])
-    w.add_chat_template(tok["tokenizer.chat_template"])
-    specs = tensors(p)
-    for name, shape, qtype in specs:
-        if qtype is None:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
-        else:
-            block, size = gguf.GGML_QUANT_SIZES[qtype]
-            nbytes = shape[0] * shape[1] // block * size
-            w.add_tensor_info(name, (shape[0], shape[1] // block * size), np.dtype(np.uint8), nbytes, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, shape, qtype in specs:
-        if qtype is None:
-            w.write_tensor_data(np.ones(shape, dtype=np.float32))
-        else:
-            w.write_tensor_data(random_blocks(shape[0], shape[1], qtype, rng))
-    w.close()
+    add_tokenizer(w, p["vocab"])
+    write_tensors(w, tensors(p), seed)
 
 
 def main() -> int:

@@ -257,21 +257,53 @@ def _quantised_modules(index: GGUFIndex, spec: GGUFArch, fused: dict[str, tuple[
     return {m for m, types in _weight_types(index, spec, fused).items() if types - set(FLOAT_TYPES)}
 
 
+# the parameters a module kept as its blocks leaves on the meta device: a projection's weight, the
+# stacked experts' w13 / w2 (model/moe.py)
+BLOCK_PARAMS = ("weight", "w13_weight", "w2_weight")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _expert_module(hf_name: str) -> tuple[str, str] | None:
+    """"model.layers.3.mlp.experts.up_proj.weight" (a GGUF's stacked ffn_up_exps) ->
+    ("layers.3.mlp.experts", "up_proj"); None for any other tensor."""
+    module, _, last = hf_name.removeprefix("model.").removesuffix(".weight").rpartition(".")
+    return (module, last) if module.endswith(".mlp.experts") and last in _EXPERT_PROJS else None
+
+
+def expert_types(index: GGUFIndex, spec: GGUFArch) -> dict[str, dict[str, str]]:
+    """The stacked expert tensors of a GGUF (3-d [experts, rows, cols]): "layers.N.mlp.experts" ->
+    {"gate_proj": qtype, "up_proj": ..., "down_proj": ...}."""
+    out: dict[str, dict[str, str]] = {}
+    for t in index.tensors:
+        name = gguf_to_hf_name(t.name, spec) if len(t.shape) == 3 else None
+        found = _expert_module(name) if name else None
+        if found:
+            out.setdefault(found[0], {})[found[1]] = t.qtype
+    return out
+
+
 def block_modules(index: GGUFIndex, cfg: ModelConfig, block_types: frozenset[str]) -> set[str]:
     """Modules (projections, the embedding, the LM head) whose every 2-d weight tensor is stored in one
     of `block_types`, the block types the platform's kernels read as they are: their blocks become
-    their only copy (no float weight is allocated or dequantised for them)."""
+    their only copy (no float weight is allocated or dequantised for them). Likewise a mixture-of-
+    experts layer's experts ("layers.N.mlp.experts") whose three stacked tensors all are: each
+    expert's rows are a contiguous slice of them, read in place (platform/cpu_moe.py)."""
     if not block_types:
         return set()
-    types = _weight_types(index, GGUF_ARCHS[index.get("general.architecture")], _fused_rows(cfg))
-    return {m for m, ts in types.items()
-            if (m.startswith("layers.") or m in ("embed_tokens", "lm_head")) and ts <= block_types}
+    spec = GGUF_ARCHS[index.get("general.architecture")]
+    types = _weight_types(index, spec, _fused_rows(cfg))
+    experts = {m for m, ts in expert_types(index, spec).items()
+               if set(ts) == set(_EXPERT_PROJS) and set(ts.values()) <= block_types}
+    return experts | {m for m, ts in types.items()
+                      if (m.startswith("layers.") or m in ("embed_tokens", "lm_head")) and ts <= block_types}
 
 
 def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig, sources: dict[str, list[QuantShard]] | None = None,
                  blocks: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named float32 tensors, one at a time, with what llama.cpp's converter did undone: Q/K rows
     back in Hugging Face order (the architectures it permutes), 1 taken off Gemma's norm weights.
+    A MoE layer's experts in `blocks` keep each stacked tensor as one shard of all its experts' rows,
+    under "layers.N.mlp.experts.gate_proj" (up_proj, down_proj).
     With `sources`, the raw rows of the quantised modules' weights are kept there as QuantShards
     (row-permuted as their dequantised rows are), module path -> shards in the order read. The
     weights of the modules in `blocks` (block_modules) are kept as shards only: never dequantised,
@@ -286,6 +318,11 @@ def gguf_weights(path: Path, index: GGUFIndex, cfg: ModelConfig, sources: dict[s
         if name is None:
             continue  # folded into the rope tables by gguf_config
         module, row = _module_and_row(name, fused) if name.endswith(".weight") and len(t.shape) == 2 else ("", 0)
+        expert = _expert_module(name) if len(t.shape) == 3 else None
+        if expert and expert[0] in blocks and sources is not None:  # [E * rows, bytes a row] of the map, in place
+            sources.setdefault(f"{expert[0]}.{expert[1]}", []).append(
+                QuantShard(0, t.mapped.shape[0], t.shape[-1], t.qtype, t.mapped))
+            continue
         heads = None
         if spec.permuted_qk and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
@@ -465,7 +502,7 @@ def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float3
     model.build_tables(device)  # the rope tables and scales are computed, not loaded: off the meta device
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(weights, skip={f"{m}.weight" for m in blocks})
+    model.load_weights(weights, skip={f"{m}.{p}" for m in blocks for p in BLOCK_PARAMS})
     del weights  # releases the GGUF memory map
     # module path ("layers.0.self_attn.qkv_proj", "lm_head", ...) -> its raw quantised rows (GGUF)
     model.gguf_sources = finish_sources(sources, cfg)
@@ -478,10 +515,11 @@ def load_weights_only(src: ModelSource, dtype: torch.dtype | None = torch.float3
 def _materialise(model: torch.nn.Module, device: str, skip: set[str]) -> None:
     """Empty storage on `device` for every parameter and buffer (nn.Module.to_empty), except the
     weights of the modules in `skip`, which stay on the meta device: no float copy of them is ever
-    allocated. Ties are not kept (the caller re-ties the LM head)."""
+    allocated (BLOCK_PARAMS: a projection's weight, the stacked experts). Ties are not kept (the caller
+    re-ties the LM head)."""
     for name, mod in model.named_modules():
         for pname, p in list(mod.named_parameters(recurse=False)):
-            if not (name in skip and pname == "weight"):
+            if not (name in skip and pname in BLOCK_PARAMS):
                 mod._parameters[pname] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is not None:

@@ -749,13 +749,16 @@ def use_gguf_blocks(model: nn.Module, plan_of: Callable[[str, nn.Linear, str], t
     the meta device) with one that computes from them: CpuLinear(blocks=...) for the projections and
     the LM head, BlockEmbedding for the embedding, a tied head and the embedding sharing one buffer.
     `plan_of(name, linear, spec)` -> (layout, twin's max tokens, AMX min rows) for a linear. Then
-    drops the loader's shards of those modules. Returns the number replaced."""
+    drops the loader's shards of those modules. Returns the number replaced. (A MoE layer's experts
+    kept as blocks are cpu_moe.use_moe_blocks' to replace.)"""
     blocks = getattr(model, "block_modules", set())
     sources = model.gguf_sources
     packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(shard list) -> (buf, meta)
     changed = 0
     for name in sorted(blocks):
         mod = model.get_submodule(name)
+        if not isinstance(mod, (nn.Linear, nn.Embedding)):
+            continue  # a MoE layer's experts: cpu_moe.use_moe_blocks
         shards = sources.get(name) or sources.get("embed_tokens")
         dim = mod.embedding_dim if isinstance(mod, nn.Embedding) else mod.in_features
         if id(shards) not in packed:

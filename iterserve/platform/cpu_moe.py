@@ -7,6 +7,14 @@ output, as torch's does). So each expert's w13 and w2 are packed once (pack_bf16
 buffer each, the plain weights dropped (no second copy), and the SiLU-and-multiply runs as one kernel
 (csrc/elementwise.cpp) as CpuMLP's. The router stays torch's F.linear: its numerics decide which
 experts run, and transformers computes it so.
+
+A GGUF's quantised experts (the loader's block modules "layers.N.mlp.experts": w13 / w2 left on the
+meta device) compute from the file's own blocks instead, llama.cpp's mul_mat_id: `BlockSparseMoeBlock`
+runs each used expert's rows through cpu_linear's block kernels, gguf_gemm for steps of few rows
+(decode), a panel of dequantised rows and the layout's GEMM for many (blocks_gemm: prefill), gate and
+up as one two-shard GEMM. Expert e's rows are rows e*F .. (e+1)*F of the stacked tensor, so its
+(buf, meta) is offsets into the one storage of the file's map (K-quants; no copy), as a dense
+projection's in-place blocks are.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from torch import nn
 from iterserve.model.moe import SparseMoeBlock
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import pack_bf16
+from iterserve.platform.cpu_linear import blocks_gemm, pack_bf16, pack_gguf_twin
 
 
 class CpuSparseMoeBlock(SparseMoeBlock):
@@ -51,8 +59,93 @@ def use_cpu_moe(model: nn.Module) -> int:
     for name, mod in list(model.named_modules()):
         if type(mod) is not SparseMoeBlock or mod.experts.w13_weight.dtype != torch.bfloat16:
             continue
+        if mod.experts.w13_weight.device.type == "meta":
+            continue  # kept as the GGUF's blocks: use_moe_blocks
         if mod.experts.w13_weight.shape[2] % 2 or mod.inter % 2:
             continue
         replace_module(model, name, CpuSparseMoeBlock(mod))
         changed += 1
     return changed
+
+
+class ExpertShard:
+    """One expert's rows of a stacked GGUF expert tensor, as cpu_linear's shard functions read shards
+    (a QuantShard's fields): `data` a view of the loader's shard, so in place where that is."""
+
+    def __init__(self, stacked, expert: int, rows: int, row_start: int) -> None:
+        self.row_start, self.rows, self.cols, self.qtype = row_start, rows, stacked.cols, stacked.qtype
+        self.data = stacked.data[expert * rows:(expert + 1) * rows]
+
+
+def _stack_experts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert (buf, meta) from pack_gguf_twin -> one buf and meta [E, S, 4]: in place, every buf is
+    the file map's one storage and is kept once; copied (32-input types, repacked), the bufs are
+    joined and each expert's offsets moved by where its buf starts."""
+    bufs, metas = [b for b, _ in pairs], [m for _, m in pairs]
+    whole = all(b.storage_offset() == 0 and b.numel() == b.untyped_storage().nbytes() for b in bufs)
+    if whole and len({b.untyped_storage().data_ptr() for b in bufs}) == 1:
+        return bufs[0], torch.stack(metas).contiguous()
+    starts = torch.tensor([0] + [b.numel() for b in bufs[:-1]]).cumsum(0)
+    metas = [m.clone() for m in metas]
+    for m, start in zip(metas, starts.tolist()):
+        m[:, 3] += start
+    return torch.cat(bufs), torch.stack(metas).contiguous()
+
+
+class BlockSparseMoeBlock(SparseMoeBlock):
+    """A SparseMoeBlock whose experts compute from the GGUF's blocks, their only copy (llama.cpp's
+    mul_mat_id): steps of at most `twin_max_tokens` rows for an expert run gguf_gemm on its blocks,
+    larger ones blocks_gemm in `layout` (float32 panels in a float32 run: gguf-py's numbers, so the
+    float path's results). Shares the router and settings of the block it replaces."""
+
+    def __init__(self, block: SparseMoeBlock, gate: object, up: object, down: object, layout: str,
+                 twin_max_tokens: int, amx_min_rows: int = 0) -> None:
+        nn.Module.__init__(self)
+        self.__dict__.update(block.__dict__)
+        self._modules = {"gate": block.gate}  # the meta expert parameters go
+        E, F, H = self.num_experts, self.inter, int(gate.cols)
+        self.hidden_size, self.layout = H, layout
+        self.twin_max_tokens, self.amx_min_rows = twin_max_tokens, amx_min_rows
+        w13 = _stack_experts([pack_gguf_twin([ExpertShard(gate, e, F, 0), ExpertShard(up, e, F, F)], H)
+                              for e in range(E)])
+        w2 = _stack_experts([pack_gguf_twin([ExpertShard(down, e, H, 0)], F) for e in range(E)])
+        self.register_buffer("w13_buf", w13[0], persistent=False)
+        self.register_buffer("w13_meta", w13[1], persistent=False)
+        self.register_buffer("w2_buf", w2[0], persistent=False)
+        self.register_buffer("w2_meta", w2[1], persistent=False)
+        self.silu_kernel = block.act is torch.nn.functional.silu
+        self.types = sorted({str(gate.qtype), str(up.qtype), str(down.qtype)})
+
+    def _gemm(self, x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, n: int) -> torch.Tensor:
+        if x.shape[0] <= self.twin_max_tokens:
+            return load_cpu_kernels().gguf_gemm(x, buf, meta, n)
+        return blocks_gemm(x, buf, meta, n, self.layout, self.amx_min_rows).to(x.dtype)
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self._gemm(x, self.w13_buf, self.w13_meta[e], 2 * self.inter)
+        if self.silu_kernel and x.dtype == torch.bfloat16:
+            h = load_cpu_kernels().silu_and_mul(gate_up)
+        else:  # float32: the float path's ops, so its numbers
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = self.act(gate) * up
+        return self._gemm(h, self.w2_buf, self.w2_meta[e], self.hidden_size)
+
+
+def use_moe_blocks(model: nn.Module, layout: str, twin_max_tokens: int, amx_min_rows: int = 0) -> list[str]:
+    """Replaces each MoE block whose experts the loader kept as GGUF blocks (`model.block_modules`
+    names "layers.N.mlp.experts"; their shards in `model.gguf_sources` under .gate_proj / .up_proj /
+    .down_proj) with a BlockSparseMoeBlock, then drops those shards. Returns the block types used,
+    one entry per replaced layer."""
+    blocks = getattr(model, "block_modules", set())
+    sources = getattr(model, "gguf_sources", None) or {}
+    used: list[str] = []
+    for name in sorted(m for m in blocks if m.endswith(".mlp.experts")):
+        parent = name.removesuffix(".experts")
+        block = model.get_submodule(parent)
+        gate, up, down = (sources[f"{name}.{p}"][0] for p in ("gate_proj", "up_proj", "down_proj"))
+        new = BlockSparseMoeBlock(block, gate, up, down, layout, twin_max_tokens, amx_min_rows)
+        replace_module(model, parent, new)
+        used.append("/".join(new.types))
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            sources.pop(f"{name}.{p}", None)
+    return used

@@ -1,0 +1,165 @@
+"""A GGUF's quantised experts computed from the file's own blocks (platform/cpu_moe.py's
+BlockSparseMoeBlock, llama.cpp's mul_mat_id), against the float path (quantization=none: gguf-py's
+dequantisation of the same file into w13 / w2):
+
+- the experts are kept as blocks only: no float expert weight is allocated, K-quant rows are read in
+  place from the file's map, and the weight estimate counts their stored size;
+- float32 by name: greedy tokens equal and prompt logprobs within 1e-4 (F.linear on panels of rows);
+- bf16: an expert's rows above the gguf_gemm cut-over give the packed bf16 expert's numbers exactly
+  (our tiled GEMM on the same bf16-rounded weights), at or below it gguf_gemm's;
+- a one-token step runs only the k experts the router picked.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf_convert import convert, mixed_quant, quantize_q4_k
+from test_model_families import random_model
+
+from iterserve.llm import LLM
+from iterserve.memory import model_tensors, weight_bytes
+from iterserve.model.loader import ModelSource
+from iterserve.model.moe import SparseMoeBlock
+from iterserve.model.weight_estimate import estimate_weight_bytes
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_linear import GGUF_BLOCKS, tiled_gemm_vectorised
+from iterserve.platform.cpu_moe import BlockSparseMoeBlock, CpuSparseMoeBlock
+from iterserve.sampling import SamplingParams
+
+EXPERTS, TOP_K = 8, 2
+
+
+def _q4_k_experts(name: str, w: np.ndarray):
+    """llama.cpp-like mix (gguf_convert.mixed_quant) with the stacked experts in Q4_K, expert by
+    expert (each expert's rows quantised as a 2-d matrix of them, as llama-quantize does)."""
+    if w.ndim == 3 and "_exps." in name:
+        e, rows, cols = w.shape
+        return quantize_q4_k(w.reshape(e * rows, cols)).reshape(e, rows, -1), QT.Q4_K
+    return mixed_quant(name, w)
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    """A random Qwen3-MoE (rows of 256, Q4_K's block) written as a Q4_K MoE GGUF."""
+    hf = random_model("qwen3_moe", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=256, head_dim=64,
+                                        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=256,
+                                        norm_topk_prob=True))
+    return convert(hf, tmp_path_factory.mktemp("moe") / "qwen3moe-q4_k.gguf", quant=_q4_k_experts)
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), kv_cache_memory="16MiB", max_num_seqs=4, measure_kernels=False, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path / "cache"))
+
+
+def _moe_blocks(model) -> list[BlockSparseMoeBlock]:
+    return [m for m in model.modules() if isinstance(m, BlockSparseMoeBlock)]
+
+
+def test_float32_experts_from_blocks_equal_the_float_path(moe_file, caplog):
+    with caplog.at_level(logging.INFO, logger="iterserve.platform"):
+        blocks = _llm(moe_file, dtype="float32")
+    assert "the experts of 2 mixture-of-experts layers compute from the GGUF's blocks (Q4_K)" in caplog.text
+    dense = _llm(moe_file, dtype="float32", quantization="none")
+    model = blocks.engine.model
+    assert {f"layers.{i}.mlp.experts" for i in range(2)} <= model.block_modules
+    moe = _moe_blocks(model)
+    assert len(moe) == 2 and all(m.types == ["Q4_K"] for m in moe)
+    assert not any("experts" in n for n, _ in model.named_parameters())  # no float expert weight at all
+    assert not any(p.device.type == "meta" for p in model.parameters())
+    assert model.gguf_sources == {}
+    assert all(m.twin_max_tokens == 0 for m in moe)  # float32 by name: float32 panels at every step
+    # in place: every expert's rows are offsets into the file map's one storage, nothing copied
+    assert len({m.w13_buf.untyped_storage().data_ptr() for m in moe} | {m.w2_buf.untyped_storage().data_ptr()
+                                                                        for m in moe}) == 1
+    resident, mapped = weight_bytes(model_tensors(model))
+    expert_bytes = 2 * EXPERTS * 3 * 256 * 256 // 256 * GGUF_BLOCKS["Q4_K"][2]
+    assert expert_bytes <= mapped <= moe_file.stat().st_size
+    dense_resident, _ = weight_bytes(model_tensors(dense.engine.model))
+    assert dense_resident - resident >= 2 * EXPERTS * 3 * 256 * 256 * 4  # the float experts are not held
+    src = ModelSource(moe_file, "gguf", "q")
+    floats = estimate_weight_bytes(src, torch.float32)
+    stored = estimate_weight_bytes(src, torch.float32, blocks.engine.platform.gguf_block_types())
+    assert floats - stored >= 2 * EXPERTS * 3 * 256 * 256 * 4 - expert_bytes
+
+    prompts = [list(range(5, 45)), list(range(300, 317))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    for a, b in zip(blocks.generate(prompts, params, use_tqdm=False), dense.generate(prompts, params, use_tqdm=False)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close([p[0] for p in a.prompt_logprobs[1:]], [p[0] for p in b.prompt_logprobs[1:]],
+                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close([p[0] for p in a.logprobs], [p[0] for p in b.logprobs], rtol=0, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_decode_step_reads_only_k_experts(moe_file, monkeypatch):
+    model = _llm(moe_file, dtype="float32").engine.model
+    block = _moe_blocks(model)[0]
+    ran: list[int] = []
+    run = BlockSparseMoeBlock.expert_forward
+    monkeypatch.setattr(BlockSparseMoeBlock, "expert_forward", lambda self, e, x: ran.append(e) or run(self, e, x))
+    x = torch.randn(1, block.hidden_size)
+    block(x)
+    assert sorted(ran) == sorted(block.gate(x)[1][0].tolist()) and len(ran) == TOP_K
+
+
+@pytest.mark.skipif(not tiled_gemm_vectorised(load_cpu_kernels()), reason="our tiled bf16 GEMM (AVX512-BF16)")
+@torch.inference_mode()
+def test_bf16_experts_from_blocks_as_the_dense_blocks_path(moe_file):
+    """bf16: many rows, the packed float expert's numbers exactly (panels rounded to bf16 as pack_bf16
+    rounds gguf-py's floats, the same tiled GEMM); few rows, gguf_gemm on the expert's blocks."""
+    blocks = _llm(moe_file, dtype="bfloat16", bf16_gemm="tiled").engine.model
+    floats = _llm(moe_file, dtype="float32", quantization="none").engine.model
+    ours = _moe_blocks(blocks)[1]
+    assert ours.twin_max_tokens == 4 and ours.layout == "tiled"
+    ref_block = floats.layers[1].mlp
+    assert type(ref_block) is SparseMoeBlock
+    ref = CpuSparseMoeBlock(ref_block.to(torch.bfloat16))
+    x = torch.randn(16, ours.hidden_size).bfloat16()
+    for e in range(EXPERTS):
+        assert torch.equal(ours.expert_forward(e, x), ref.expert_forward(e, x))
+    few = x[:3]
+    k = load_cpu_kernels()
+    h = k.silu_and_mul(k.gguf_gemm(few, ours.w13_buf, ours.w13_meta[5], 2 * ours.inter))
+    assert torch.equal(ours.expert_forward(5, few), k.gguf_gemm(h, ours.w2_buf, ours.w2_meta[5], ours.hidden_size))
+
+
+@torch.inference_mode()
+def test_32_input_expert_blocks_are_repacked_per_expert():
+    """Experts in a 32-input type (Q8_0: a width that is no multiple of 256) are repacked expert by
+    expert into one buffer (pack_gguf_x4), each expert's offsets moved to its part: every expert's
+    output is the float block's on gguf-py's dequantisation, at every row count."""
+    import gguf
+
+    from iterserve.config import ModelConfig
+    from iterserve.model.gguf_file import QuantShard
+
+    E, H, F = 4, 96, 160
+    cfg = ModelConfig(vocab_size=8, hidden_size=H, intermediate_size=F, num_layers=1, num_heads=1, num_kv_heads=1,
+                      head_dim=H, num_experts=E, num_experts_per_tok=2)
+    block = SparseMoeBlock(cfg)
+    torch.manual_seed(0)
+    stored = []
+    for rows, cols in ((F, H), (F, H), (H, F)):
+        w = (0.1 * torch.randn(E * rows, cols)).numpy()
+        q = torch.from_numpy(gguf.quants.quantize(w, QT.Q8_0))
+        stored.append((QuantShard(0, E * rows, cols, "Q8_0", q),
+                       torch.from_numpy(gguf.quants.dequantize(q.numpy(), QT.Q8_0)).reshape(E, rows, cols)))
+    (gate, g), (up, u), (down, d) = stored
+    block.experts.w13_weight.data = torch.cat([g, u], 1)
+    block.experts.w2_weight.data = d
+    block.gate.weight.data = torch.randn(E, H)
+    ours = BlockSparseMoeBlock(block, gate, up, down, "float32", 4)
+    assert ours.w13_meta.shape == (E, 2, 4) and len(set(ours.w13_meta[:, 0, 3].tolist())) == E
+    x = torch.randn(12, H)
+    torch.testing.assert_close(ours(x), block(x), rtol=1e-5, atol=1e-5)  # float32 panels: the float numbers
+    few, ref = ours(x[:1]), block(x[:1])  # one row, top-2: each expert's row on gguf_gemm (quantised activations)
+    assert ((few - ref).norm() / ref.norm()).item() < 1e-2
