@@ -6,6 +6,8 @@ at once, fixed output lengths) and simulates the same requests with the same eng
 per max-num-seqs: the engine's forward time (its steps' durations summed: what the step model
 predicts) against the simulated one, and the step model's error on the real run's own steps, with
 the MoE term and with a refit that lacks it (the same samples, moe_experts zeroed): what the term buys.
+It also counts the real run's distinct experts per step (SparseMoeBlock.expert_counts) against the
+profile's expectation for each step's tokens: the term's input, which a loaded host cannot blur.
 
     python benchmarks/random_moe.py /tmp/moe-small --preset small
     python benchmarks/sim_moe_check.py /tmp/moe-small --dtype float32 --seqs 1,4,16 --out runs/sim-moe
@@ -27,6 +29,7 @@ import numpy as np
 from iterserve.bench.workload import RequestSpec
 from iterserve.config import EngineConfig
 from iterserve.llm import LLM
+from iterserve.model.moe import count_experts
 from iterserve.sampling import SamplingParams
 from iterserve.sim.measure import ProfileGrid, measure_profile
 from iterserve.sim.profile import Profile
@@ -75,12 +78,27 @@ def main() -> None:
         llm = LLM(config=cfg)
         llm.generate(prompts[:2], params)  # warm
         llm.engine.records.clear()
+        counters = count_experts(llm.engine.runner.model)
+        counted: list[tuple[int, int, int]] = []  # (decode, prefill tokens, distinct experts over the layers)
+
+        def grab(rec) -> None:
+            counted.append((rec.decode_tokens, rec.prefill_tokens, sum(sum(c) for c in counters)))
+            for c in counters:
+                c.clear()
+
+        llm.engine.step_listeners.append(grab)
         t0 = time.perf_counter()
         llm.generate(prompts, params)
         wall = time.perf_counter() - t0
         steps = [dataclasses.asdict(r) for r in llm.engine.records]
         forward = sum(s["duration"] for s in steps)
         row = {"max_num_seqs": seqs, "real_wall_s": wall, "real_forward_s": forward, "real_steps": len(steps)}
+        if prof.moe is not None and counted:
+            real_e = sum(e for _, _, e in counted)
+            expected_e = sum(prof.moe.step_experts(d, p) for d, p, _ in counted)
+            row["experts"] = {"real": real_e, "expected": expected_e, "error": expected_e / real_e - 1}
+            print(f"max-num-seqs {seqs}: distinct experts over the run's {len(counted)} steps: real {real_e}, "
+                  f"expected {expected_e:.0f} ({expected_e / real_e - 1:+.1%})")
         for label, p in (("moe", prof), ("no_moe_term", dense)):
             run = simulate(specs, cfg, p)
             sim_forward = sum(float(s["duration"]) for s in run.timelines[0].steps)

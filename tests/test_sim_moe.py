@@ -57,6 +57,12 @@ def test_measured_curve_scales_the_uniform_expectation_and_never_exceeds_the_exp
     skewed_up = MoeRouting(40, 8, 1, 1.0, curve=[[4.0, 1.5 * uniform_distinct(4, 40, 8)]])
     assert skewed_up.per_layer(1000) == 40  # at most E
     assert MoeRouting.from_dict(json.loads(json.dumps(moe.to_dict()))) == moe
+    # a step's decode rows and prompt tokens: independent sets, E - (E - d)(E - p)/E per layer
+    chunked = MoeRouting(40, 8, 1, 1.0, prefill_curve=[[64.0, 20.0]])
+    assert chunked.per_layer(64, chunked.prefill_curve) == pytest.approx(20.0)
+    d = chunked.per_layer(4)
+    assert chunked.step_experts(4, 64) == pytest.approx(40 - (40 - d) * (40 - 20) / 40)
+    assert chunked.step_experts(0, 64) == pytest.approx(20.0) and chunked.step_experts(4, 0) == pytest.approx(d)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +104,7 @@ def test_profile_of_a_tiny_moe_records_the_routers_experts(tiny_moe_dir, tmp_pat
     assert [b for b, _ in moe.curve] == [1, 2, 4, 8]
     per_layer = [d for _, d in moe.curve]
     assert per_layer[0] == 2 and all(a <= b for a, b in zip(per_layer, per_layer[1:])) and per_layer[-1] <= 8
+    assert [t for t, _ in moe.prefill_curve] == [16] and 2 < moe.prefill_curve[0][1] <= 8  # the 16-token chunks
     assert "moe_experts" in prof.step_model.to_dict()["features"]
     prof.save(tmp_path / "moe.json")
     back = Profile.load(tmp_path / "moe.json")
@@ -146,7 +153,7 @@ def test_linear_fit_recovers_the_per_expert_price():
         for ctx in (128, 1024):
             rows.append(StepFeatures(b, b, 0, b * ctx, 0.0, moe_experts=moe.step_experts(b)))
     for chunk in (16, 64, 256, 1024):
-        rows.append(StepFeatures(1, chunk, chunk, 0, chunk * chunk / 2e3, moe_experts=moe.step_experts(chunk)))
+        rows.append(StepFeatures(1, chunk, chunk, 0, chunk * chunk / 2e3, moe_experts=moe.step_experts(0, chunk)))
     for r in rows:
         secs.append(sum(c * r.row()[FEATURES.index(n)] for n, c in truth.items()))
     fit = LinearStepModel.fit(rows, secs)
@@ -166,7 +173,9 @@ def test_simulate_charges_each_step_its_expected_experts(monkeypatch):
     monkeypatch.setattr(LinearStepModel, "predict", lambda self, f: seen.append(f) or real(self, f))
     specs = poisson(60, 20.0, seed=2, input_len=(16, 256), output_len=(8, 64))
     slow = simulate(specs, EngineConfig(max_num_seqs=16), with_moe).result.summary()
-    assert seen and all(f.moe_experts == pytest.approx(moe.step_experts(f.tokens)) for f in seen)
+    assert seen and all(f.moe_experts == pytest.approx(moe.step_experts(f.tokens - f.prefill_tokens, f.prefill_tokens))
+                        for f in seen)
+    assert any(f.prefill_tokens and f.tokens > f.prefill_tokens for f in seen)  # mixed steps among them
     seen.clear()
     without = Profile(kind="measured", model="m", dtype="bfloat16", step_model=LinearStepModel(coef),
                       kv_bytes_per_token=1024, max_model_len=2048)

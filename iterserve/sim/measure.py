@@ -8,8 +8,8 @@ engine times as a step), once to warm up and then once in each of `repeats` pass
 median is kept. The KV cache holds whatever the slots held before: step time does not depend on the
 values.
 On a mixture-of-experts model every timed step also counts the distinct experts each MoE layer ran
-(SparseMoeBlock.expert_counts): the step model's `moe_experts`, and the profile's measured curve of
-distinct experts per decode batch size (sim/moe.py).
+(SparseMoeBlock.expert_counts): the step model's `moe_experts`, and the profile's measured curves of
+distinct experts per decode batch size and per prompt chunk length (sim/moe.py).
 """
 from __future__ import annotations
 
@@ -173,8 +173,10 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
     pred = np.array([model.predict(f) for f in feats])
     rel = np.abs(pred - np.array(secs)) / np.array(secs)
     mcfg = engine.model_config
-    moe = moe_routing(mcfg, engine.dtype.itemsize, measured_curve(
-        [(f.seqs, f.moe_experts) for f in feats if not f.prefill_tokens], len(experts))) if experts else None
+    moe = moe_routing(mcfg, engine.dtype.itemsize,
+                      measured_curve([(f.seqs, f.moe_experts) for f in feats if not f.prefill_tokens], len(experts)),
+                      measured_curve([(f.tokens, f.moe_experts) for f in feats if f.seqs == 1 and f.prefill_tokens],
+                                     len(experts))) if experts else None
     per_token = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * engine.dtype.itemsize
     machine = {**cpu_machine(), "device": str(engine.device), "torch_threads": torch.get_num_threads(),
                "torch": torch.__version__}

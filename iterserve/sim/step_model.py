@@ -91,7 +91,8 @@ def step_features(sched: SchedulerOutput, block_size: int, moe: MoeRouting | Non
     return StepFeatures(len(sched.scheduled), sched.num_tokens, sched.num_prefill_tokens + verify, decode_kv,
                         prefill_kv / 1e3,
                         sched.shared_decode_kv(block_size), sched.cached_prefill_kv() / 1e3,
-                        moe.step_experts(sched.num_tokens) if moe is not None else 0.0)
+                        moe.step_experts(sched.num_tokens - sched.num_prefill_tokens, sched.num_prefill_tokens)
+                        if moe is not None else 0.0)
 
 
 def record_features(step: dict[str, Any], moe: MoeRouting | None = None) -> StepFeatures | None:
@@ -109,7 +110,7 @@ def record_features(step: dict[str, Any], moe: MoeRouting | None = None) -> Step
     return StepFeatures(int(step["batch_size"]), tokens, prefill + verify,
                         int(step["decode_kv_tokens"]), int(step["prefill_kv_tokens"]) / 1e3,
                         int(step.get("decode_kv_shared_tokens", 0)), int(step.get("prefill_cached_kv_tokens", 0)) / 1e3,
-                        moe.step_experts(tokens) if moe is not None else 0.0)
+                        moe.step_experts(tokens - prefill, prefill) if moe is not None else 0.0)
 
 
 def features_of(sample: dict[str, Any]) -> StepFeatures:
