@@ -5,8 +5,8 @@ that needs no trained weights, and a GPU box may have no model at all (nothing i
 hub). Random router weights route close to uniformly, which is the simulator's analytic assumption:
 `iterserve profile` measures the router's own distinct-experts curve either way.
 
-    python benchmarks/random_moe.py /tmp/granite-a800m --preset granite-3b-a800m   # issue 45's shape, bf16
-    python benchmarks/random_moe.py /tmp/moe-small --preset small                  # CPU-sized, float32
+    python benchmarks/random_moe.py runs/granite-a800m --preset granite-3b-a800m   # issue 45's shape, bf16
+    python benchmarks/random_moe.py runs/moe-small --preset small                  # CPU-sized, float32
 
 The tokenizer is random_llama.py's word-level one (every id decodes).
 """

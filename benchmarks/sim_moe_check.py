@@ -9,10 +9,10 @@ the MoE term and with a refit that lacks it (the same samples, moe_experts zeroe
 It also counts the real run's distinct experts per step (SparseMoeBlock.expert_counts) against the
 profile's expectation for each step's tokens: the term's input, which a loaded host cannot blur.
 
-    python benchmarks/random_moe.py /tmp/moe-small --preset small
-    python benchmarks/sim_moe_check.py /tmp/moe-small --dtype float32 --seqs 1,4,16 --out runs/sim-moe
+    python benchmarks/random_moe.py runs/moe-small --preset small
+    python benchmarks/sim_moe_check.py runs/moe-small --dtype float32 --seqs 1,4,16 --out runs/sim-moe
     # on a GPU, issue 45's shape (bf16): random_moe.py --preset granite-3b-a800m, then
-    python benchmarks/sim_moe_check.py /tmp/granite-a800m --seqs 8,32,128 --requests 256 --out runs/sim-moe-gpu
+    python benchmarks/sim_moe_check.py runs/granite-a800m --seqs 8,32,128 --requests 256 --out runs/sim-moe-gpu
 
 Writes --out/profile.json and --out/check.json; numbers from a loaded machine are noise.
 """
