@@ -15,6 +15,9 @@ Why this shape:
 - The pairs are ordered by (expert, slot in the top-k, token), the order transformers visits them in,
   and summed with index_add_ in the activations' dtype, expert by expert: the same additions in the
   same order, so float32 results match transformers' to the last bit where the GEMMs do.
+- `expert_counts` (off, None, unless `count_experts` turns it on): each forward appends how many
+  distinct experts it ran, what a step's expert weight reads grow with; `iterserve profile` reads it
+  (sim/moe.py). One append per layer per step, of a number the loop computes anyway.
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ class SparseMoeBlock(nn.Module):
     """The MLP of a mixture-of-experts layer: `gate` (the router, Hugging Face's name) and the
     stacked experts; [T, H] in, [T, H] out, as MLP."""
 
+    expert_counts: list[int] | None = None  # distinct experts of each forward, when a list (count_experts)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
@@ -77,8 +82,11 @@ class SparseMoeBlock(nn.Module):
         tokens = order % T
         pair_weights = weights.t().reshape(-1)[order, None]
         out = torch.zeros_like(x)
+        used = experts.tolist()
+        if self.expert_counts is not None:
+            self.expert_counts.append(len(used))
         start = 0
-        for e, n in zip(experts.tolist(), counts.tolist()):
+        for e, n in zip(used, counts.tolist()):
             rows = tokens[start:start + n]
             h = self.expert_forward(e, x[rows])
             out.index_add_(0, rows, (h * pair_weights[start:start + n]).to(x.dtype))
@@ -90,3 +98,12 @@ class SparseMoeBlock(nn.Module):
         (the CPU platform's CpuSparseMoeBlock runs them on its bf16 GEMM: platform/cpu_moe.py)."""
         gate, up = F.linear(x, self.experts.w13_weight[e]).split(self.inter, dim=-1)
         return F.linear(self.act(gate) * up, self.experts.w2_weight[e])
+
+
+def count_experts(model: nn.Module) -> list[list[int]]:
+    """Turns on every SparseMoeBlock's `expert_counts` in `model` and returns those lists (one per MoE
+    layer; none for a dense model): after a step, each holds the distinct experts that layer ran."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for b in blocks:
+        b.expert_counts = []
+    return [b.expert_counts for b in blocks]

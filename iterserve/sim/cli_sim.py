@@ -77,7 +77,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             prof.server_overhead, prof.in_service_samples = measure_server_overhead(
                 config.model, engine_flags_from_args(args), load_tokenizer(resolve_model(config.model)),
                 config.max_seqs_per_step,
-                max_prompt=config.max_input_len, max_output=config.max_output_len)
+                max_prompt=config.max_input_len, max_output=config.max_output_len, moe=prof.moe)
             print("profile: the grid's step model on the server's own steps: " + in_service_line(prof), file=sys.stderr)
             if args.calibrate:
                 prof = prof.calibrated()
@@ -85,6 +85,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                       "steps now: " + in_service_line(prof), file=sys.stderr)
     prof.save(args.out)
     print(prof.describe())
+    if prof.moe is not None:
+        print(f"experts: {prof.moe.describe()}")
     if prof.fit:
         print(f"fit over {prof.fit['points']} steps: mean |error| {prof.fit['mean_abs_rel_err']:.1%}, "
               f"max {prof.fit['max_abs_rel_err']:.1%}")

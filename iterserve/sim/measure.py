@@ -7,6 +7,9 @@ engine's own `ModelRunner.execute` runs it (attention over the paged cache, the 
 engine times as a step), once to warm up and then once in each of `repeats` passes over the grid; the
 median is kept. The KV cache holds whatever the slots held before: step time does not depend on the
 values.
+On a mixture-of-experts model every timed step also counts the distinct experts each MoE layer ran
+(SparseMoeBlock.expert_counts): the step model's `moe_experts`, and the profile's measured curves of
+distinct experts per decode batch size and per prompt chunk length (sim/moe.py).
 """
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ from iterserve.config import EngineConfig
 from iterserve.core.kv_groups import single_group
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.engine import LLMEngine
+from iterserve.model.moe import count_experts
 from iterserve.platform.base import kv_bytes_per_block
 from iterserve.request import Request
 from iterserve.sampling import SamplingParams
+from iterserve.sim.moe import measured_curve, moe_routing
 from iterserve.sim.profile import Profile, cpu_machine, git_commit, now_iso
 from iterserve.sim.step_model import LinearStepModel, StepFeatures, step_features
 
@@ -89,8 +94,9 @@ class ProfileGrid:
 
 
 def time_step(engine: LLMEngine, shape: StepShape, rng: np.random.Generator,
-               warmup: bool = True) -> tuple[StepFeatures, float] | None:
-    """The step's features and one timed run of it (after an untimed one if `warmup`)."""
+              warmup: bool = True, experts: list[list[int]] | None = None) -> tuple[StepFeatures, float] | None:
+    """The step's features and one timed run of it (after an untimed one if `warmup`). `experts`: the
+    MoE layers' counters (`count_experts`), read into the features' moe_experts."""
     pool, vocab, rows = engine.pool, engine.model_config.vocab_size, shape.rows
     block_size = engine.config.block_size
     reqs = []
@@ -109,11 +115,17 @@ def time_step(engine: LLMEngine, shape: StepShape, rng: np.random.Generator,
                                  for r, (done, n), t in zip(reqs, rows, tables)])
         if warmup:
             engine.runner.execute(sched)
+        for counts in experts or ():
+            counts.clear()
         t0 = time.perf_counter()
         engine.runner.execute(sched)
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
-        return step_features(sched, block_size), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        features = step_features(sched, block_size)
+        if experts:
+            features = dataclasses.replace(features, moe_experts=float(sum(sum(c) for c in experts)))
+        return features, seconds
     finally:
         for r in reqs:
             pool.free(r.request_id)
@@ -132,8 +144,10 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
     twin_max = int(getattr(engine.platform, "int4_max_tokens", 0) or 0)
     head_max = int(getattr(engine.platform, "q8_head_max_tokens", 0) or 0)
     shapes = grid.shapes(config.max_num_batched_tokens, engine.max_model_len, (twin_max, head_max))
+    experts = count_experts(engine.runner.model)
     features: dict[int, StepFeatures] = {}
     runs: dict[int, list[float]] = {}
+    expert_runs: dict[int, list[float]] = {}  # each pass's rows carry new random tokens: new routes
     t_start = time.perf_counter()
     for rep in range(max(repeats, 1)):
         order = list(range(len(shapes)))
@@ -142,24 +156,29 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
         for k in order:
             if rep and k not in features:
                 continue  # did not fit the cache
-            got = time_step(engine, shapes[k], rng, warmup=rep == 0)
+            got = time_step(engine, shapes[k], rng, warmup=rep == 0, experts=experts)
             if got is None:
                 continue
             features[k] = got[0]
             runs.setdefault(k, []).append(got[1])
+            expert_runs.setdefault(k, []).append(got[0].moe_experts)
             if progress:
                 f = got[0]
                 print(f"profile: pass {rep + 1}/{repeats} [{k + 1}/{len(shapes)}] seqs {f.seqs:3d} tokens {f.tokens:5d} "
                       f"(prefill {f.prefill_tokens:5d}) decode kv {f.decode_kv:6d} (shared {f.decode_kv_shared:5d}): "
-                      f"{got[1] * 1e3:8.1f} ms",
+                      f"{got[1] * 1e3:8.1f} ms" + (f", {f.moe_experts:.0f} experts" if experts else ""),
                       file=sys.stderr)
     keys = sorted(features)
-    feats = [features[k] for k in keys]
+    feats = [dataclasses.replace(features[k], moe_experts=statistics.fmean(expert_runs[k])) for k in keys]
     secs = [statistics.median(runs[k]) for k in keys]
     model = LinearStepModel.fit(feats, secs, twin_max, head_max)
     pred = np.array([model.predict(f) for f in feats])
     rel = np.abs(pred - np.array(secs)) / np.array(secs)
     mcfg = engine.model_config
+    moe = moe_routing(mcfg, engine.dtype.itemsize,
+                      measured_curve([(f.seqs, f.moe_experts) for f in feats if not f.prefill_tokens], len(experts)),
+                      measured_curve([(f.tokens, f.moe_experts) for f in feats if f.seqs == 1 and f.prefill_tokens],
+                                     len(experts))) if experts else None
     # every layer's K and V for one token (the profile's unit), in the cache's format (--kv-cache-dtype)
     per_token = kv_bytes_per_block(mcfg, 1, engine.platform.kv_cache, single_group(mcfg))
     machine = {**cpu_machine(), "device": str(engine.device), "torch_threads": torch.get_num_threads(),
@@ -175,6 +194,6 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
         commit=git_commit(), created=now_iso(),
         fit={"points": len(secs), "repeats": repeats, "mean_abs_rel_err": float(rel.mean()),
              "max_abs_rel_err": float(rel.max()), "profiling_s": time.perf_counter() - t_start},
-        samples=[{**dataclasses.asdict(f), "seconds": s} for f, s in zip(feats, secs)],
+        samples=[{**dataclasses.asdict(f), "seconds": s} for f, s in zip(feats, secs)], moe=moe,
         note="measured: median of repeated ModelRunner.execute calls per step shape, fitted by "
              "non-negative least squares on relative error")

@@ -28,6 +28,7 @@ from iterserve.bench.compare import replay
 from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.workload import RequestSpec, build_prompts
 from iterserve.sim.overhead import ServerOverhead, fit_gaps, nonnegative_lstsq
+from iterserve.sim.moe import MoeRouting
 from iterserve.sim.step_model import record_features
 
 ISOLATED_PROMPTS = (16, 128, 512)
@@ -58,13 +59,14 @@ def isolated_terms(records: list[Any], steps: list[dict[str, Any]]) -> dict[str,
     return out
 
 
-def in_service_samples(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def in_service_samples(steps: list[dict[str, Any]], moe: MoeRouting | None = None) -> list[dict[str, Any]]:
     """The server's steps as step-model samples (features and runner seconds), as `Profile.samples`
     holds the grid's: steps taken in service, with the HTTP front end and the client on the same
-    cores, which the grid's isolated repeats of one shape do not see."""
+    cores, which the grid's isolated repeats of one shape do not see. `moe`: an MoE model's routing
+    (a server does not count its experts: the expectation for each step's tokens stands in)."""
     out = []
     for s in steps:
-        f = record_features(s)
+        f = record_features(s, moe)
         if f is not None and float(s["duration"]) > 0:
             out.append({**dataclasses.asdict(f), "seconds": float(s["duration"])})
     return out
@@ -73,10 +75,11 @@ def in_service_samples(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measure_server_overhead(model: str, engine_flags: list[str], tokenizer: Any, max_seqs: int,
                             max_prompt: int | None = None, max_output: int | None = None, isolated: int = 12,
                             burst_output: int = 32,
-                            log_path: str | Path | None = None) -> tuple[ServerOverhead, list[dict[str, Any]]]:
+                            log_path: str | Path | None = None,
+                            moe: MoeRouting | None = None) -> tuple[ServerOverhead, list[dict[str, Any]]]:
     """(the overhead terms, the server's steps as step-model samples: `in_service_samples`).
     max_prompt / max_output: the server's --max-input-len / --max-output-len where it has them
-    (the requests are cut to fit)."""
+    (the requests are cut to fit); moe: an MoE model's routing (the grid's profile's)."""
     burst_output = min(burst_output, max_output or burst_output)
     lens = [min(n, max_prompt or n) for n in ISOLATED_PROMPTS]
     iso = [RequestSpec(i, 0.0, lens[i % len(lens)], ISOLATED_OUTPUT) for i in range(isolated)]
@@ -112,4 +115,4 @@ def measure_server_overhead(model: str, engine_flags: list[str], tokenizer: Any,
     overhead = ServerOverhead(gap_s=gap, admit_s=admit, arrival_s=[a0, float(a_tok)],
                               first_token_s=max(float(np.median(alone["first_token"])), 0.0),
                               finish_s=max(float(np.median(alone["finish"])), 0.0), fit=info)
-    return overhead, in_service_samples(steps)
+    return overhead, in_service_samples(steps, moe)

@@ -3,6 +3,9 @@
 Saved as JSON so that `simulate`, `tune --simulate` and `plan` can run anywhere from it. The
 machine, model, dtype, engine flags and commit are kept with it, because a step model is only true
 for that combination; an analytic profile says `"estimate": true` and which assumptions it made.
+A mixture-of-experts model's profile also keeps its routing (`moe`: experts, top-k, the measured
+distinct-experts curve, sim/moe.py); a profile without that key is a dense model's, as every profile
+written before it was.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from iterserve.bench.common import load_average
 from iterserve.config import EngineConfig, ModelConfig, parse_size
 from iterserve.core.kv_groups import KVCacheGroup, KVCacheGroups, kv_cache_groups
 from iterserve.cpu_info import cpu_flags
+from iterserve.sim.moe import MoeRouting
 from iterserve.sim.overhead import NO_OVERHEAD, ServerOverhead
 from iterserve.sim.step_model import LinearStepModel, StepTimeModel, errors_by_kind, features_of, model_from_dict
 
@@ -49,6 +53,7 @@ class Profile:
     server_overhead: ServerOverhead | None = None  # None: not measured, the simulator charges none
     # a server's own steps during the overhead measurement (features and seconds, as `samples`)
     in_service_samples: list[dict[str, Any]] = field(default_factory=list)
+    moe: MoeRouting | None = None  # an MoE model's routing (the step's expected distinct experts); None: dense
 
     @property
     def overhead(self) -> ServerOverhead:
@@ -80,7 +85,8 @@ class Profile:
         if self.server_overhead is not None:
             label += ", with server overhead"
         where = self.machine.get("gpu") or self.machine.get("cpu_model") or "?"
-        return f"{self.model} {self.dtype} on {where}: {label}"
+        moe = f", MoE {self.moe.num_experts} experts top-{self.moe.top_k}" if self.moe is not None else ""
+        return f"{self.model} {self.dtype}{moe} on {where}: {label}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "estimate": self.estimate, "note": self.note,
@@ -90,7 +96,8 @@ class Profile:
                 "max_model_len": self.max_model_len, "kv_memory_bytes": self.kv_memory_bytes,
                 "step_model": self.step_model.to_dict(), "fit": self.fit, "samples": self.samples,
                 "server_overhead": self.server_overhead.to_dict() if self.server_overhead else None,
-                "in_service_samples": self.in_service_samples}
+                "in_service_samples": self.in_service_samples,
+                "moe": self.moe.to_dict() if self.moe is not None else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
@@ -104,7 +111,8 @@ class Profile:
                    commit=d.get("commit"), created=d.get("created", ""), fit=d.get("fit") or {},
                    samples=d.get("samples") or [], note=d.get("note", ""),
                    server_overhead=ServerOverhead.from_dict(d["server_overhead"]) if d.get("server_overhead") else None,
-                   in_service_samples=d.get("in_service_samples") or [])
+                   in_service_samples=d.get("in_service_samples") or [],
+                   moe=MoeRouting.from_dict(d["moe"]) if d.get("moe") else None)
 
     def in_service_errors(self) -> dict[str, dict[str, float]]:
         """The step model on the server's own steps (`in_service_samples`), per kind of step

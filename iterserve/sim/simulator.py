@@ -86,6 +86,7 @@ class SimEngine:
         self.lora = lora  # adapters: which requests carry one, their rows' price; None: off
         self.index = index
         self.step_model = profile.step_model
+        self.moe = profile.moe  # an MoE model's routing: each step's expected distinct experts
         self.overhead = profile.overhead
         self.max_model_len = config.max_model_len or profile.max_model_len
         self.max_input_len = config.max_input_len or self.max_model_len
@@ -143,7 +144,7 @@ class SimEngine:
             return None
         oh = self.overhead
         self.step_start = now + oh.admit_s * len(sched.admitted)
-        features = step_features(sched, self.config.block_size, self.pool.null_block)
+        features = step_features(sched, self.config.block_size, self.pool.null_block, self.moe)
         self.run_end = self.step_start + self.step_model.predict(features)
         if self.lora is not None:
             self.run_end += self.lora.price(sched)
