@@ -9,6 +9,8 @@ every choice's loglikelihood.
 
     pip install "lm_eval[api]"   # not a dependency of iterserve: a separate environment is fine
     .venv/bin/python benchmarks/lm_eval_loglikelihood.py [--model smollm2-135m] [--out runs/lm_eval.json]
+    .venv/bin/python benchmarks/lm_eval_loglikelihood.py --kv-cache-dtype bfloat16 --kv-cache-dtype q8_0 \
+        --kv-cache-dtype fp8_e4m3     # the 8-bit KV caches against the bf16 one, same task, bf16 model
 
 Not a test: lm-evaluation-harness takes longer than the suite allows to import and set up.
 """
@@ -90,10 +92,28 @@ def evaluate(model: str, model_args: dict, task_dir: Path) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+def compare_kv_formats(args: argparse.Namespace, runs: dict[str, dict]) -> int:
+    """Accuracy and loglikelihoods of each KV cache format against the first one's."""
+    ref_name, ref = next(iter(runs.items()))
+    report = {"task": TASK, "questions": len(QUESTIONS), "model": args.model, "dtype": "bfloat16", "runs": runs}
+    for name, r in runs.items():
+        diff = max(abs(a - b) for x, y in zip(r["loglikelihoods"], ref["loglikelihoods"]) for a, b in zip(x, y))
+        report[f"max_abs_loglikelihood_diff_{name}_vs_{ref_name}"] = diff
+        print(f"--kv-cache-dtype {name:9} acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  ({r['seconds']:.1f} s)  "
+              f"largest |loglikelihood difference| vs {ref_name}: {diff:.3e}")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default=None, help="write both runs' results here (JSON)")
+    ap.add_argument("--kv-cache-dtype", action="append", metavar="DTYPE",
+                    help="instead: iterserve in bf16 once per KV cache format given (repeatable; the first is the "
+                         "reference, e.g. --kv-cache-dtype bfloat16 --kv-cache-dtype q8_0), compared with each other")
     args = ap.parse_args(argv)
     src = resolve_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,11 +121,18 @@ def main(argv: list[str] | None = None) -> int:
         write_task(tmp)
         tokenizer = tmp / "tokenizer"
         load_tokenizer(src).save_pretrained(str(tokenizer))
-        with ServerProcess([args.model, "--dtype", "float32", "--max-model-len", "1024"]) as srv:
-            served = evaluate("local-completions", {
-                "model": args.model, "base_url": f"{srv.base_url}/v1/completions", "num_concurrent": 8,
-                "max_retries": 1, "tokenized_requests": True, "tokenizer_backend": "huggingface",
-                "tokenizer": str(tokenizer)}, tmp)
+
+        def served_run(*flags: str) -> dict:
+            with ServerProcess([args.model, "--max-model-len", "1024", *flags]) as srv:
+                return evaluate("local-completions", {
+                    "model": args.model, "base_url": f"{srv.base_url}/v1/completions", "num_concurrent": 8,
+                    "max_retries": 1, "tokenized_requests": True, "tokenizer_backend": "huggingface",
+                    "tokenizer": str(tokenizer)}, tmp)
+
+        if args.kv_cache_dtype:
+            return compare_kv_formats(args, {kv: served_run("--dtype", "bfloat16", "--kv-cache-dtype", kv)
+                                             for kv in args.kv_cache_dtype})
+        served = served_run("--dtype", "float32")
         hf_args = ({"pretrained": str(src.folder), "gguf_file": src.path.name, "tokenizer": str(tokenizer)}
                    if src.kind == "gguf" else {"pretrained": str(src.path)})
         direct = evaluate("hf", {**hf_args, "dtype": "float32", "device": "cpu"}, tmp)

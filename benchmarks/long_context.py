@@ -94,8 +94,9 @@ def main() -> int:
         print(f"| {rows[-1]['system']} | {got['decode_tok_s']:.1f} |", flush=True)
     peer("after")
     if args.out:
-        args.out.write_text(json.dumps({"host": host, "gguf": args.gguf, "context": args.context,
-                                        "tokens": args.tokens, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+        command = " ".join([Path(sys.argv[0]).name, Path(args.gguf).name, *sys.argv[2:]])  # no machine paths
+        args.out.write_text(json.dumps({"host": host, "gguf": Path(args.gguf).name, "context": args.context,
+                                        "tokens": args.tokens, "command": command, "rows": rows}, indent=1))
     return 0
 
 
