@@ -159,16 +159,11 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_matches_transformers(family, family_dirs, prompts):
-    folder = family_dirs(family)
-    ref_ids, ref_logits = hf_reference(folder, prompts)
-    model, cfg, tok, _ = load_model(str(folder), torch.float32)
-    loaded = (model, cfg, tok)
-    assert cfg.architecture == family.split("-")[0]
-    if family not in ("llama-yarn", "granite", "olmo2", "smollm3"):
-        assert cfg.has_windows and all(len(p) > cfg.sliding_window for p in prompts)
-
+def check_float32_engine(loaded, prompts: list[list[int]], ref_ids: list[list[int]], ref_logits) -> None:
+    """float32 greedy tokens equal transformers' (`ref_ids`, with logprobs within LOGPROB_TOL of
+    `ref_logits`) for each prompt alone, in a batch of 8 next to other prompts, and in a KV cache so small
+    that requests are preempted and recomputed."""
+    cfg = loaded[1]
     # alone
     for i, p in enumerate(prompts):
         (res,) = _greedy(LLM(loaded=loaded, kv_cache_memory="32MiB"), [p])
@@ -195,6 +190,19 @@ def test_family_matches_transformers(family, family_dirs, prompts):
     ours = [r.token_ids for r, p in zip(results, batch) if p in prompts]
     for i, (got, ref) in enumerate(zip(ours, ref_ids)):
         assert got == ref, f"prompt {i} after preemption: first difference at {_first_difference(got, ref)}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(family, family_dirs, prompts):
+    folder = family_dirs(family)
+    ref_ids, ref_logits = hf_reference(folder, prompts)
+    model, cfg, tok, _ = load_model(str(folder), torch.float32)
+    loaded = (model, cfg, tok)
+    assert cfg.architecture == family.split("-")[0]
+    if family not in ("llama-yarn", "granite", "olmo2", "smollm3"):
+        assert cfg.has_windows and all(len(p) > cfg.sliding_window for p in prompts)
+
+    check_float32_engine(loaded, prompts, ref_ids, ref_logits)
 
     # bf16 through the engine's own loading (the CPU platform's layouts and kernels): top-1 agreement
     # with the float32 tokens at every generated position (teacher-forced, all rows of one step)

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_utils import sequence_logits
-from test_model_families import BASE, LOGPROB_TOL, NEW_TOKENS, WINDOW, _first_difference, _greedy, _save_family
-from test_model_families import hf_bf16_agreement, hf_reference, preempting_cache
+from test_model_families import BASE, NEW_TOKENS, WINDOW, _greedy, _save_family
+from test_model_families import check_float32_engine, hf_bf16_agreement, hf_reference
 
 from iterserve.llm import LLM
 from iterserve.model.loader import load_model
@@ -109,30 +109,7 @@ def test_moe_family_matches_transformers(family, moe_dirs, prompts):
     if family == "qwen3_moe":  # the dense layer is built as one
         assert cfg.dense_mlp_layers == (1,) and not hasattr(model.layers[1].mlp, "gate")
 
-    for i, p in enumerate(prompts):  # alone
-        (res,) = _greedy(LLM(loaded=loaded, kv_cache_memory="32MiB"), [p])
-        assert res.token_ids == ref_ids[i], \
-            f"prompt {i} alone: first difference at {_first_difference(res.token_ids, ref_ids[i])}"
-        ref_lp = ref_logits[i].log_softmax(-1)[torch.arange(NEW_TOKENS), torch.tensor(ref_ids[i])]
-        diff = (torch.tensor([lp[0] for lp in res.logprobs]) - ref_lp).abs().max().item()
-        assert diff < LOGPROB_TOL, f"prompt {i}: logprobs differ by {diff:.2e}"
-
-    g = torch.Generator().manual_seed(11)
-    others = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (20, 75, 190)]
-    batch = [prompts[0], others[0], prompts[1], prompts[2], others[1], prompts[3], others[2], prompts[4]]
-    llm = LLM(loaded=loaded, kv_cache_memory="32MiB", max_num_seqs=8)
-    results = _greedy(llm, batch)
-    assert max(r.batch_size for r in llm.engine.records) == 8
-    ours = [r.token_ids for r, p in zip(results, batch) if p in prompts]
-    for i, (got, ref) in enumerate(zip(ours, ref_ids)):
-        assert got == ref, f"prompt {i} in a batch of 8: first difference at {_first_difference(got, ref)}"
-
-    tight = LLM(loaded=loaded, block_size=16, max_num_seqs=8, **preempting_cache(cfg, batch))
-    results = _greedy(tight, batch)
-    assert tight.engine.scheduler.num_preemptions_total > 0
-    ours = [r.token_ids for r, p in zip(results, batch) if p in prompts]
-    for i, (got, ref) in enumerate(zip(ours, ref_ids)):
-        assert got == ref, f"prompt {i} after preemption: first difference at {_first_difference(got, ref)}"
+    check_float32_engine(loaded, prompts, ref_ids, ref_logits)
 
     # bf16 through the engine's own loading (the CPU platform's layouts and kernels, the experts on its
     # tiled GEMM where it is vectorised): top-1 agreement with the float32 tokens
