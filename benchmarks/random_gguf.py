@@ -93,29 +93,44 @@ def write_tensors(w: gguf.GGUFWriter, specs: list[tuple[str, tuple[int, ...], QT
     w.close()
 
 
-def write(path: Path, p: dict, seed: int = 0) -> None:
-    w = gguf.GGUFWriter(str(path), "llama")
+def decoder_header(path: Path, arch: str, p: dict, ffn: int, context: int, rope_theta: float,
+                   eps: float) -> gguf.GGUFWriter:
+    """A writer with the decoder's shape keys every preset here has (random_moe_gguf.py adds its
+    experts' and Granite's keys before `finish`)."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(p["layers"])
-    w.add_context_length(8192)
+    w.add_context_length(context)
     w.add_embedding_length(p["hidden"])
-    w.add_feed_forward_length(p["ffn"])
+    w.add_feed_forward_length(ffn)
     w.add_head_count(p["heads"])
     w.add_head_count_kv(p["kv_heads"])
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(eps)
     w.add_vocab_size(p["vocab"])
     w.add_rope_dimension_count(p["hidden"] // p["heads"])
+    return w
+
+
+def finish(w: gguf.GGUFWriter, p: dict, table: list, seed: int) -> None:
+    """The file type, the padded tokenizer and the tensors, one at a time."""
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     add_tokenizer(w, p["vocab"])
-    write_tensors(w, tensors(p), seed)
+    write_tensors(w, table, seed)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def write(path: Path, p: dict, seed: int = 0) -> None:
+    w = decoder_header(path, "llama", p, p["ffn"], 8192, 500000.0, 1e-5)
+    finish(w, p, tensors(p), seed)
+
+
+def main(doc: str | None = None, presets: dict | None = None, default: str = "8b", write_fn=write) -> int:
+    """The command line of this script and of random_moe_gguf.py: PATH --preset NAME."""
+    presets = presets or PRESETS
+    ap = argparse.ArgumentParser(description=doc or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="8b")
+    ap.add_argument("--preset", choices=sorted(presets), default=default)
     args = ap.parse_args()
-    write(args.path, PRESETS[args.preset])
+    write_fn(args.path, presets[args.preset])
     print(f"wrote {args.path} ({args.path.stat().st_size / 2**30:.2f} GiB)")
     return 0
 

@@ -12,13 +12,11 @@ stacked [experts, rows, cols] tensor, as llama.cpp's converter stacks them.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-import gguf
 from gguf import GGMLQuantizationType as QT
-from random_gguf import add_tokenizer, write_tensors
+from random_gguf import decoder_header, finish, main
 
 PRESETS = {  # the published configs' shapes
     "granite-3b-a800m": dict(arch="granitemoe", hidden=1536, layers=32, heads=24, kv_heads=8, experts=40, top_k=8,
@@ -50,40 +48,18 @@ def tensors(p: dict) -> list[tuple[str, tuple[int, ...], QT | None]]:
 
 
 def write(path: Path, p: dict, seed: int = 0) -> None:
-    w = gguf.GGUFWriter(str(path), p["arch"])
-    w.add_block_count(p["layers"])
-    w.add_context_length(4096)
-    w.add_embedding_length(p["hidden"])
-    w.add_feed_forward_length(p["expert_ffn"])
+    w = decoder_header(path, p["arch"], p, p["expert_ffn"], 4096, p["rope_theta"], p["eps"])
     w.add_expert_feed_forward_length(p["expert_ffn"])
     w.add_expert_count(p["experts"])
     w.add_expert_used_count(p["top_k"])
-    w.add_head_count(p["heads"])
-    w.add_head_count_kv(p["kv_heads"])
-    w.add_rope_freq_base(p["rope_theta"])
-    w.add_layer_norm_rms_eps(p["eps"])
-    w.add_vocab_size(p["vocab"])
-    w.add_rope_dimension_count(p["hidden"] // p["heads"])
     if "granite" in p:
         g = p["granite"]
         w.add_embedding_scale(g["embedding_scale"])
         w.add_residual_scale(g["residual_scale"])
         w.add_attention_scale(g["attention_scale"])
         w.add_logit_scale(g["logit_scale"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    add_tokenizer(w, p["vocab"])
-    write_tensors(w, tensors(p), seed)
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("path", type=Path)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="granite-3b-a800m")
-    args = ap.parse_args()
-    write(args.path, PRESETS[args.preset])
-    print(f"wrote {args.path} ({args.path.stat().st_size / 2**30:.2f} GiB)")
-    return 0
+    finish(w, p, tensors(p), seed)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(__doc__, PRESETS, "granite-3b-a800m", write))

@@ -105,17 +105,22 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (100, 117, 131, 142, 160)]
 
 
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
+def saved_families(tmp_path_factory, table: dict):
+    """get(name) -> a folder with `table[name]` (model_type, overrides) saved by _save_family, made once."""
     made = {}
 
     def get(name: str):
         if name not in made:
             made[name] = tmp_path_factory.mktemp(name)
-            _save_family(made[name], *FAMILIES[name])
+            _save_family(made[name], *table[name])
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    return saved_families(tmp_path_factory, FAMILIES)
 
 
 @torch.inference_mode()

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_utils import sequence_logits
-from test_model_families import BASE, NEW_TOKENS, WINDOW, _greedy, _save_family
-from test_model_families import check_float32_engine, hf_bf16_agreement, hf_reference
+from test_model_families import BASE, NEW_TOKENS, WINDOW, _greedy, check_float32_engine, hf_bf16_agreement
+from test_model_families import hf_reference, prompts, saved_families  # noqa: F401 (prompts: a shared fixture)
 
 from iterserve.llm import LLM
 from iterserve.model.loader import load_model
@@ -48,22 +48,8 @@ MOE_FAMILIES = {
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (100, 117, 131, 142, 160)]
-
-
-@pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name)
-            _save_family(made[name], *MOE_FAMILIES[name])
-        return made[name]
-
-    return get
+    return saved_families(tmp_path_factory, MOE_FAMILIES)
 
 
 def _hf_moe_block(hf_layer):
