@@ -172,7 +172,8 @@ def check_float32_engine(loaded, prompts: list[list[int]], ref_ids: list[list[in
     # alone
     for i, p in enumerate(prompts):
         (res,) = _greedy(LLM(loaded=loaded, kv_cache_memory="32MiB"), [p])
-        assert res.token_ids == ref_ids[i], f"prompt {i} alone: first difference at {_first_difference(res.token_ids, ref_ids[i])}"
+        assert res.token_ids == ref_ids[i], \
+            f"prompt {i} alone: first difference at {_first_difference(res.token_ids, ref_ids[i])}"
         ref_lp = ref_logits[i].log_softmax(-1)[torch.arange(NEW_TOKENS), torch.tensor(ref_ids[i])]
         diff = (torch.tensor([lp[0] for lp in res.logprobs]) - ref_lp).abs().max().item()
         assert diff < LOGPROB_TOL, f"prompt {i}: logprobs differ by {diff:.2e}"
