@@ -9,12 +9,12 @@ import sys
 
 import httpx
 import pytest
+from http_server import HttpServer
 
 from iterserve.bench import workload as wl
 from iterserve.bench.client import _PREFIX_CACHE_RE, prefix_cache_delta, run_load
 from iterserve.bench.conversation import (ConversationOptions, turn_body, build_conversations, later_turn_stats,
                                           run_conversations)
-from iterserve.bench.launcher import ServerProcess
 from iterserve.bench.workload import WorkloadError
 
 MODEL = "tiny"
@@ -79,18 +79,19 @@ def test_prefix_cache_counters_read_vllm_and_iterserve_names() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    with ServerProcess([str(tiny_model_dir), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
-                        "--max-model-len", "1024"], log_path=log) as srv:
+def server(tiny_model_dir, tiny_loaded):
+    """`iterserve serve` on a loopback port in this process (tests/http_server.py): the clients talk
+    real HTTP to it, as to any server, without the start of a server process and its model load."""
+    with HttpServer([str(tiny_model_dir), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
+                     "--max-model-len", "1024"], tiny_loaded) as srv:
         yield srv
 
 
-@pytest.mark.slow  # an iterserve serve process over real HTTP: the client any server gets
+@pytest.mark.slow  # an iterserve server over real HTTP: the client any server gets
 def test_multi_turn_against_a_server_reports_hits_and_later_turns(server) -> None:
     opts = ConversationOptions(num_conversations=3, turns=3, system_prompt_len=120, user_len=10,
                                output_len=6, think_time_s=0.05, stagger_s=0.2)
-    result = asyncio.run(run_conversations(server.base_url, build_conversations(opts), progress=False))
+    result = asyncio.run(run_conversations(server.url, build_conversations(opts), progress=False))
     assert result.completed == 9 and result.failed == 0
     for c in range(3):
         turns = sorted((r for r in result.records if r.conversation == c), key=lambda r: r.turn)
@@ -103,24 +104,24 @@ def test_multi_turn_against_a_server_reports_hits_and_later_turns(server) -> Non
     assert later_turn_stats(result.records)["ttft_p50_ms"] > 0
 
 
-@pytest.mark.slow  # an iterserve serve process over real HTTP: the client any server gets
+@pytest.mark.slow  # an iterserve server over real HTTP: the client any server gets
 def test_shared_prefix_against_a_server_hits_the_system_prompt(server) -> None:
     specs = wl.build_prompts(wl.make_workload("shared-prefix", num_requests=4, rate=20.0, system_prompt_len=100,
                                               input_len=8, output_len=3))
-    result = asyncio.run(run_load(server.base_url, specs, endpoint="chat", progress=False))
+    result = asyncio.run(run_load(server.url, specs, endpoint="chat", progress=False))
     assert result.completed == 4
     assert result.meta["prefix_cache"]["hit_tokens"] > 0
 
 
-@pytest.mark.slow  # an iterserve serve process over real HTTP: the client any server gets
+@pytest.mark.slow  # an iterserve server over real HTTP: the client any server gets
 def test_bench_serve_cli_multi_turn(server, tmp_path) -> None:
     out = tmp_path / "mt.json"
-    proc = subprocess.run([sys.executable, "-m", "iterserve.cli", "bench", "serve", "--base-url", server.base_url,
+    proc = subprocess.run([sys.executable, "-m", "iterserve.cli", "bench", "serve", "--base-url", server.url,
                            "--endpoint", "chat", "--workload", "multi-turn", "--conversations", "2", "--turns", "2",
                            "--system-prompt-len", "40", "--user-len", "6", "--output-len", "4",
                            "--think-time", "0", "--stagger", "0", "--no-progress", "--result-json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Prefix cache hit rate" in proc.stdout and "Later-turn TTFT" in proc.stdout
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
     assert '"kind": "multi-turn"' in out.read_text()

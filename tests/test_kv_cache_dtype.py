@@ -26,6 +26,7 @@ from iterserve.attention.metadata import PrefillMetadata
 from iterserve.attention.torch_attention import decode_attention, prefill_attention
 from iterserve.attention.triton_backend import TritonAttentionBackend
 from iterserve.config import EngineConfig
+from iterserve.engine import LLMEngine
 from iterserve.platform.base import Platform, kv_bytes_per_block
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.sampling import SamplingParams
@@ -324,13 +325,20 @@ def test_scheduler_endpoint_names_the_format(http):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("fmt", ["fp8", "q8_0"])
-def test_smollm2_greedy_with_an_8bit_cache(make_engine, smol_loaded, fmt):
+@pytest.fixture(scope="module")
+def smol_plain_greedy(smol_loaded) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, their 32 greedy tokens with the model's own cache dtype): the reference both 8-bit
+    formats are held to, the same for each, so computed once."""
     prompts = [smol_loaded[2].encode(t) for t in (
         "The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.",
         "Once upon a time, in a small village by the sea,", "The three laws of thermodynamics state that")]
-    want = greedy_tokens(make_engine(loaded=smol_loaded), prompts, 32)
+    return prompts, greedy_tokens(LLMEngine(EngineConfig(kv_cache_memory="64MiB"), loaded=smol_loaded), prompts, 32)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fmt", ["fp8", "q8_0"])
+def test_smollm2_greedy_with_an_8bit_cache(make_engine, smol_loaded, smol_plain_greedy, fmt):
+    prompts, want = smol_plain_greedy
     got = greedy_tokens(make_engine(loaded=smol_loaded, kv_cache_dtype=fmt), prompts, 32)
     prefixes = [agreeing_prefix(w, g) for w, g in zip(want, got)]
     # greedy texts part at the first near-tie and never meet again; q8_0 stays closer to bf16 than e4m3's

@@ -17,11 +17,10 @@ import openai
 import pytest
 import ray
 from dashboard_page import dash, engine, has_colour, send_load
-from ray import serve
 
 from iterserve.bench.browser import open_browser
 from iterserve.config import EngineConfig
-from iterserve.serve_ray.app import APP_NAME, ScaleOutConfig, start
+from iterserve.serve_ray.app import ScaleOutConfig, start
 from iterserve.routing import RouterConfig
 from iterserve.serve_ray.launch import LOCAL_CLUSTER_ENV
 from iterserve.server.serving import ServerSettings
@@ -62,8 +61,8 @@ def cluster(tiny_model_dir):
             pytest.fail("the Ray Serve application did not become ready in 180 s")
         yield base
     finally:
-        serve.delete(APP_NAME)
-        serve.shutdown()
+        # the local cluster ends with this process's ray.init, Serve's actors with it; serve.delete and
+        # serve.shutdown first drained the replicas gracefully: about 30 s that no test looks at
         ray.shutdown()
         for key, value in saved.items():
             if value is None:

@@ -1,6 +1,7 @@
-"""Structured outputs and tool calls with the official openai client against `iterserve serve
-smollm2-135m` on loopback: every output checked with the jsonschema package, regex and choice
-constraints, tools, and the 400s for what cannot be served."""
+"""The official openai client against `iterserve serve smollm2-135m` on loopback: a plain answer,
+streamed and not; then structured outputs and tool calls, every output checked with the jsonschema
+package, regex and choice constraints, tools, and the 400s for what cannot be served. One server
+process for the module: starting the real model is the most of what a test of it costs."""
 from __future__ import annotations
 
 import itertools
@@ -48,6 +49,18 @@ def client(tmp_path_factory):
     log = tmp_path_factory.mktemp("structured-server") / "server.log"
     with ServerProcess([MODEL, "--max-model-len", "512", "--max-num-seqs", "16"], log_path=log) as srv:
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_chat_answers_capital_of_france(client):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert "paris" in out.choices[0].message.content.lower()
+    assert out.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
 
 
 def sampling(i: int) -> dict:
