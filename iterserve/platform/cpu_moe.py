@@ -10,9 +10,9 @@ experts run, and transformers computes it so.
 
 A GGUF's quantised experts (the loader's block modules "layers.N.mlp.experts": w13 / w2 left on the
 meta device) compute from the file's own blocks instead, llama.cpp's mul_mat_id: `BlockSparseMoeBlock`
-runs each used expert's rows through cpu_linear's block kernels, gguf_gemm for steps of few rows
-(decode), a panel of dequantised rows and the layout's GEMM for many (blocks_gemm: prefill), gate and
-up as one two-shard GEMM. Expert e's rows are rows e*F .. (e+1)*F of the stacked tensor, so its
+runs the experts with few rows (every one in a decode step) through one gguf_moe_gemm call for gate
+and up (one two-shard weight) and one for down, the layer's experts at once, and each expert with
+many rows (prefill) through a panel of dequantised rows and the layout's GEMM (blocks_gemm). Expert e's rows are rows e*F .. (e+1)*F of the stacked tensor, so its
 (buf, meta) is offsets into the one storage of the file's map (K-quants; no copy), as a dense
 projection's in-place blocks are.
 """
@@ -21,20 +21,60 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from iterserve.model.moe import SparseMoeBlock
+from iterserve.model.moe import SparseMoeBlock, TopKRouter
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import blocks_gemm, pack_bf16, pack_gguf_twin
 
 
-class CpuSparseMoeBlock(SparseMoeBlock):
+class CpuTopKRouter(TopKRouter):
+    """The router's logits on our tiled bf16 GEMM from a packed weight: torch's bf16 F.linear took
+    ~130 us a decode row at Granite-3B-A800M's shape [40 x 1536] (oneDNN per call), the tiled GEMM a
+    few; the same bits (one float32 sum rounded once: tests/test_moe.py checks the layer's output)."""
+
+    def __init__(self, router: TopKRouter) -> None:
+        nn.Module.__init__(self)
+        self.__dict__.update(router.__dict__)
+        w = router.weight.detach()
+        self._parameters, self._buffers = {}, {}
+        self.num_experts = w.shape[0]
+        self.register_buffer("tiles", pack_bf16(w), persistent=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return load_cpu_kernels().bf16_gemm(x, self.tiles, self.num_experts, 0)
+
+
+def cpu_router(router: TopKRouter) -> TopKRouter:
+    """CpuTopKRouter for a bf16 router whose widths the packing takes (even); else the router itself."""
+    w = router.weight
+    if w.dtype != torch.bfloat16 or w.shape[0] % 2 or w.shape[1] % 2 or not _tiled_gemm():
+        return router
+    return CpuTopKRouter(router)
+
+
+def _tiled_gemm() -> bool:
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.bf16_gemm_is_vectorised()
+
+
+class CpuCombine:
+    """SparseMoeBlock.combine as one kernel (csrc/elementwise.cpp moe_combine): torch's index_add_
+    of one bf16 decode row cost ~60 us (an OpenMP wake-up), k of them a layer; the same bits (each
+    add rounded to the activations' dtype, in pair order: transformers' expert by expert)."""
+
+    def combine(self, h: torch.Tensor, pair_weights: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
+                T: int) -> torch.Tensor:
+        return load_cpu_kernels().moe_combine(h, pair_weights, tokens, T)
+
+
+class CpuSparseMoeBlock(CpuCombine, SparseMoeBlock):
     """A SparseMoeBlock whose experts run on the tiled bf16 GEMM from packed weights; shares the
     router and settings of the block it replaces."""
 
     def __init__(self, block: SparseMoeBlock) -> None:
         nn.Module.__init__(self)
         self.__dict__.update(block.__dict__)
-        self._modules = {"gate": block.gate}  # the plain expert weights are not kept
+        self._modules = {"gate": cpu_router(block.gate)}  # the plain expert weights are not kept
         w13, w2 = block.experts.w13_weight.detach(), block.experts.w2_weight.detach()
         self.hidden_size = w2.shape[1]
         self.register_buffer("w13_tiles", torch.stack([pack_bf16(w) for w in w13]), persistent=False)
@@ -92,7 +132,7 @@ def _stack_experts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     return torch.cat(bufs), torch.stack(metas).contiguous()
 
 
-class BlockSparseMoeBlock(SparseMoeBlock):
+class BlockSparseMoeBlock(CpuCombine, SparseMoeBlock):
     """A SparseMoeBlock whose experts compute from the GGUF's blocks, their only copy (llama.cpp's
     mul_mat_id): steps of at most `twin_max_tokens` rows for an expert run gguf_gemm on its blocks,
     larger ones blocks_gemm in `layout` (float32 panels in a float32 run: gguf-py's numbers, so the
@@ -102,7 +142,7 @@ class BlockSparseMoeBlock(SparseMoeBlock):
                  twin_max_tokens: int, amx_min_rows: int = 0) -> None:
         nn.Module.__init__(self)
         self.__dict__.update(block.__dict__)
-        self._modules = {"gate": block.gate}  # the meta expert parameters go
+        self._modules = {"gate": cpu_router(block.gate)}  # the meta expert parameters go
         E, F, H = self.num_experts, self.inter, int(gate.cols)
         self.hidden_size, self.layout = H, layout
         self.twin_max_tokens, self.amx_min_rows = twin_max_tokens, amx_min_rows
@@ -121,14 +161,40 @@ class BlockSparseMoeBlock(SparseMoeBlock):
             return load_cpu_kernels().gguf_gemm(x, buf, meta, n)
         return blocks_gemm(x, buf, meta, n, self.layout, self.amx_min_rows).to(x.dtype)
 
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.silu_kernel and gate_up.dtype == torch.bfloat16:
+            return load_cpu_kernels().silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.inter, dim=-1)  # float32: the float path's ops, so its numbers
+        return self.act(gate) * up
+
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._gemm(x, self.w13_buf, self.w13_meta[e], 2 * self.inter)
-        if self.silu_kernel and x.dtype == torch.bfloat16:
-            h = load_cpu_kernels().silu_and_mul(gate_up)
-        else:  # float32: the float path's ops, so its numbers
-            gate, up = gate_up.split(self.inter, dim=-1)
-            h = self.act(gate) * up
-        return self._gemm(h, self.w2_buf, self.w2_meta[e], self.hidden_size)
+        return self._gemm(self._act_and_mul(gate_up), self.w2_buf, self.w2_meta[e], self.hidden_size)
+
+    def experts_forward(self, xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts with at most twin_max_tokens rows (a decode step's, all of them) in one
+        gguf_moe_gemm call each for w13 and w2 (their rows' numbers are gguf_gemm's, expert by expert);
+        the others one blocks_gemm per expert, as expert_forward."""
+        few = counts <= self.twin_max_tokens
+        if not bool(few.any()):
+            return super().experts_forward(xs, experts, counts)
+        if bool(few.all()):
+            return self._grouped(xs, experts, counts)
+        ends = counts.cumsum(0)
+        starts = ends - counts
+        rows = torch.cat([torch.arange(a, b) for a, b in zip(starts[few].tolist(), ends[few].tolist())])
+        out = xs.new_empty(xs.shape)
+        out[rows] = self._grouped(xs[rows], experts[few], counts[few])
+        for e, a, b in zip(experts[~few].tolist(), starts[~few].tolist(), ends[~few].tolist()):
+            out[a:b] = self.expert_forward(e, xs[a:b])
+        return out
+
+    def _grouped(self, xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        kernels = load_cpu_kernels()
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        gate_up = kernels.gguf_moe_gemm(xs, self.w13_buf, self.w13_meta, experts, offsets, 2 * self.inter)
+        return kernels.gguf_moe_gemm(self._act_and_mul(gate_up), self.w2_buf, self.w2_meta, experts, offsets,
+                                     self.hidden_size)
 
 
 def use_moe_blocks(model: nn.Module, layout: str, twin_max_tokens: int, amx_min_rows: int = 0) -> list[str]:
