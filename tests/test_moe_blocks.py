@@ -27,7 +27,7 @@ from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.weight_estimate import estimate_weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import GGUF_BLOCKS, tiled_gemm_vectorised
-from iterserve.platform.cpu_moe import BlockSparseMoeBlock, CpuSparseMoeBlock
+from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, BlockSparseMoeBlock, CpuSparseMoeBlock
 from iterserve.sampling import SamplingParams
 
 EXPERTS, TOP_K = 8, 2
@@ -119,11 +119,11 @@ def test_bf16_experts_from_blocks_as_the_dense_blocks_path(moe_file):
     blocks = _llm(moe_file, dtype="bfloat16", bf16_gemm="tiled").engine.model
     floats = _llm(moe_file, dtype="float32", quantization="none").engine.model
     ours = _moe_blocks(blocks)[1]
-    assert ours.twin_max_tokens == 4 and ours.layout == "tiled"
+    assert ours.twin_max_tokens == EXPERT_TWIN_MAX_TOKENS and ours.layout == "tiled"
     ref_block = floats.layers[1].mlp
     assert type(ref_block) is SparseMoeBlock
     ref = CpuSparseMoeBlock(ref_block.to(torch.bfloat16))
-    x = torch.randn(16, ours.hidden_size).bfloat16()
+    x = torch.randn(EXPERT_TWIN_MAX_TOKENS + 8, ours.hidden_size).bfloat16()
     for e in range(EXPERTS):
         assert torch.equal(ours.expert_forward(e, x), ref.expert_forward(e, x))
     few = x[:3]
@@ -169,7 +169,8 @@ def test_32_input_expert_blocks_are_repacked_per_expert():
 def test_grouped_expert_gemm_is_each_experts_gguf_gemm(qtype, kernel_variant, variant_kernels):
     """gguf_moe_gemm (one call a layer, llama.cpp's mul_mat_id) gives every row exactly the numbers
     gguf_gemm gives it for its expert alone: experts used in any order, empty groups, one row to
-    nine, gate and up as two shards, float32 and bf16 activations; native and AVX2 builds."""
+    nine, gate and up as two shards, float32 and bf16 activations, the input gathered per pair
+    inside the call (rows) or before it; native and AVX2 builds."""
     from test_kquant import random_blocks
 
     from iterserve.model.gguf_file import QuantShard
@@ -191,6 +192,13 @@ def test_grouped_expert_gemm_is_each_experts_gguf_gemm(qtype, kernel_variant, va
         for e, a, b in zip(experts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()):
             if b > a:
                 assert torch.equal(got[a:b], kernels.gguf_gemm(x[a:b], buf, meta[e], 2 * F)), (qtype, dtype, e)
+        gather = torch.randint(0, 4, (sum(counts),))  # the rows of a 4-token step, per pair
+        base = torch.randn(4, H).to(dtype)
+        assert torch.equal(kernels.gguf_moe_gemm(base, buf, meta, experts, offsets, 2 * F, gather),
+                           kernels.gguf_moe_gemm(base[gather], buf, meta, experts, offsets, 2 * F))
+    gather[0] = 4
+    with pytest.raises(RuntimeError, match="row 4 not in 0..3"):
+        kernels.gguf_moe_gemm(base, buf, meta, experts, offsets, 2 * F, gather)
     with pytest.raises(RuntimeError, match="expert 6 not in 0..5"):
         kernels.gguf_moe_gemm(x, buf, meta, torch.tensor([6]), torch.tensor([0, 15]), 2 * F)
     with pytest.raises(RuntimeError, match="offsets must run from 0"):
@@ -208,10 +216,10 @@ def test_grouped_experts_give_the_per_expert_numbers(moe_file, dtype, monkeypatc
     chunk; a decode row's grouped call gets exactly the k experts the router picked."""
     if dtype == torch.bfloat16:
         block = _moe_blocks(_llm(moe_file, dtype="bfloat16", bf16_gemm="tiled").engine.model)[0]
-        assert block.twin_max_tokens == 4
-    else:  # float32 by name runs no gguf_gemm; an AVX2 host's auto float32 does, with this cut-over
+        assert block.twin_max_tokens == EXPERT_TWIN_MAX_TOKENS
+    else:  # float32 by name runs no gguf_gemm; an AVX2 host's auto float32 does
         block = _moe_blocks(_llm(moe_file, dtype="float32").engine.model)[0]
-        block.twin_max_tokens = 4
+    block.twin_max_tokens = 4  # a 16-row step then has experts on both paths
     torch.manual_seed(3)
     for rows in (1, 16, 40):
         x = torch.randn(rows, block.hidden_size).to(dtype)
@@ -219,7 +227,7 @@ def test_grouped_experts_give_the_per_expert_numbers(moe_file, dtype, monkeypatc
     seen: list[list[int]] = []
     grouped = BlockSparseMoeBlock._grouped
     monkeypatch.setattr(BlockSparseMoeBlock, "_grouped",
-                        lambda self, xs, ex, c: seen.append(ex.tolist()) or grouped(self, xs, ex, c))
+                        lambda self, x, tok, ex, c: seen.append(ex.tolist()) or grouped(self, x, tok, ex, c))
     x = torch.randn(1, block.hidden_size).to(dtype)
     block(x)
     assert seen == [sorted(block.gate(x)[1][0].tolist())]

@@ -56,8 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "to a group by pack_gguf_x4); a row range per shard, meta [S, 4]: type, rows, bytes per row, offset "
         "(layout in gemm_gguf.cpp)", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("N"));
   m.def("gguf_moe_gemm", &gguf_moe_gemm, "llama.cpp's mul_mat_id from GGUF blocks: rows offsets[u] .. offsets[u + 1] "
-        "of x through expert experts[u], whose shards are meta[e] ([E, S, 4], as gguf_gemm's) in buf; one call a "
-        "layer", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("experts"), py::arg("offsets"), py::arg("N"));
+        "of x (or of x[rows]) through expert experts[u], whose shards are meta[e] ([E, S, 4], as gguf_gemm's) in "
+        "buf; one call a layer", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("experts"), py::arg("offsets"),
+        py::arg("N"), py::arg("rows") = py::none());
   m.def("gguf_gemm_isa", &gguf_gemm_isa, "the instruction set gguf_gemm was built for: avx512-vnni, avx2 or scalar");
   m.def("gguf_dequant", &gguf_dequant, "rows of gguf_gemm's blocks (buf, meta) as gguf-py dequantises them: "
         "[R, K] float32, or bf16, or bf16 tiles for bf16_gemm (tiled)", py::arg("buf"), py::arg("meta"), py::arg("K"),

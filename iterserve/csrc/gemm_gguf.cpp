@@ -536,14 +536,18 @@ struct GgQuantised {
   std::vector<float> dx, sx;
   int64_t K, K4;
 
-  GgQuantised(const at::Tensor& xc, bool x4) : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128) {
-    const int64_t M = xc.size(0), B4 = K4 / 32;
+  // row m is xc's row src[m] (a gather) where src is given, else its row m
+  GgQuantised(const at::Tensor& xc, bool x4, const int64_t* src = nullptr, int64_t M = -1)
+      : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128) {
+    if (M < 0) M = xc.size(0);
+    const int64_t B4 = K4 / 32;
     xq.resize(M * K), xq4.assign(x4 ? M * K4 : 0, 0), dx.resize(M), sx.assign(M * B4, 0.f);
     for (int64_t m = 0; m < M; ++m) {
+      const int64_t r = src ? src[m] : m;
       if (xc.scalar_type() == at::kFloat)
-        gg_quantise_row(xc.const_data_ptr<float>() + m * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
+        gg_quantise_row(xc.const_data_ptr<float>() + r * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
       else
-        gg_quantise_row(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + m * K, K, &xq[m * K], &dx[m],
+        gg_quantise_row(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + r * K, K, &xq[m * K], &dx[m],
                         &sx[m * B4]);
       if (x4)  // position p of group g: input 8 * (p / 32) + p % 8 of block 4g + (p % 32) / 8, 8 inputs at a time
         for (int64_t k = 0; k < K; k += 8)
@@ -598,14 +602,15 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tenso
   return out;
 }
 
-// llama.cpp's mul_mat_id: the rows of x [P, K] grouped by expert (rows offsets[u] .. offsets[u + 1]
+// llama.cpp's mul_mat_id: the P activation rows grouped by expert (rows offsets[u] .. offsets[u + 1]
 // go through expert experts[u]), each group times its expert's weight, whose shards are meta[e]
-// ([E, S, 4]) in buf -> [P, N]. One call for a layer's experts: the activations are quantised once
-// and the pool splits (expert, output column) pairs, where one gguf_gemm call per expert paid a
-// call, a quantisation and a pool wake-up each (8 experts x 32 layers a decode token). Each row's
-// numbers are gguf_gemm's for that expert alone.
+// ([E, S, 4]) in buf -> [P, N]. Activation row p is x's row rows[p] where `rows` [P] is given (a
+// layer's input gathered per pair while it is quantised), else x's row p. One call for a layer's
+// experts: the activations are quantised once and the pool splits (expert, output column) pairs,
+// where one gguf_gemm call per expert paid a call, a quantisation and a pool wake-up each (8 experts
+// x 32 layers a decode token). Each row's numbers are gguf_gemm's for that expert alone.
 at::Tensor gguf_moe_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, const at::Tensor& experts,
-                         const at::Tensor& offsets, int64_t N) {
+                         const at::Tensor& offsets, int64_t N, const c10::optional<at::Tensor>& rows_in) {
   gg_check_x(x, buf);
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 3 && meta.size(2) == 4 && meta.is_contiguous(),
               "meta must be contiguous [E, S, 4] int64 (type, rows, bytes per row, offset)");
@@ -614,11 +619,22 @@ at::Tensor gguf_moe_gemm(const at::Tensor& x, const at::Tensor& buf, const at::T
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous() &&
                   offsets.size(0) == experts.size(0) + 1,
               "offsets must be contiguous [U + 1] int64");
-  const int64_t P = x.size(0), K = x.size(1), E = meta.size(0), S = meta.size(1), U = experts.size(0);
+  const int64_t K = x.size(1), E = meta.size(0), S = meta.size(1), U = experts.size(0);
+  const int64_t* src = nullptr;
+  at::Tensor rows_c;
+  if (rows_in.has_value()) {
+    rows_c = rows_in->contiguous();
+    TORCH_CHECK(rows_c.scalar_type() == at::kLong && rows_c.dim() == 1, "rows must be [P] int64");
+    src = rows_c.const_data_ptr<int64_t>();
+    for (int64_t p = 0; p < rows_c.size(0); ++p)
+      TORCH_CHECK(src[p] >= 0 && src[p] < x.size(0), "gguf_moe_gemm: row ", src[p], " not in 0..", x.size(0) - 1);
+  }
+  const int64_t P = src ? rows_c.size(0) : x.size(0);
   const int64_t K4 = (K + 127) / 128 * 128;
   const int64_t *mt = meta.const_data_ptr<int64_t>(), *ex = experts.const_data_ptr<int64_t>(),
                 *of = offsets.const_data_ptr<int64_t>();
-  TORCH_CHECK(U == 0 || (of[0] == 0 && of[U] == P), "gguf_moe_gemm: offsets must run from 0 to x's ", P, " rows");
+  TORCH_CHECK(U == 0 || (of[0] == 0 && of[U] == P), "gguf_moe_gemm: offsets must run from 0 to the ", P,
+              " activation rows");
   bool x4 = false;
   for (int64_t u = 0; u < U; ++u) {
     TORCH_CHECK(ex[u] >= 0 && ex[u] < E, "gguf_moe_gemm: expert ", ex[u], " not in 0..", E - 1);
@@ -628,7 +644,7 @@ at::Tensor gguf_moe_gemm(const at::Tensor& x, const at::Tensor& buf, const at::T
   }
   at::Tensor out = at::empty({P, N}, x.options());
   if (P == 0 || N == 0) return out;
-  const GgQuantised q(x.contiguous(), x4);
+  const GgQuantised q(x.contiguous(), x4, src, P);
   const GgRows rows = q.rows();
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   auto run = [&](auto* op) {

@@ -87,7 +87,7 @@ class SparseMoeBlock(nn.Module):
         pair_weights = weights.t().reshape(-1)[order]
         if self.expert_counts is not None:
             self.expert_counts.append(len(experts))
-        h = self.experts_forward(x[tokens], experts, counts)
+        h = self.experts_forward(x, tokens, experts, counts)
         return self.combine(h, pair_weights, tokens, counts, T)
 
     def combine(self, h: torch.Tensor, pair_weights: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
@@ -103,11 +103,12 @@ class SparseMoeBlock(nn.Module):
             start += n
         return out
 
-    def experts_forward(self, xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The pairs' rows `xs` [P, H], sorted by expert (counts[u] rows for experts[u]) -> each row
-        through its expert's MLP, [P, H]. Here one expert_forward per used expert; BlockSparseMoeBlock
-        groups them into one kernel call (platform/cpu_moe.py)."""
-        outs, start = [], 0
+    def experts_forward(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
+        """The pairs' rows x[tokens] [P, H], sorted by expert (counts[u] rows for experts[u]) -> each
+        row through its expert's MLP, [P, H]. Here one expert_forward per used expert;
+        BlockSparseMoeBlock groups them into one kernel call (platform/cpu_moe.py)."""
+        xs, outs, start = x[tokens], [], 0
         for e, n in zip(experts.tolist(), counts.tolist()):
             outs.append(self.expert_forward(e, xs[start:start + n]))
             start += n

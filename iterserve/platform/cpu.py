@@ -22,7 +22,7 @@ from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_blocks_for_budget, parse_dtype
 from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_moe import use_cpu_moe, use_moe_blocks
+from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_moe_blocks
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, GGUF_BLOCKS, bf16_gemm_layout, bf16_linears_available,
                                            four_bit_max_tokens, gguf_twin_name, gguf_twins_of, int4_kernel_available,
@@ -252,12 +252,13 @@ class CpuPlatform(Platform):
                  layout if plans is None else "measured layouts",
                  "" if exact else ", gguf_gemm for few")
         # a MoE layer's experts: not measured (no linears to time); the projections' layout and cut-over
-        moe = use_moe_blocks(model, layout, 0 if exact else default["proj"], amx)
+        moe = use_moe_blocks(model, layout, 0 if exact else EXPERT_TWIN_MAX_TOKENS, amx)
         if moe:
             log.info("the experts of %d mixture-of-experts layers compute from the GGUF's blocks (%s), their only "
-                     "copy: per used expert, %s", len(moe), ", ".join(sorted(set(moe))),
-                     f"{layout} GEMM on dequantised panels" if exact else
-                     f"gguf_gemm for <= {default['proj']} rows, {layout} GEMM on dequantised panels above")
+                     "copy: %s", len(moe), ", ".join(sorted(set(moe))),
+                     f"per used expert, {layout} GEMM on dequantised panels" if exact else
+                     f"experts with <= {EXPERT_TWIN_MAX_TOKENS} rows in one gguf_moe_gemm a layer, each with more "
+                     f"on the {layout} GEMM on dequantised panels")
         return n + len(moe)
 
     def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool

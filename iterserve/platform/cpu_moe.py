@@ -108,6 +108,13 @@ def use_cpu_moe(model: nn.Module) -> int:
     return changed
 
 
+# Rows of one expert up to which gguf_gemm on its blocks beats blocks_gemm (a dequantised panel and the
+# tiled GEMM): 16 at Granite-3B-A800M's expert [1024 x 1536] on the Zen 5 host (46 vs 596 us at 1
+# row, 206 vs 488 at 8, even at 16; docs/profile.md). A dense projection's cut-over is lower (4):
+# there the alternative is a float weight already laid out, here a panel dequantised every step.
+EXPERT_TWIN_MAX_TOKENS = 16
+
+
 class ExpertShard:
     """One expert's rows of a stacked GGUF expert tensor, as cpu_linear's shard functions read shards
     (a QuantShard's fields): `data` a view of the loader's shard, so in place where that is."""
@@ -171,28 +178,31 @@ class BlockSparseMoeBlock(CpuCombine, SparseMoeBlock):
         gate_up = self._gemm(x, self.w13_buf, self.w13_meta[e], 2 * self.inter)
         return self._gemm(self._act_and_mul(gate_up), self.w2_buf, self.w2_meta[e], self.hidden_size)
 
-    def experts_forward(self, xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def experts_forward(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
         """The experts with at most twin_max_tokens rows (a decode step's, all of them) in one
-        gguf_moe_gemm call each for w13 and w2 (their rows' numbers are gguf_gemm's, expert by expert);
-        the others one blocks_gemm per expert, as expert_forward."""
+        gguf_moe_gemm call each for w13 and w2 (their rows' numbers are gguf_gemm's, expert by expert;
+        the layer's input gathered per pair inside the call); the others one blocks_gemm per expert,
+        as expert_forward."""
+        if len(counts) and int(counts.max()) <= self.twin_max_tokens:
+            return self._grouped(x, tokens, experts, counts)
         few = counts <= self.twin_max_tokens
         if not bool(few.any()):
-            return super().experts_forward(xs, experts, counts)
-        if bool(few.all()):
-            return self._grouped(xs, experts, counts)
+            return super().experts_forward(x, tokens, experts, counts)
         ends = counts.cumsum(0)
         starts = ends - counts
         rows = torch.cat([torch.arange(a, b) for a, b in zip(starts[few].tolist(), ends[few].tolist())])
-        out = xs.new_empty(xs.shape)
-        out[rows] = self._grouped(xs[rows], experts[few], counts[few])
+        out = x.new_empty(len(tokens), x.shape[1])
+        out[rows] = self._grouped(x, tokens[rows], experts[few], counts[few])
         for e, a, b in zip(experts[~few].tolist(), starts[~few].tolist(), ends[~few].tolist()):
-            out[a:b] = self.expert_forward(e, xs[a:b])
+            out[a:b] = self.expert_forward(e, x[tokens[a:b]])
         return out
 
-    def _grouped(self, xs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
         kernels = load_cpu_kernels()
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        gate_up = kernels.gguf_moe_gemm(xs, self.w13_buf, self.w13_meta, experts, offsets, 2 * self.inter)
+        gate_up = kernels.gguf_moe_gemm(x, self.w13_buf, self.w13_meta, experts, offsets, 2 * self.inter, tokens)
         return kernels.gguf_moe_gemm(self._act_and_mul(gate_up), self.w2_buf, self.w2_meta, experts, offsets,
                                      self.hidden_size)
 
