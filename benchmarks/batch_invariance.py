@@ -6,6 +6,7 @@ mode it prints how many of the 12 texts differ from the alone run. Speed cost of
 `python benchmarks/ab_decode.py --configs '{}' '{"batch_invariant": true}' --batch 1 16`.
 
     python benchmarks/batch_invariance.py --json results/batch_invariance.json
+    ITERSERVE_CPU_KERNELS_VARIANT=avx2 python benchmarks/batch_invariance.py --dtype float32  # Zen 3's path
 """
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", help="the engine's --dtype (float32: what a CPU without "
+                    "AVX512-BF16 runs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     info = run_info(["python", "benchmarks/batch_invariance.py", *sys.argv[1:]])
-    rows = {"default": run(args.model, args.max_tokens),
-            "batch_invariant": run(args.model, args.max_tokens, batch_invariant=True)}
+    rows = {"default": run(args.model, args.max_tokens, dtype=args.dtype),
+            "batch_invariant": run(args.model, args.max_tokens, dtype=args.dtype, batch_invariant=True)}
     table = ["| mode | texts differing from alone, batch of 16 | under KV pressure (preemptions) |",
              "|---|---:|---:|"]
     for name, r in rows.items():

@@ -267,9 +267,10 @@ class EngineConfig:
     # from a cut-over timed per shape (fixed when not measured); off: its AVX-512 path at every size
     cpu_amx: bool = field(default_factory=lambda: _env("cpu_amx", "1") != "0")
     # deterministic inference: a request's greedy text never depends on what shares its step. One
-    # kernel and one reduction order per op at every batch size: our row-independent bf16 GEMM for
-    # every projection, no quantised twins, every query (prefill ones too) through the per-sequence
-    # decode attention kernel, no inductor (docs/benchmarks/batch-invariant.md has its cost)
+    # kernel and one reduction order per op at every batch size: our row-independent GEMM for every
+    # projection (bf16 on AVX512-BF16, else float32: platform/cpu.py), no quantised twins of float
+    # weights, every query (prefill ones too) through the per-sequence decode attention kernel, no
+    # inductor (docs/benchmarks/batch-invariant.md has its cost)
     batch_invariant: bool = False
     # scheduling
     batching: Literal["continuous", "static"] = "continuous"
@@ -345,7 +346,7 @@ class EngineConfig:
             bad = [name for name, on in clash.items() if on]
             if bad:
                 raise ValueError(f"batch_invariant (--batch-invariant) runs one fixed kernel per op (the C++ CPU "
-                                 f"kernels' bf16 GEMM and decode attention, no twins, no inductor): drop "
+                                 f"kernels' fixed-order GEMMs and decode attention, no twins, no inductor): drop "
                                  f"{', '.join(bad)}")
         if self.pooling not in (None, "last", "mean", "cls"):
             raise ValueError(f"pooling must be last, mean or cls (or unset: the model's own), got {self.pooling!r}")

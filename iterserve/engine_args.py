@@ -37,7 +37,8 @@ def apply_omp_wait(choice: str) -> None:
 ENGINE_ENV_HELP = (
     "Environment: ITERSERVE_CPU_KERNELS=0, ITERSERVE_BF16_GEMM, ITERSERVE_DECODE_ATTENTION and "
     "ITERSERVE_MEASURE_KERNELS=0 set the defaults of --no-cpu-kernels, --bf16-gemm, --decode-attention and "
-    "--no-measure-kernels (a flag given wins).")
+    "--no-measure-kernels (a flag given wins). ITERSERVE_CPU_KERNELS_VARIANT=avx2 runs the C++ kernels' AVX2 "
+    "build on an AVX-512 CPU (what an AVX2-only one runs).")
 
 
 class _LoRAModules(argparse.Action):
@@ -107,9 +108,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="deterministic inference: the same request gives the same greedy text whatever shares its "
                         "step and whatever the load (one kernel and reduction order per op at every batch size: "
-                        "our bf16 GEMM for every projection, no 4-bit / Q8_0 copies, every query through the "
-                        "per-sequence attention kernel). Needs the C++ CPU kernels with AVX512-BF16; slower "
-                        "(docs/benchmarks/batch-invariant.md)")
+                        "our fixed-order GEMM for every projection: bf16 with AVX512-BF16, else float32 (AVX2 "
+                        "CPUs such as Zen 3; a GGUF's blocks there on gguf_gemm at every step unless --dtype "
+                        "float32), no 4-bit / Q8_0 copies, every query through the per-sequence attention "
+                        "kernel). Needs the C++ CPU kernels; slower (docs/benchmarks/batch-invariant.md)")
     g.add_argument("--decode-attention", choices=list(DECODE_ATTENTION_CHOICES), default=d.decode_attention,
                    help="decode attention backend: torch (portable), cpu (the C++ kernel), triton (CUDA), or auto: "
                         "the device's kernel when it is there, else torch (default: $ITERSERVE_DECODE_ATTENTION, "

@@ -23,8 +23,9 @@ from torch import nn
 from iterserve.llm import LLM
 from iterserve.memory import model_tensors, weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import (BlockEmbedding, CpuLinear, dequantize_gguf_twin, pack_bf16, pack_gguf_twin,
-                                           prepack_available, random_shards, tiled_gemm_vectorised)
+from iterserve.platform.cpu_linear import (INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
+                                           pack_bf16, pack_gguf_twin, prepack_available, random_shards,
+                                           tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
 
 SPECS = ["q4_k:48", "q5_k:40", "q6_k:33", "q8_0:20", "q4_0:17", "q4_1:16", "q5_0:9", "q5_1:31",
@@ -59,7 +60,7 @@ def test_dequant_refuses_rows_outside_the_weight():
 LAYOUTS = [pytest.param("tiled", marks=pytest.mark.skipif(not tiled_gemm_vectorised(load_cpu_kernels()),
                                                           reason="our tiled GEMM needs AVX512-BF16")),
            pytest.param("onednn", marks=pytest.mark.skipif(not prepack_available(), reason="needs oneDNN bf16")),
-           "float32"]
+           "float32", INVARIANT_FLOAT32]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -70,7 +71,7 @@ def test_many_rows_from_the_blocks_compute_what_the_float_copy_did(layout, monke
     k, spec = 512, "q4_k:200+q6_k:72+q8_0:40"
     buf, meta = pack_gguf_twin(random_shards(spec, k), k)
     weight = dequantize_gguf_twin(buf, meta, k)
-    dtype = torch.float32 if layout == "float32" else torch.bfloat16
+    dtype = torch.float32 if layout in ("float32", INVARIANT_FLOAT32) else torch.bfloat16
     lin = nn.Linear(k, weight.shape[0], bias=False)
     lin.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
     dense = CpuLinear(lin, layout=layout)
@@ -82,7 +83,7 @@ def test_many_rows_from_the_blocks_compute_what_the_float_copy_did(layout, monke
         torch.testing.assert_close(blocks(x), dense(x), rtol=1e-2, atol=1e-2)
     elif layout == "float32":  # F.linear on a panel of rows: the BLAS may block a smaller N otherwise
         torch.testing.assert_close(blocks(x), dense(x), rtol=1e-5, atol=1e-5)
-    else:  # our tiled GEMM computes each tile of 16 outputs alone: a panel changes nothing
+    else:  # our tiled GEMM (each tile of 16 outputs alone) and f32_gemm (each output alone): panels change nothing
         assert torch.equal(blocks(x), dense(x))
     few = x[:3]  # at most twin_max_tokens rows: gguf_gemm on the blocks
     assert torch.equal(blocks(few), load_cpu_kernels().gguf_gemm(few, buf, meta, weight.shape[0]))

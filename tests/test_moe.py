@@ -266,3 +266,6 @@ def test_compile_and_batch_invariant_refused_on_moe(moe_dirs):
     if tiled_gemm_vectorised(load_cpu_kernels()):  # (elsewhere refused before, for the GEMM it needs)
         with pytest.raises(ValueError, match="mixture-of-experts"):
             LLM(model=str(moe_dirs("olmoe")), dtype="bfloat16", kv_cache_memory="32MiB", batch_invariant=True)
+    if load_cpu_kernels() is not None:  # float32 (a CPU without AVX512-BF16): refused alike
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            LLM(model=str(moe_dirs("olmoe")), dtype="float32", kv_cache_memory="32MiB", batch_invariant=True)

@@ -51,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 x @ w.T for bf16 w packed by pack_bf16_f32 (AVX2 + FMA; layout in gemm_f32_bf16w.cpp)");
   m.def("f32_bf16w_gemm_is_vectorised", &f32_bf16w_gemm_is_vectorised,
         "whether f32_bf16w_gemm was built with AVX2 and FMA");
+  m.def("f32_gemm", &f32_gemm, "float32 x @ w.T for float32 w [N, K], each output's sum in one order at every M "
+        "(gemm_f32.cpp)", py::arg("x"), py::arg("w"));
+  m.def("f32_gemm_is_vectorised", &f32_gemm_is_vectorised, "whether f32_gemm runs on vector lanes (AVX2 or AVX-512)");
   m.def("q8_0_gemm", &q8_0_gemm, "x @ w.T for int8 w with a float scale per 32 inputs (GGUF Q8_0)");
   m.def("gguf_gemm", &gguf_gemm, "x @ w.T from GGUF blocks (K-quants as stored, 32-input blocks repacked four "
         "to a group by pack_gguf_x4); a row range per shard, meta [S, 4]: type, rows, bytes per row, offset "

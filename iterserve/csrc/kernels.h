@@ -49,6 +49,10 @@ bool bf16_gemm_is_vectorised();
 at::Tensor f32_bf16w_gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t N);
 bool f32_bf16w_gemm_is_vectorised();
 
+// gemm_f32.cpp
+at::Tensor f32_gemm(const at::Tensor& x_in, const at::Tensor& w);
+bool f32_gemm_is_vectorised();
+
 // norm.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, bool unit_offset);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& a_in, const at::Tensor& w,

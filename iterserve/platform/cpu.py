@@ -24,9 +24,10 @@ from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_moe_blocks
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
-from iterserve.platform.cpu_linear import (FLOAT32_LAYOUTS, GGUF_BLOCKS, bf16_gemm_layout, bf16_linears_available,
-                                           four_bit_max_tokens, gguf_twin_name, gguf_twins_of, int4_kernel_available,
-                                           optimize_cpu_linears, tiled_gemm_amx, tiled_gemm_vectorised, use_gguf_blocks)
+from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, bf16_gemm_layout,
+                                           bf16_linears_available, four_bit_max_tokens, gguf_twin_name, gguf_twins_of,
+                                           int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
+                                           tiled_gemm_vectorised, use_gguf_blocks)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
                                               choose_kernels, kernel_choice_dir, linears_by_shape, parse_linear_key,
                                               shapes_of)
@@ -60,6 +61,22 @@ def _warn_bf16w_rounding(model: nn.Module) -> None:
                     "--bf16-gemm auto keeps float32 weights", rounded, len(shapes))
 
 
+def batch_invariant_refusal(kernels: ModuleType | None, dtype: torch.dtype) -> str | None:
+    """Why --batch-invariant cannot hold in this run, or None. It needs the C++ kernels (their decode
+    attention for every query, and a GEMM whose sum for a row does not depend on the step's other
+    rows): in bfloat16 the tiled bf16 GEMM, which needs AVX512-BF16 (elsewhere it is a scalar loop);
+    in float32, what a CPU without fast bf16 runs (AVX2-only Zen 3), f32_gemm, on any build."""
+    if kernels is None:
+        return ("needs iterserve's C++ CPU kernels (their decode attention and fixed-order GEMMs), which are off "
+                "or did not build (see the log)")
+    if dtype == torch.bfloat16 and not tiled_gemm_vectorised(kernels):
+        return ("in bfloat16 needs the C++ kernels' bf16 GEMM built with AVX512-BF16, which this CPU lacks: run "
+                "float32 (--dtype auto gives it on such a CPU), whose projections run on f32_gemm")
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"runs bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
+    return None
+
+
 class CpuPlatform(Platform):
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  kv_bf16_for_float32: bool = False) -> None:
@@ -67,11 +84,9 @@ class CpuPlatform(Platform):
         if not config.cpu_kernels:
             log.info("CPU kernels off (cpu_kernels=False): torch and oneDNN paths only")
         if config.batch_invariant:
-            if self.kernels is None or not tiled_gemm_vectorised(self.kernels) or dtype != torch.bfloat16:
-                raise ValueError("batch_invariant on CPU needs bfloat16 and iterserve's C++ kernels built with "
-                                 "AVX512-BF16 (its GEMM computes every row alike); this run has "
-                                 f"dtype {str(dtype).removeprefix('torch.')} and "
-                                 f"{'no kernels' if self.kernels is None else 'a non-vectorised GEMM'}")
+            refusal = batch_invariant_refusal(self.kernels, dtype)
+            if refusal:
+                raise ValueError(f"batch_invariant (--batch-invariant) on CPU {refusal}")
             attention: AttentionBackend = BatchInvariantCpuAttentionBackend(self.kernels)
         else:
             attention = select_attention_backend(config.decode_attention, device, self.kernels)
@@ -84,6 +99,8 @@ class CpuPlatform(Platform):
                 raise ValueError(f"bf16_gemm={config.bf16_gemm} is a bf16 layout; a float32 run takes auto, "
                                  f"{' or '.join(FLOAT32_LAYOUTS)}")
             self.layout = "float32" if config.bf16_gemm == "auto" else config.bf16_gemm
+        if config.batch_invariant:  # one GEMM at every step size (prepare_model)
+            self.layout = "tiled" if dtype == torch.bfloat16 else INVARIANT_FLOAT32
         self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit (or GGUF) twin
         self.q8_head_max_tokens = 0  # ... and the LM head a Q8_0 (or GGUF) twin
         self.gguf_twins: dict[str, str] = {}  # module -> its GGUF twin's spec, when built from the file's blocks
@@ -121,17 +138,20 @@ class CpuPlatform(Platform):
         if self.kernels is not None:
             use_cpu_elementwise(model)  # eager steps: SiLU-and-multiply and RoPE one kernel each
         blocks = getattr(model, "block_modules", set())
-        if self.dtype == torch.float32:  # (batch_invariant needs bf16: refused in __init__)
-            self._prepare_float32(model)
+        if cfg.batch_invariant and model.cfg.num_experts:
+            raise ValueError("batch_invariant (--batch-invariant) is not built for mixture-of-experts models: their "
+                             "router runs on torch's GEMM, whose rounding may change with the step's rows")
+        if self.dtype == torch.float32:
+            if cfg.batch_invariant:
+                self._prepare_float32_invariant(model)
+            else:
+                self._prepare_float32(model)
             return
         if self.dtype != torch.bfloat16 or not bf16_linears_available(self.kernels):
             if q == "int4":
                 raise ValueError("quantization=int4 needs a CPU bfloat16 run (oneDNN bf16 and torch's CPU int4 kernel)")
             self._use_blocks(model, None, "float32", 0)
             return
-        if cfg.batch_invariant and model.cfg.num_experts:
-            raise ValueError("batch_invariant (--batch-invariant) is not built for mixture-of-experts models: their "
-                             "router runs on torch's GEMM, whose rounding may change with the step's rows")
         if cfg.batch_invariant:  # one kernel for every row count: ours, which computes each row alike
             n = optimize_cpu_linears(model, "tiled", 0, 0, self.kernels)
             n += self._use_blocks(model, None, "tiled", 0)
@@ -177,6 +197,8 @@ class CpuPlatform(Platform):
 
     def _log_attention_paths(self, mcfg: ModelConfig) -> None:
         """Says at start-up where this model's attention leaves the C++ kernels for the torch path."""
+        if self.config.batch_invariant:  # every query through the decode kernel, window and soft-cap included
+            return
         kernel = self.kernels is not None and self.attention.name.startswith("cpu")
         group = mcfg.num_heads // mcfg.num_kv_heads
         if kernel and self.dtype == torch.bfloat16 and (mcfg.head_dim % 32 or group > 24 or
@@ -229,23 +251,55 @@ class CpuPlatform(Platform):
             log.info("CPU float32: %d projections laid out for %s%s (not measured)", n, self.layout,
                      f", Q4_1 twin for steps of <= {self.int4_max_tokens} tokens" if self.int4_max_tokens else "")
 
+    def _prepare_float32_invariant(self, model: nn.Module) -> None:
+        """batch_invariant in float32, what a CPU without fast bf16 runs (AVX2-only Zen 3): each projection
+        and the LM head keep their float32 weights, on f32_gemm (csrc/gemm_f32.cpp), whose sum for an
+        output is in one order at every row count (MKL's F.linear, the float32 layout, blocks it by the
+        step's rows). A GGUF's modules whose only copy is their blocks: `_use_blocks`."""
+        if getattr(model, "block_modules", None):
+            self.gguf_twins = {name: spec for name, (spec, _) in gguf_twins_of(model).items()}
+        n = optimize_cpu_linears(model, INVARIANT_FLOAT32, 0, 0, self.kernels, dtype=torch.float32)
+        n += self._use_blocks(model, None, INVARIANT_FLOAT32, 0)
+        log.info("CPU float32, batch-invariant: %d projections (head included) on our fixed-order float32 GEMM%s "
+                 "(a GGUF's quantised ones on their blocks), no quantised twins of float weights, every query "
+                 "through the decode attention kernel", n,
+                 "" if self.kernels.f32_gemm_is_vectorised() else " (its portable loop: slow)")
+
+    def _every_step_on_blocks(self) -> bool:
+        """Whether a GGUF's block modules run gguf_gemm at every step size: under batch_invariant in
+        float32 unless float32 was asked for by name. gguf_gemm quantises each activation row alone and
+        sums exactly in int32 per super-block, so a row's output does not depend on the step's other rows
+        (tests/test_batch_invariant.py), and decode steps keep reading the blocks alone, as a float32 run's
+        few-row steps do by default. --dtype float32 keeps gguf-py's float32 numbers at every step instead
+        (blocks dequantised a panel at a time onto f32_gemm: slower at decode)."""
+        cfg = self.config
+        return cfg.batch_invariant and self.dtype == torch.float32 and cfg.dtype != "float32"
+
     def _use_blocks(self, model: nn.Module, plans: dict | None, layout: str, amx: int) -> int:
         """Replaces the modules whose only copy is their GGUF blocks (cpu_linear.use_gguf_blocks): each
         linear in its measured plan, else in `layout` with the default twin cut-overs (none under
-        batch_invariant, or in a float32 run asked for by name). Returns the number replaced."""
+        batch_invariant, or in a float32 run asked for by name; every step under `_every_step_on_blocks`).
+        Returns the number replaced."""
         blocks = getattr(model, "block_modules", set())
         if not blocks:
             return 0
-        exact = self.config.batch_invariant or (self.dtype == torch.float32 and self.config.dtype == "float32")
+        every = self._every_step_on_blocks()
+        exact = not every and (self.config.batch_invariant or
+                               (self.dtype == torch.float32 and self.config.dtype == "float32"))
         default = {"proj": four_bit_max_tokens(layout), "head": Q8_HEAD_MAX_TOKENS}
 
         def plan_of(name: str, mod: nn.Linear, spec: str) -> tuple[str, int, int]:
             role = "head" if name == "lm_head" else "proj"
             plan = (plans or {}).get((role, mod.out_features, mod.in_features, spec))
             lay, most, amx_rows = plan if plan is not None else (layout, default[role], amx)
-            return lay, 0 if exact else most, amx_rows
+            return lay, EVERY_ROW if every else 0 if exact else most, amx_rows
 
         n = use_gguf_blocks(model, plan_of)
+        if every:  # (reported as the step's token budget: no step has more rows)
+            budget = self.config.max_num_batched_tokens
+            self.int4_max_tokens, self.q8_head_max_tokens = budget, budget
+            log.info("%d modules compute from the GGUF's blocks, their only copy (gguf_gemm at every step size)", n)
+            return n
         if plans is None:  # (measured: set by _measure)
             self.int4_max_tokens, self.q8_head_max_tokens = (0, 0) if exact else (default["proj"], default["head"])
         log.info("%d modules compute from the GGUF's blocks, their only copy (%s for steps of many rows%s)", n,
@@ -295,7 +349,7 @@ class CpuPlatform(Platform):
     def resolved(self) -> dict[str, Any]:
         layouts = sorted({c.layout for c in self.kernel_choice.linears.values()}) if self.kernel_choice else None
         return {**super().resolved(), "cpu_kernels": self.kernels is not None,
-                "bf16_gemm": "/".join(layouts) if layouts else "tiled" if self.config.batch_invariant else self.layout,
+                "bf16_gemm": "/".join(layouts) if layouts else self.layout,
                 "quantization": "gguf" if self.gguf_twins else "int4" if self.int4_max_tokens else "none",
                 "gguf_twins": sorted({gguf_twin_name(s) for s in self.gguf_twins.values()}),
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,

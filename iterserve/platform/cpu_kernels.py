@@ -25,9 +25,11 @@ a folder that outlives edits that would block every later start, so a lock older
 
 It is compiled for the CPU it runs on (-march=native). `load_cpu_kernels(variant="avx2")` builds a
 named variant (VARIANTS: -march=native with instruction sets turned off, e.g. the AVX2 + FMA paths an
-AVX-512 host would otherwise never run) in a folder of its own; only tests build one, so that the
-branches a CI host of another CPU generation takes are tested here too. The CPU platform loads the
-native build when the engine starts, never at a first request.
+AVX-512 host would otherwise never run) in a folder of its own, so that the branches a CI host of
+another CPU generation takes are tested here too. The CPU platform loads the default build when the
+engine starts, never at a first request: the native one, or the variant ITERSERVE_CPU_KERNELS_VARIANT
+names (tests run a whole engine on the AVX2 build that way; every `load_cpu_kernels()` of the process
+then returns it).
 
 Nothing depends on it being there: when the build fails (no compiler, an unusual platform),
 `load_cpu_kernels()` logs why once and returns None, and callers keep their torch path.
@@ -48,7 +50,7 @@ from types import ModuleType
 import torch
 from torch.utils.cpp_extension import _get_build_directory, load
 
-from iterserve.cpu_info import cpu_flags_line
+from iterserve.cpu_info import cpu_flags, cpu_flags_line
 
 log = logging.getLogger("iterserve.kernels")
 
@@ -69,6 +71,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 # the CPU flags (/proc/cpuinfo's names) a variant's build needs to run
 VARIANT_NEEDS: dict[str, frozenset[str]] = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c"})}
+VARIANT_ENV = "ITERSERVE_CPU_KERNELS_VARIANT"  # the build load_cpu_kernels() returns; default native
 STALE_LOCK_S = 1800.0  # a build lock this old is a killed build's (a first build takes ~40 s to minutes)
 
 
@@ -106,15 +109,30 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
-def load_cpu_kernels(variant: str = "native") -> ModuleType | None:
+def load_cpu_kernels(variant: str | None = None) -> ModuleType | None:
     """The compiled module, or None when the build failed (logged once). variant: one of VARIANTS,
-    built with its flags after the default ones, in its own folder (the flags are in build_tag)."""
-    return _load_variant(variant)
+    built with its flags after the default ones, in its own folder (the flags are in build_tag);
+    None: ITERSERVE_CPU_KERNELS_VARIANT's, else native, so that an engine and every kernel call it
+    makes use one build."""
+    return _load_variant(variant or default_variant())
+
+
+def default_variant() -> str:
+    """The build `load_cpu_kernels()` returns: ITERSERVE_CPU_KERNELS_VARIANT (one of VARIANTS), else native."""
+    name = os.environ.get(VARIANT_ENV, "") or "native"
+    if name not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={name!r}: use one of {', '.join(VARIANTS)}")
+    return name
 
 
 @functools.cache
 def _load_variant(variant: str) -> ModuleType | None:
     """load_cpu_kernels, cached by the variant's name (load_cpu_kernels() and ("native") alike)."""
+    missing = VARIANT_NEEDS[variant] - cpu_flags()
+    if missing:  # its code would stop on an illegal instruction
+        log.warning("CPU kernels: this CPU lacks %s for the %s build; using the torch path instead",
+                    ", ".join(sorted(missing)), variant)
+        return None
     cflags = [*CFLAGS, *VARIANTS[variant]]
     name = f"iterserve_cpu_{build_tag(cflags)}"
     try:

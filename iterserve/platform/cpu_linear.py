@@ -482,7 +482,12 @@ def random_shards(spec: str, in_features: int) -> list[RandomShard]:
 # them, and a float32 run must give float32's numbers
 LAYOUTS = ("tiled", "onednn", "float32", "bf16w")
 BF16_GEMM_CHOICES = ("auto", *LAYOUTS)
-FLOAT32_LAYOUTS = ("float32", "bf16w")  # what a float32 engine's projections can take
+# float32 weights on csrc/gemm_f32.cpp's f32_gemm, one sum order per output at every row count: a
+# batch-invariant float32 run's layout (MKL's F.linear, the float32 layout, blocks its sums by M)
+INVARIANT_FLOAT32 = "float32_fixed"
+FLOAT32_LAYOUTS = ("float32", "bf16w")  # what a float32 engine's projections can take (bf16_gemm's choices)
+FLOAT32_FORMS = (*FLOAT32_LAYOUTS, INVARIANT_FLOAT32)  # ... and under batch_invariant
+EVERY_ROW = 1 << 62  # a twin's max tokens that no step exceeds: the twin runs every step
 
 
 def tiled_gemm_vectorised(kernels: ModuleType | None) -> bool:
@@ -528,7 +533,7 @@ class CpuLinear(nn.Module):
     """A bf16 Linear with its weight laid out once for a fast kernel (`layout`: our tiled GEMM, which
     needs an even in_features and the CPU kernels, or oneDNN's prepacked weight), or a float32 one with
     its weight stored as bf16 for our AVX2 GEMM (`bf16w`: the output is float32, of the weight rounded
-    to bf16), and optionally a
+    to bf16) or as float32 for our fixed-order GEMM (`float32_fixed`, batch_invariant's), and optionally a
     quantised twin (`twin`: one of TWINS; "gguf" is built from `shards`, the checkpoint's own blocks)
     used when the step has at most `twin_max_tokens` rows.
     `amx_min_rows` (tiled only): steps of at least that many rows run our GEMM on AMX tiles, from
@@ -553,8 +558,8 @@ class CpuLinear(nn.Module):
             raise ValueError(f"twin must be one of {TWINS} or None, got {twin!r}")
         if (twin == "gguf") != (shards is not None or blocks is not None):
             raise ValueError("twin='gguf' takes the GGUF's blocks (shards), and shards only that twin")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in (*LAYOUTS, INVARIANT_FLOAT32):
+            raise ValueError(f"layout must be one of {(*LAYOUTS, INVARIANT_FLOAT32)}, got {layout!r}")
         w = linear.weight.detach()
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -583,7 +588,7 @@ class CpuLinear(nn.Module):
         self.layout = layout
         self.amx_min_rows = amx_min_rows if layout == "tiled" else 0
         self.packed_weight = (torch.empty(0) if self.from_blocks else pack_bf16(w) if layout == "tiled"
-                              else w.float().contiguous() if layout == "float32"
+                              else w.float().contiguous() if layout in ("float32", INVARIANT_FLOAT32)
                               else pack_bf16_f32(w) if layout == "bf16w"
                               else torch.ops.mkldnn._reorder_linear_weight(w, 16))
         self.weight = linear.weight if keep_weight and not self.from_blocks else None
@@ -617,13 +622,14 @@ def blocks_gemm(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, out_feat
                 amx_min_rows: int = 0) -> torch.Tensor:
     """x @ w.T for a step of many rows with the weight only in its GGUF blocks: a panel of output rows
     at a time is dequantised (csrc/gguf_dequant.cpp, gguf-py's numbers) into the layout's form, tiled
-    bf16 tiles, oneDNN's bf16 rows or float32 rows, and run on that layout's GEMM. A prefill chunk is
+    bf16 tiles, oneDNN's bf16 rows or float32 rows, and run on that layout's GEMM (float32_fixed:
+    f32_gemm, whose sums do not depend on the step's rows, where F.linear's do). A prefill chunk is
     bound by arithmetic, so the dequantisation (a read of the blocks and a write of the panel) costs
     little next to the GEMM, and the panel stays in cache for it. The panel is written into one
     scratch buffer per thread (PANEL_BYTES: 4 MiB in bf16, 8 in float32) kept between calls."""
     kernels = load_cpu_kernels()
     m, k = x.shape
-    wide = 4 if layout in ("float32", "bf16w") else 2
+    wide = 4 if layout in FLOAT32_FORMS else 2
     step = max(16, PANEL_BYTES // (k * wide) // 16 * 16)
     scratch = _panel_scratch(torch.float32 if wide == 4 else torch.bfloat16, step * k)
 
@@ -634,7 +640,10 @@ def blocks_gemm(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, out_feat
             return kernels.bf16_gemm(x, tiles, r1 - r0, amx_min_rows)
         if layout == "onednn":
             return torch.nn.functional.linear(x, kernels.gguf_dequant(buf, meta, k, rows, True, False, scratch))
-        return torch.nn.functional.linear(x.float(), kernels.gguf_dequant(buf, meta, k, rows, False, False, scratch))
+        rows_f32 = kernels.gguf_dequant(buf, meta, k, rows, False, False, scratch)
+        if layout == INVARIANT_FLOAT32:
+            return kernels.f32_gemm(x.float(), rows_f32)
+        return torch.nn.functional.linear(x.float(), rows_f32)
 
     if out_features <= step:  # one panel: its GEMM's output is the output
         return panel(0, out_features)
@@ -673,6 +682,8 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
         y = torch.nn.functional.linear(x.float(), packed_weight).to(x.dtype)
     elif layout == "bf16w":
         y = load_cpu_kernels().f32_bf16w_gemm(x.float(), packed_weight, out_features).to(x.dtype)
+    elif layout == INVARIANT_FLOAT32:
+        y = load_cpu_kernels().f32_gemm(x.float(), packed_weight).to(x.dtype)
     else:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return y if bias is None else y + bias
@@ -793,9 +804,9 @@ def optimize_cpu_linears(model: nn.Module, layout: str = "onednn", int4_max_toke
     Q8_0 ones (int4_max_tokens / q8_head_max_tokens: their cut-overs where not measured) and a
     module it does not name gets none. Only CPU linears of `dtype` are swapped: bf16, or float32
     with a FLOAT32_LAYOUTS layout and no twin but our Q4_1 one. Returns the number changed."""
-    if dtype == torch.float32 and (layout not in FLOAT32_LAYOUTS or q8_head_max_tokens
-                                   or any(p[0] not in FLOAT32_LAYOUTS for p in (plans or {}).values())):
-        raise ValueError(f"a float32 model takes the layouts {', '.join(FLOAT32_LAYOUTS)} and no head twin")
+    if dtype == torch.float32 and (layout not in FLOAT32_FORMS or q8_head_max_tokens
+                                   or any(p[0] not in FLOAT32_FORMS for p in (plans or {}).values())):
+        raise ValueError(f"a float32 model takes the layouts {', '.join(FLOAT32_FORMS)} and no head twin")
     if (layout == "bf16w" or any(p[0] == "bf16w" for p in (plans or {}).values())) and kernels is None:
         raise RuntimeError("layout bf16w needs iterserve's CPU kernels, which did not build (see the log)")
     if layout == "tiled" and not tiled_gemm_vectorised(kernels):
