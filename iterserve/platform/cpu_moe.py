@@ -28,28 +28,39 @@ from iterserve.platform.cpu_linear import blocks_gemm, pack_bf16, pack_gguf_twin
 
 
 class CpuTopKRouter(TopKRouter):
-    """The router's logits on our tiled bf16 GEMM from a packed weight: torch's bf16 F.linear took
-    ~130 us a decode row at Granite-3B-A800M's shape [40 x 1536] (oneDNN per call), the tiled GEMM a
-    few; the same bits (one float32 sum rounded once: tests/test_moe.py checks the layer's output)."""
+    """The router's logits on one of our GEMMs, which compute each row alike at every step size
+    (what --batch-invariant needs of every op): bf16 on the tiled GEMM from a packed weight, where
+    torch's bf16 F.linear took ~130 us a decode row at Granite-3B-A800M's shape [40 x 1536] (oneDNN
+    per call) and the tiled GEMM a few, with the same bits (one float32 sum rounded once:
+    tests/test_moe.py checks the layer's output); float32 on f32_gemm (batch_invariant only: MKL's
+    F.linear is as fast there and is transformers' own arithmetic)."""
 
     def __init__(self, router: TopKRouter) -> None:
         nn.Module.__init__(self)
         self.__dict__.update(router.__dict__)
         w = router.weight.detach()
         self._parameters, self._buffers = {}, {}
-        self.num_experts = w.shape[0]
-        self.register_buffer("tiles", pack_bf16(w), persistent=False)
+        self.num_experts, self.bf16 = w.shape[0], w.dtype == torch.bfloat16
+        self.register_buffer("w", pack_bf16(w) if self.bf16 else w.float().contiguous(), persistent=False)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return load_cpu_kernels().bf16_gemm(x, self.tiles, self.num_experts, 0)
+        if self.bf16:
+            return load_cpu_kernels().bf16_gemm(x, self.w, self.num_experts, 0)
+        return load_cpu_kernels().f32_gemm(x, self.w)
 
 
-def cpu_router(router: TopKRouter) -> TopKRouter:
-    """CpuTopKRouter for a bf16 router whose widths the packing takes (even); else the router itself."""
+def cpu_router(router: TopKRouter, invariant: bool = False) -> TopKRouter:
+    """CpuTopKRouter for a bf16 router whose widths the packing takes (even), or under batch_invariant
+    a float32 one; else the router itself (refused under batch_invariant: its rows would not be alike)."""
     w = router.weight
-    if w.dtype != torch.bfloat16 or w.shape[0] % 2 or w.shape[1] % 2 or not _tiled_gemm():
-        return router
-    return CpuTopKRouter(router)
+    if w.dtype == torch.bfloat16 and not (w.shape[0] % 2 or w.shape[1] % 2) and _tiled_gemm():
+        return CpuTopKRouter(router)
+    if invariant and w.dtype == torch.float32:
+        return CpuTopKRouter(router)
+    if invariant:
+        raise ValueError(f"batch_invariant: this MoE router ({w.dtype}, {tuple(w.shape)}) has no fixed-order GEMM here "
+                         "(bf16 needs even widths and the tiled bf16 GEMM)")
+    return router
 
 
 def _tiled_gemm() -> bool:
@@ -90,6 +101,42 @@ class CpuSparseMoeBlock(CpuCombine, SparseMoeBlock):
             gate, up = gate_up.split(self.inter, dim=-1)
             h = self.act(gate) * up
         return kernels.bf16_gemm(h, self.w2_tiles[e], self.hidden_size, 0)
+
+
+class FixedF32SparseMoeBlock(CpuCombine, SparseMoeBlock):
+    """A float32 SparseMoeBlock for --batch-invariant: its experts and router on f32_gemm, each
+    output's sum in one order whatever the expert's or the step's rows (F.linear's MKL blocks by
+    rows); float32 weights kept as they are."""
+
+    def __init__(self, block: SparseMoeBlock) -> None:
+        nn.Module.__init__(self)
+        self.__dict__.update(block.__dict__)
+        self._modules = {"gate": cpu_router(block.gate, invariant=True), "experts": block.experts}
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        kernels = load_cpu_kernels()
+        gate, up = kernels.f32_gemm(x, self.experts.w13_weight[e]).split(self.inter, dim=-1)
+        return kernels.f32_gemm(self.act(gate) * up, self.experts.w2_weight[e])
+
+
+def use_invariant_moe(model: nn.Module) -> int:
+    """--batch-invariant on a mixture-of-experts model: every MoE block's router on a fixed-order GEMM
+    (cpu_router), a float32 block's experts on f32_gemm (FixedF32SparseMoeBlock). The rest is
+    alike already: bf16 experts run the tiled GEMM (CpuSparseMoeBlock, or blocks_gemm's panels at
+    every step), a GGUF's float32 experts gguf_gemm at every step or f32_gemm panels, and a token's
+    outputs are summed in expert order whatever else the step holds. Returns the blocks changed."""
+    changed = 0
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, SparseMoeBlock):
+            continue
+        if type(mod) is SparseMoeBlock:
+            if mod.experts.w13_weight.dtype != torch.float32:
+                raise ValueError("batch_invariant: a bf16 MoE block was left off the tiled GEMM (odd widths?)")
+            replace_module(model, name, FixedF32SparseMoeBlock(mod))
+        elif not isinstance(mod.gate, CpuTopKRouter):
+            mod._modules["gate"] = cpu_router(mod.gate, invariant=True)
+        changed += 1
+    return changed
 
 
 def use_cpu_moe(model: nn.Module) -> int:
