@@ -135,6 +135,16 @@ def ensure_1b_models(install: PeerInstall, wanted: Sequence[str]) -> None:
         f16.unlink()
 
 
+def ensure_moe_models(install: PeerInstall, wanted: Sequence[str]) -> None:
+    """The random MoE GGUFs (random_moe_gguf.py's presets) under $PEERS/model, made when missing."""
+    for name in wanted:
+        path = install.home / "model" / mx.MODELS[name].gguf
+        if name in mx.MOE_PRESETS and not path.exists():
+            _say(f"writing {path}")
+            subprocess.run([sys.executable, str(Path(__file__).with_name("random_moe_gguf.py")), str(path),
+                            "--preset", mx.MOE_PRESETS[name]], check=True)
+
+
 # ---------------------------------------------------------------- the cells
 
 def run_model(args: argparse.Namespace, install: PeerInstall, model: mx.ModelSpec,
@@ -252,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     install = PeerInstall(args.peers_dir, Path(os.environ.get("PEERS") or DEFAULT_PEERS_HOME))
     if any(m.startswith("1b") for m in args.model_list):
         ensure_1b_models(install, args.model_list)
+    ensure_moe_models(install, args.model_list)
     cells: dict[str, dict[str, Any]] = {}
     runs: dict[str, Any] = {}
     steps: dict[str, Any] = {}

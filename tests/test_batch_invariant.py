@@ -198,3 +198,66 @@ def test_refusals_name_what_is_missing(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(cpu_platform, "load_cpu_kernels", lambda: None)
     with pytest.raises(ValueError, match="batch_invariant .* C\\+\\+ CPU kernels"):
         LLM(str(tiny_model_dir), dtype="float32", batch_invariant=True, kv_cache_memory="16MiB")
+
+
+# ---- mixture-of-experts models: the router and the experts on fixed-order GEMMs ---------------------------------
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    from test_moe import MOE_FAMILIES
+    from test_model_families import saved_families
+
+    return saved_families(tmp_path_factory, MOE_FAMILIES)("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def q4_k_moe_file(tmp_path_factory):
+    """A random Qwen3-MoE whose experts are Q4_K blocks (test_moe_blocks's file)."""
+    from test_moe_blocks import EXPERTS, TOP_K, _q4_k_experts
+
+    hf = random_model("qwen3_moe", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=256, head_dim=64,
+                                        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=256,
+                                        norm_topk_prob=True))
+    return convert(hf, tmp_path_factory.mktemp("invariant-moe") / "qwen3moe-q4_k.gguf", quant=_q4_k_experts)
+
+
+def _moe_blocks(llm: LLM) -> list:
+    from iterserve.model.moe import SparseMoeBlock
+
+    return [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_same_tokens_and_logprobs_alone_batched_chunked_and_pressed(qwen3_moe_dir, dtype):
+    """A MoE model from its HF folder: float32 (experts and router on f32_gemm) and bf16 (experts
+    packed for the tiled GEMM, the router on it too); a token's expert outputs summed in expert order."""
+    from iterserve.platform.cpu_moe import CpuSparseMoeBlock, CpuTopKRouter, FixedF32SparseMoeBlock
+
+    if dtype == "bfloat16" and not tiled_gemm_vectorised(load_cpu_kernels()):
+        pytest.skip("bf16 batch_invariant needs the tiled bf16 GEMM (AVX512-BF16)")
+
+    def make(**kw) -> LLM:
+        return LLM(str(qwen3_moe_dir), dtype=dtype, batch_invariant=True,
+                   **{"max_num_seqs": 16, "kv_cache_memory": "32MiB", **kw})
+
+    blocks = _moe_blocks(make())
+    kind = FixedF32SparseMoeBlock if dtype == "float32" else CpuSparseMoeBlock
+    assert len(blocks) == 2 and all(type(b) is kind and isinstance(b.gate, CpuTopKRouter) for b in blocks)
+    assert_same_alone_batched_chunked(make)
+
+
+def test_moe_from_gguf_blocks_alone_batched_chunked_and_pressed(q4_k_moe_file, kernels_of_variant, monkeypatch,
+                                                                tmp_path):
+    """A MoE GGUF where float32 is the default (a CPU without fast bf16): every step's experts in one
+    gguf_moe_gemm a layer, whose rows do not depend on the step; native and AVX2 builds."""
+    from iterserve.platform.cpu_moe import BlockSparseMoeBlock, CpuTopKRouter
+
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_platform, "cpu_has_fast_bf16", lambda: False)
+
+    def make(**kw) -> LLM:
+        return LLM(str(q4_k_moe_file), batch_invariant=True, **{"max_num_seqs": 16, "kv_cache_memory": "16MiB", **kw})
+
+    blocks = _moe_blocks(make())
+    assert len(blocks) == 2 and all(type(b) is BlockSparseMoeBlock and b.twin_max_tokens == EVERY_ROW
+                                    and isinstance(b.gate, CpuTopKRouter) for b in blocks)
+    assert_same_alone_batched_chunked(make)

@@ -255,17 +255,8 @@ def test_moe_options_refused(tmp_path):
         FAMILIES["olmoe"].configure(hf, common_config(hf, "olmoe"))
 
 
-def test_compile_and_batch_invariant_refused_on_moe(moe_dirs):
-    """--compile (see decoder.compile_decoder) and --batch-invariant on a MoE model are refused by
-    name rather than run wrong."""
-    from iterserve.platform.cpu_kernels import load_cpu_kernels
-    from iterserve.platform.cpu_linear import tiled_gemm_vectorised
-
+def test_compile_refused_on_moe(moe_dirs):
+    """--compile (see decoder.compile_decoder) on a MoE model is refused by name rather than run wrong
+    (--batch-invariant runs: tests/test_batch_invariant.py)."""
     with pytest.raises(ValueError, match="mixture-of-experts"):
         LLM(model=str(moe_dirs("olmoe")), dtype="float32", kv_cache_memory="32MiB", compile=True)
-    if tiled_gemm_vectorised(load_cpu_kernels()):  # (elsewhere refused before, for the GEMM it needs)
-        with pytest.raises(ValueError, match="mixture-of-experts"):
-            LLM(model=str(moe_dirs("olmoe")), dtype="bfloat16", kv_cache_memory="32MiB", batch_invariant=True)
-    if load_cpu_kernels() is not None:  # float32 (a CPU without AVX512-BF16): refused alike
-        with pytest.raises(ValueError, match="mixture-of-experts"):
-            LLM(model=str(moe_dirs("olmoe")), dtype="float32", kv_cache_memory="32MiB", batch_invariant=True)

@@ -27,7 +27,7 @@ from iterserve.model.moe import SparseMoeBlock
 from iterserve.model.weight_estimate import estimate_weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import GGUF_BLOCKS, tiled_gemm_vectorised
-from iterserve.platform.cpu_moe import BlockSparseMoeBlock, CpuSparseMoeBlock
+from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, BlockSparseMoeBlock, CpuSparseMoeBlock
 from iterserve.sampling import SamplingParams
 
 EXPERTS, TOP_K = 8, 2
@@ -119,11 +119,11 @@ def test_bf16_experts_from_blocks_as_the_dense_blocks_path(moe_file):
     blocks = _llm(moe_file, dtype="bfloat16", bf16_gemm="tiled").engine.model
     floats = _llm(moe_file, dtype="float32", quantization="none").engine.model
     ours = _moe_blocks(blocks)[1]
-    assert ours.twin_max_tokens == 4 and ours.layout == "tiled"
+    assert ours.twin_max_tokens == EXPERT_TWIN_MAX_TOKENS and ours.layout == "tiled"
     ref_block = floats.layers[1].mlp
     assert type(ref_block) is SparseMoeBlock
     ref = CpuSparseMoeBlock(ref_block.to(torch.bfloat16))
-    x = torch.randn(16, ours.hidden_size).bfloat16()
+    x = torch.randn(EXPERT_TWIN_MAX_TOKENS + 8, ours.hidden_size).bfloat16()
     for e in range(EXPERTS):
         assert torch.equal(ours.expert_forward(e, x), ref.expert_forward(e, x))
     few = x[:3]
@@ -163,3 +163,104 @@ def test_32_input_expert_blocks_are_repacked_per_expert():
     torch.testing.assert_close(ours(x), block(x), rtol=1e-5, atol=1e-5)  # float32 panels: the float numbers
     few, ref = ours(x[:1]), block(x[:1])  # one row, top-2: each expert's row on gguf_gemm (quantised activations)
     assert ((few - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_grouped_expert_gemm_is_each_experts_gguf_gemm(qtype, kernel_variant, variant_kernels):
+    """gguf_moe_gemm (one call a layer, llama.cpp's mul_mat_id) gives every row exactly the numbers
+    gguf_gemm gives it for its expert alone: experts used in any order, empty groups, one row to
+    nine, gate and up as two shards, float32 and bf16 activations, the input gathered per pair
+    inside the call (rows) or before it; native and AVX2 builds."""
+    from test_kquant import random_blocks
+
+    from iterserve.model.gguf_file import QuantShard
+    from iterserve.platform.cpu_linear import pack_gguf_twin
+    from iterserve.platform.cpu_moe import ExpertShard, _stack_experts
+
+    kernels = variant_kernels
+    E, F, H = 6, 40, 256
+    gate, up = (QuantShard(0, E * F, H, qtype, torch.from_numpy(random_blocks(qtype, E * F, H, seed=s)))
+                for s in (1, 2))
+    buf, meta = _stack_experts([pack_gguf_twin([ExpertShard(gate, e, F, 0), ExpertShard(up, e, F, F)], H)
+                                for e in range(E)])
+    counts = [3, 1, 0, 9, 2]
+    experts = torch.tensor([4, 0, 2, 5, 1])
+    offsets = torch.tensor([0, *np.cumsum(counts)])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(sum(counts), H).to(dtype)
+        got = kernels.gguf_moe_gemm(x, buf, meta, experts, offsets, 2 * F)
+        for e, a, b in zip(experts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()):
+            if b > a:
+                assert torch.equal(got[a:b], kernels.gguf_gemm(x[a:b], buf, meta[e], 2 * F)), (qtype, dtype, e)
+        gather = torch.randint(0, 4, (sum(counts),))  # the rows of a 4-token step, per pair
+        base = torch.randn(4, H).to(dtype)
+        assert torch.equal(kernels.gguf_moe_gemm(base, buf, meta, experts, offsets, 2 * F, gather),
+                           kernels.gguf_moe_gemm(base[gather], buf, meta, experts, offsets, 2 * F))
+    gather[0] = 4
+    with pytest.raises(RuntimeError, match="row 4 not in 0..3"):
+        kernels.gguf_moe_gemm(base, buf, meta, experts, offsets, 2 * F, gather)
+    with pytest.raises(RuntimeError, match="expert 6 not in 0..5"):
+        kernels.gguf_moe_gemm(x, buf, meta, torch.tensor([6]), torch.tensor([0, 15]), 2 * F)
+    with pytest.raises(RuntimeError, match="offsets must run from 0"):
+        kernels.gguf_moe_gemm(x, buf, meta, torch.tensor([1]), torch.tensor([0, 14]), 2 * F)
+    with pytest.raises(RuntimeError, match="N is 7"):
+        kernels.gguf_moe_gemm(x, buf, meta, experts, offsets, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_grouped_experts_give_the_per_expert_numbers(moe_file, dtype, monkeypatch):
+    """A MoE layer's few-row experts in one gguf_moe_gemm per weight, many-row ones on blocks_gemm:
+    the layer's output is bit-equal to running every expert alone (SparseMoeBlock's loop) for a
+    decode row, a 16-row step where some experts take more rows than the cut-over, and a prefill-size
+    chunk; a decode row's grouped call gets exactly the k experts the router picked."""
+    if dtype == torch.bfloat16:
+        block = _moe_blocks(_llm(moe_file, dtype="bfloat16", bf16_gemm="tiled").engine.model)[0]
+        assert block.twin_max_tokens == EXPERT_TWIN_MAX_TOKENS
+    else:  # float32 by name runs no gguf_gemm; an AVX2 host's auto float32 does
+        block = _moe_blocks(_llm(moe_file, dtype="float32").engine.model)[0]
+    block.twin_max_tokens = 4  # a 16-row step then has experts on both paths
+    torch.manual_seed(3)
+    for rows in (1, 16, 40):
+        x = torch.randn(rows, block.hidden_size).to(dtype)
+        assert torch.equal(block(x), _looped(block, x)), rows
+    seen: list[list[int]] = []
+    grouped = BlockSparseMoeBlock._grouped
+    monkeypatch.setattr(BlockSparseMoeBlock, "_grouped",
+                        lambda self, x, tok, ex, c: seen.append(ex.tolist()) or grouped(self, x, tok, ex, c))
+    x = torch.randn(1, block.hidden_size).to(dtype)
+    block(x)
+    assert seen == [sorted(block.gate(x)[1][0].tolist())]
+
+
+def _looped(block: BlockSparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """The block's output with every expert run alone (SparseMoeBlock.experts_forward's loop)."""
+    orig = type(block).experts_forward
+    try:
+        type(block).experts_forward = SparseMoeBlock.experts_forward
+        return block(x)
+    finally:
+        type(block).experts_forward = orig
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_combine_kernel_is_transformers_expert_by_expert_sum(dtype, variant_kernels):
+    """moe_combine gives SparseMoeBlock.combine's bits (one index_add_ per expert, as transformers):
+    a decode row's k pairs and a prefill-sized step (the pool splits columns), router weights in
+    float32 or the activations' dtype, a width that is no multiple of the vector."""
+    g = torch.Generator().manual_seed(5)
+    block = SparseMoeBlock.__new__(SparseMoeBlock)
+    for T, k, E, H in ((1, 8, 40, 1536), (300, 4, 16, 200)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        flat = ids.t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        _, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        tokens = order % T
+        h = torch.randn(T * k, H, generator=g).to(dtype)
+        for w in (torch.rand(T * k, generator=g), torch.rand(T * k, generator=g).to(dtype)):
+            want = SparseMoeBlock.combine(block, h, w, tokens, counts, T)
+            assert torch.equal(variant_kernels.moe_combine(h, w, tokens, T), want), (T, w.dtype)
+    bad = tokens.clone()
+    bad[7] = T
+    with pytest.raises(RuntimeError, match="token 300 not in 0..299"):
+        variant_kernels.moe_combine(h, w, bad, T)

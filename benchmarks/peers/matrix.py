@@ -10,6 +10,9 @@ Models (all with SmolLM2's tokenizer, so one `--tokenizer` folder serves every c
             SmolLM2's 49152-token vocabulary) as a bf16 HF folder: iterserve --dtype bfloat16, vLLM
   1b-q4km   the same weights as a Q4_K_M GGUF (f16 GGUF written here, llama.cpp's llama-quantize):
             iterserve the file, llama.cpp the file
+  granite-moe-q4km, olmoe-q4km  mixture-of-experts GGUFs at Granite-3B-A800M's and OLMoE-1B-7B's
+            shapes (benchmarks/random_moe_gguf.py: random blocks laid out as Q4_K_M; SmolLM2's
+            tokenizer): iterserve the file, llama.cpp the file
 Shapes: random input/output token counts. Loads: `rate` (Poisson at --rate req/s, a moderate
 load), `c16` / `c32` (every prompt at once, at most 16 / 32 in flight: saturation), `single`
 (one at a time: the single-stream decode rate, 1000 / TPOT p50).
@@ -46,7 +49,11 @@ MODELS = {m.name: m for m in (
     ModelSpec("smollm2", "smollm2-135m", hf_dir="smollm2-135m-hf", gguf="SmolLM2-135M-Instruct.Q4_1.gguf"),
     ModelSpec("1b-bf16", "$PEERS/model/llama-1b-random-hf", ("--dtype", "bfloat16"), hf_dir="llama-1b-random-hf"),
     ModelSpec("1b-q4km", "$PEERS/model/llama-1b-random.Q4_K_M.gguf", gguf="llama-1b-random.Q4_K_M.gguf"),
+    ModelSpec("granite-moe-q4km", "$PEERS/model/granite-3b-a800m-random.Q4_K_M.gguf",
+              gguf="granite-3b-a800m-random.Q4_K_M.gguf"),
+    ModelSpec("olmoe-q4km", "$PEERS/model/olmoe-1b-7b-random.Q4_K_M.gguf", gguf="olmoe-1b-7b-random.Q4_K_M.gguf"),
 )}
+MOE_PRESETS = {"granite-moe-q4km": "granite-3b-a800m", "olmoe-q4km": "olmoe-1b-7b"}  # random_moe_gguf.py's
 TOKENIZER_DIR = "smollm2-135m-hf"  # under $PEERS/model: every model here has SmolLM2's vocabulary
 SHAPES = ((64, 256), (256, 96), (512, 128), (1024, 64), (2048, 32))
 

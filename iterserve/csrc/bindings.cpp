@@ -34,6 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("unit_offset") = false);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :F]) * x[:, F:] of x [T, 2F] (float32 or bf16) in torch's order "
         "of rounding (see elementwise.cpp)", py::arg("x"));
+  m.def("moe_combine", &moe_combine, "a MoE layer's output: h [P, H] times w [P], added into row tokens[i] of a "
+        "zero [T, H] in pair order (torch's mul, to and index_add_ bits)", py::arg("h"), py::arg("w"),
+        py::arg("tokens"), py::arg("T"));
   m.def("rope", &rope, "rotate-half RoPE of x [T, heads, D] by cos, sin [T, rd] (partial when rd < D) in torch's "
         "order of rounding; a new contiguous tensor (see elementwise.cpp)", py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("q4_gemm", &q4_gemm, "x @ w.T for 4-bit w (GGUF Q4_1 levels; layout in gemm_quant.cpp)");
@@ -55,6 +58,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_gemm", &gguf_gemm, "x @ w.T from GGUF blocks (K-quants as stored, 32-input blocks repacked four "
         "to a group by pack_gguf_x4); a row range per shard, meta [S, 4]: type, rows, bytes per row, offset "
         "(layout in gemm_gguf.cpp)", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("N"));
+  m.def("gguf_moe_gemm", &gguf_moe_gemm, "llama.cpp's mul_mat_id from GGUF blocks: rows offsets[u] .. offsets[u + 1] "
+        "of x (or of x[rows]) through expert experts[u], whose shards are meta[e] ([E, S, 4], as gguf_gemm's) in "
+        "buf; one call a layer", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("experts"), py::arg("offsets"),
+        py::arg("N"), py::arg("rows") = py::none());
   m.def("gguf_gemm_isa", &gguf_gemm_isa, "the instruction set gguf_gemm was built for: avx512-vnni, avx2 or scalar");
   m.def("gguf_dequant", &gguf_dequant, "rows of gguf_gemm's blocks (buf, meta) as gguf-py dequantises them: "
         "[R, K] float32, or bf16, or bf16 tiles for bf16_gemm (tiled)", py::arg("buf"), py::arg("meta"), py::arg("K"),

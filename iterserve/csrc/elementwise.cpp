@@ -1,5 +1,6 @@
-// silu_and_mul, rope: the gated MLP's SiLU-and-multiply and RoPE over q and k, one pass each, with
-// torch's bits (eager torch: 3 and 7 ops with their temporaries).
+// silu_and_mul, rope, moe_combine: the gated MLP's SiLU-and-multiply, RoPE over q and k, and the sum of
+// a MoE layer's weighted expert outputs, one pass each, with torch's bits (eager torch: 3, 7 and 3 ops
+// with their temporaries).
 #include "kernel_common.h"
 #include "kernels.h"
 #include "lanes.h"
@@ -110,7 +111,65 @@ void rope_row(const T* x, const T* c, const T* s, T* o, int64_t half, int64_t D)
   if (2 * half < D) std::memcpy(o + 2 * half, x + 2 * half, (D - 2 * half) * sizeof(T));
 }
 
+// Columns [j0, j1) of moe_combine: for each pair i in order, out[tok[i]] += (h[i] * w[i]) rounded to
+// T, the sum rounded to T: torch's mul (float32), .to(T) and one index_add_ per expert (a token once
+// per expert: each add rounded to T), as transformers' loop adds them.
+template <typename T, typename W>
+void moe_combine_cols(const T* h, const W* w, const int64_t* tok, int64_t P, T* out, int64_t H, int64_t j0,
+                      int64_t j1) {
+  for (int64_t i = 0; i < P; ++i) {
+    const float wi = load(w[i]);
+    const T* hr = h + i * H;
+    T* o = out + tok[i] * H;
+    int64_t j = j0;
+#if defined(__AVX512F__) || ISV_AVX2_FMA
+    const LVec wv = lv_set1(wi);
+    for (; j + kLW <= j1; j += kLW) lv_store(o + j, lv_add(lv_load(o + j), as_stored<T>(lv_mul(lv_load(hr + j), wv))));
+#endif
+    for (; j < j1; ++j) store(o + j, load(o[j]) + as_stored<T>(load(hr[j]) * wi));
+  }
+}
+
 }  // namespace
+
+// The output of a mixture-of-experts layer: h [P, H] (each (token, expert) pair's expert output),
+// w [P] (its router weight, float32 or h's dtype), tokens [P] (its token) -> [T, H] of h's dtype,
+// each token's pairs added in P's order from zero, every add rounded to h's dtype. (One torch
+// index_add_ over all pairs would sum a bf16 token's duplicates in float32 and round once: not
+// transformers' bits.) Eager torch's mul + to + index_add_ paid ~60 us
+// per index_add_ of one bf16 decode row (its OpenMP wake-up); here a decode row takes ~1 us inline.
+// Columns split over the pool when large, each column's pairs still added in order.
+at::Tensor moe_combine(const at::Tensor& h_in, const at::Tensor& w_in, const at::Tensor& tokens_in, int64_t T) {
+  const auto st = h_in.scalar_type();
+  TORCH_CHECK(h_in.dim() == 2 && (st == at::kFloat || st == at::kBFloat16), "h must be [P, H] float32 or bfloat16");
+  const int64_t P = h_in.size(0), H = h_in.size(1);
+  TORCH_CHECK(w_in.dim() == 1 && w_in.size(0) == P && (w_in.scalar_type() == at::kFloat || w_in.scalar_type() == st),
+              "w must be [P] float32 or h's dtype");
+  TORCH_CHECK(tokens_in.dim() == 1 && tokens_in.size(0) == P && tokens_in.scalar_type() == at::kLong,
+              "tokens must be [P] int64");
+  const at::Tensor h = h_in.contiguous(), w = w_in.contiguous(), tokens = tokens_in.contiguous();
+  const int64_t* tok = tokens.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < P; ++i) TORCH_CHECK(tok[i] >= 0 && tok[i] < T, "moe_combine: token ", tok[i], " not in 0..", T - 1);
+  at::Tensor out = at::empty({T, H}, h.options());
+  std::memset(out.data_ptr(), 0, out.nbytes());
+  auto run = [&](auto* op, const auto* wp) {
+    using E = std::remove_pointer_t<decltype(op)>;
+    const E* hp = ptr<E>(h);
+    if (P * H < kElemInline) return moe_combine_cols<E>(hp, wp, tok, P, op, H, 0, H);
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(P * H / kElemChunk, H / kLW));
+    const int64_t step = (H / kLW + chunks - 1) / chunks * kLW;  // whole vectors a chunk
+    WorkPool::instance().run((H + step - 1) / step, [&](int64_t c) {
+      moe_combine_cols<E>(hp, wp, tok, P, op, H, c * step, std::min(H, c * step + step));
+    });
+  };
+  auto with_w = [&](auto* op) {
+    if (w.scalar_type() == at::kFloat) run(op, w.const_data_ptr<float>());
+    else run(op, reinterpret_cast<const uint16_t*>(w.const_data_ptr()));
+  };
+  if (st == at::kFloat) with_w(reinterpret_cast<float*>(out.data_ptr()));
+  else with_w(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
 
 // x [T, 2F] (rows may be strided, columns contiguous) -> [T, F] of x's dtype (float32 or bf16).
 at::Tensor silu_and_mul(const at::Tensor& x_in) {

@@ -511,21 +511,10 @@ void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
   *dx = amax / 32767.f;
 }
 
-}  // namespace
-
-// x [M, K] float32 or bfloat16; buf uint8 (every shard's rows, see above); meta [S, 4] int64 -> [M, N].
-at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be [M, K] float32 or bfloat16");
-  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "buf must be contiguous uint8");
-  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
-              "meta must be contiguous [S, 4] int64 (type, rows, bytes per row, offset)");
-  const int64_t M = x.size(0), K = x.size(1), S = meta.size(0);
-  TORCH_CHECK(K % 32 == 0 && K > 0, "gguf_gemm needs K a multiple of 32");
-  const int64_t K4 = (K + 127) / 128 * 128;
-  const int64_t* mt = meta.const_data_ptr<int64_t>();
+// The shards of one weight (meta [S, 4] at mt) checked against K and buf; returns their rows, and
+// sets x4 when a shard is a 32-input type (its activations are also laid out in the x4 order).
+int64_t gg_check_shards(const int64_t* mt, int64_t S, int64_t K, int64_t K4, int64_t buf_bytes, bool& x4) {
   int64_t total = 0;
-  bool x4 = false;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t t = mt[4 * s], rows = mt[4 * s + 1], rb = mt[4 * s + 2], off = mt[4 * s + 3];
     const bool known = t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || is_kquant(t);
@@ -533,38 +522,138 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tenso
     const int64_t want = is_kquant(t) ? K / 256 * kquant_bytes(t) : K4 / 128 * x4_bytes(t);
     TORCH_CHECK(!is_kquant(t) || K % 256 == 0, "gguf_gemm: K-quant blocks need K a multiple of 256, got ", K);
     TORCH_CHECK(rb == want, "gguf_gemm: shard ", s, " has ", rb, " bytes a row, type ", t, " at K ", K, " takes ", want);
-    TORCH_CHECK(rows >= 0 && off >= 0 && off + rows * rb <= buf.numel(), "gguf_gemm: shard ", s, " lies outside buf");
+    TORCH_CHECK(rows >= 0 && off >= 0 && off + rows * rb <= buf_bytes, "gguf_gemm: shard ", s, " lies outside buf");
     x4 = x4 || !is_kquant(t);
     total += rows;
   }
+  return total;
+}
+
+// The activation rows of one call, quantised once on the calling thread as q4_gemm does (M x K is
+// tiny next to the weights); every row on its own, so a row's levels never depend on the others.
+struct GgQuantised {
+  std::vector<int16_t> xq, xq4;
+  std::vector<float> dx, sx;
+  int64_t K, K4;
+
+  // row m is xc's row src[m] (a gather) where src is given, else its row m
+  GgQuantised(const at::Tensor& xc, bool x4, const int64_t* src = nullptr, int64_t M = -1)
+      : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128) {
+    if (M < 0) M = xc.size(0);
+    const int64_t B4 = K4 / 32;
+    xq.resize(M * K), xq4.assign(x4 ? M * K4 : 0, 0), dx.resize(M), sx.assign(M * B4, 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t r = src ? src[m] : m;
+      if (xc.scalar_type() == at::kFloat)
+        gg_quantise_row(xc.const_data_ptr<float>() + r * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
+      else
+        gg_quantise_row(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + r * K, K, &xq[m * K], &dx[m],
+                        &sx[m * B4]);
+      if (x4)  // position p of group g: input 8 * (p / 32) + p % 8 of block 4g + (p % 32) / 8, 8 inputs at a time
+        for (int64_t k = 0; k < K; k += 8)
+          std::memcpy(&xq4[m * K4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &xq[m * K + k], 16);
+    }
+  }
+  GgRows rows() const { return {xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.data(), sx.data(), K, K4}; }
+};
+
+// Output columns [lo, hi) of one weight's shards (meta at mt) for M activation rows.
+template <typename T>
+void gg_columns(const GgRows& rows, int64_t M, const uint8_t* bp, const int64_t* mt, int64_t S, T* out, int64_t ldo,
+                int64_t lo, int64_t hi) {
+  int64_t first = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t rows_s = mt[4 * s + 1], a = std::max(lo, first), b = std::min(hi, first + rows_s);
+    if (a < b) gg_dispatch(mt[4 * s], rows, M, bp + mt[4 * s + 3], mt[4 * s + 2], out + first, ldo, a - first, b - first,
+                           rows_s - 1);
+    first += rows_s;
+  }
+}
+
+void gg_check_x(const at::Tensor& x, const at::Tensor& buf) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be [M, K] float32 or bfloat16");
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "buf must be contiguous uint8");
+  TORCH_CHECK(x.size(1) % 32 == 0 && x.size(1) > 0, "gguf_gemm needs K a multiple of 32");
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16; buf uint8 (every shard's rows, see above); meta [S, 4] int64 -> [M, N].
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N) {
+  gg_check_x(x, buf);
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
+              "meta must be contiguous [S, 4] int64 (type, rows, bytes per row, offset)");
+  const int64_t M = x.size(0), K = x.size(1), S = meta.size(0), K4 = (K + 127) / 128 * 128;
+  const int64_t* mt = meta.const_data_ptr<int64_t>();
+  bool x4 = false;
+  const int64_t total = gg_check_shards(mt, S, K, K4, buf.numel(), x4);
   TORCH_CHECK(total == N, "gguf_gemm: the shards have ", total, " rows, N is ", N);
-  const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  // the activations, quantised once on the calling thread as q4_gemm does (M x K is tiny next to the weights)
-  const int64_t B4 = K4 / 32;
-  std::vector<int16_t> xq(M * K), xq4(x4 ? M * K4 : 0, 0);
-  std::vector<float> dx(M), sx(M * B4, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    if (x.scalar_type() == at::kFloat)
-      gg_quantise_row(xc.const_data_ptr<float>() + m * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
-    else
-      gg_quantise_row(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + m * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
-    if (x4)  // position p of group g: input 8 * (p / 32) + p % 8 of block 4g + (p % 32) / 8, 8 inputs at a time
-      for (int64_t k = 0; k < K; k += 8)
-        std::memcpy(&xq4[m * K4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &xq[m * K + k], 16);
-  }
-  const GgRows rows{xq.data(), x4 ? xq4.data() : nullptr, dx.data(), sx.data(), K, K4};
+  const GgQuantised q(x.contiguous(), x4);
+  const GgRows rows = q.rows();
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   auto run = [&](auto* op) {
-    iterserve::parallel_ranges(N, kRanges, [&](int64_t begin, int64_t end) {  // as in q8_0_gemm
-      int64_t first = 0;
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t rows_s = mt[4 * s + 1], lo = std::max(begin, first), hi = std::min(end, first + rows_s);
-        if (lo < hi)
-          gg_dispatch(mt[4 * s], rows, M, bp + mt[4 * s + 3], mt[4 * s + 2], op + first, N, lo - first, hi - first,
-                      rows_s - 1);
-        first += rows_s;
+    iterserve::parallel_ranges(N, kRanges, [&](int64_t lo, int64_t hi) { gg_columns(rows, M, bp, mt, S, op, N, lo, hi); });
+  };
+  if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+// llama.cpp's mul_mat_id: the P activation rows grouped by expert (rows offsets[u] .. offsets[u + 1]
+// go through expert experts[u]), each group times its expert's weight, whose shards are meta[e]
+// ([E, S, 4]) in buf -> [P, N]. Activation row p is x's row rows[p] where `rows` [P] is given (a
+// layer's input gathered per pair while it is quantised), else x's row p. One call for a layer's
+// experts: the activations are quantised once and the pool splits (expert, output column) pairs,
+// where one gguf_gemm call per expert paid a call, a quantisation and a pool wake-up each (8 experts
+// x 32 layers a decode token). Each row's numbers are gguf_gemm's for that expert alone.
+at::Tensor gguf_moe_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, const at::Tensor& experts,
+                         const at::Tensor& offsets, int64_t N, const c10::optional<at::Tensor>& rows_in) {
+  gg_check_x(x, buf);
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 3 && meta.size(2) == 4 && meta.is_contiguous(),
+              "meta must be contiguous [E, S, 4] int64 (type, rows, bytes per row, offset)");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 1 && experts.is_contiguous(),
+              "experts must be contiguous [U] int64");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous() &&
+                  offsets.size(0) == experts.size(0) + 1,
+              "offsets must be contiguous [U + 1] int64");
+  const int64_t K = x.size(1), E = meta.size(0), S = meta.size(1), U = experts.size(0);
+  const int64_t* src = nullptr;
+  at::Tensor rows_c;
+  if (rows_in.has_value()) {
+    rows_c = rows_in->contiguous();
+    TORCH_CHECK(rows_c.scalar_type() == at::kLong && rows_c.dim() == 1, "rows must be [P] int64");
+    src = rows_c.const_data_ptr<int64_t>();
+    for (int64_t p = 0; p < rows_c.size(0); ++p)
+      TORCH_CHECK(src[p] >= 0 && src[p] < x.size(0), "gguf_moe_gemm: row ", src[p], " not in 0..", x.size(0) - 1);
+  }
+  const int64_t P = src ? rows_c.size(0) : x.size(0);
+  const int64_t K4 = (K + 127) / 128 * 128;
+  const int64_t *mt = meta.const_data_ptr<int64_t>(), *ex = experts.const_data_ptr<int64_t>(),
+                *of = offsets.const_data_ptr<int64_t>();
+  TORCH_CHECK(U == 0 || (of[0] == 0 && of[U] == P), "gguf_moe_gemm: offsets must run from 0 to the ", P,
+              " activation rows");
+  bool x4 = false;
+  for (int64_t u = 0; u < U; ++u) {
+    TORCH_CHECK(ex[u] >= 0 && ex[u] < E, "gguf_moe_gemm: expert ", ex[u], " not in 0..", E - 1);
+    TORCH_CHECK(of[u] <= of[u + 1], "gguf_moe_gemm: offsets must not decrease");
+    const int64_t total = gg_check_shards(mt + ex[u] * S * 4, S, K, K4, buf.numel(), x4);
+    TORCH_CHECK(total == N, "gguf_moe_gemm: expert ", ex[u], "'s shards have ", total, " rows, N is ", N);
+  }
+  at::Tensor out = at::empty({P, N}, x.options());
+  if (P == 0 || N == 0) return out;
+  const GgQuantised q(x.contiguous(), x4, src, P);
+  const GgRows rows = q.rows();
+  const uint8_t* bp = buf.const_data_ptr<uint8_t>();
+  auto run = [&](auto* op) {
+    // ranges of the U x N (expert, column) pairs, expert-major: a range may span experts
+    iterserve::parallel_ranges(U * N, kRanges, [&](int64_t lo, int64_t hi) {
+      for (int64_t u = lo / N; u < U && u * N < hi; ++u) {
+        const int64_t a = std::max(lo, u * N) - u * N, b = std::min(hi, (u + 1) * N) - u * N;
+        if (a < b && of[u + 1] > of[u])
+          gg_columns(rows.at(of[u]), of[u + 1] - of[u], bp, mt + ex[u] * S * 4, S, op + of[u] * N, N, a, b);
       }
     });
   };

@@ -32,6 +32,8 @@ bool q4_gemm_is_vectorised();
 
 // gemm_gguf.cpp
 at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N);
+at::Tensor gguf_moe_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, const at::Tensor& experts,
+                         const at::Tensor& offsets, int64_t N, const c10::optional<at::Tensor>& rows_in);
 std::string gguf_gemm_isa();
 
 // gguf_dequant.cpp
@@ -59,6 +61,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& a
 // elementwise.cpp
 at::Tensor silu_and_mul(const at::Tensor& x_in);
 at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in);
+at::Tensor moe_combine(const at::Tensor& h_in, const at::Tensor& w_in, const at::Tensor& tokens_in, int64_t T);
 
 // lora.cpp
 void lora_sgmv(const at::Tensor& x_in, const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& row_slot_in,

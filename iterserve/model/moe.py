@@ -40,8 +40,12 @@ class TopKRouter(nn.Module):
         self.renormalize = cfg.router_renormalize
         self.weights_float32 = cfg.router_weights_float32
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T as transformers computes it (CpuTopKRouter: our tiled bf16 GEMM, the same bits)."""
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        logits = self.logits(x)
         if self.topk_first:  # GraniteMoE: top-k of the float32 logits, softmax over those k
             top, ids = logits.float().topk(self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
@@ -80,18 +84,35 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
         tokens = order % T
-        pair_weights = weights.t().reshape(-1)[order, None]
-        out = torch.zeros_like(x)
-        used = experts.tolist()
+        pair_weights = weights.t().reshape(-1)[order]
         if self.expert_counts is not None:
-            self.expert_counts.append(len(used))
-        start = 0
-        for e, n in zip(used, counts.tolist()):
-            rows = tokens[start:start + n]
-            h = self.expert_forward(e, x[rows])
-            out.index_add_(0, rows, (h * pair_weights[start:start + n]).to(x.dtype))
+            self.expert_counts.append(len(experts))
+        h = self.experts_forward(x, tokens, experts, counts)
+        return self.combine(h, pair_weights, tokens, counts, T)
+
+    def combine(self, h: torch.Tensor, pair_weights: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
+                T: int) -> torch.Tensor:
+        """The layer's output [T, H]: each pair's expert output times its weight, added into its
+        token's row, one index_add_ per expert as transformers does (torch's bf16 index_add_ sums a
+        call's duplicates in float32 and rounds once, so one call for all pairs would round
+        differently). The CPU blocks run it as one kernel with the same bits (csrc/elementwise.cpp)."""
+        out, start = h.new_zeros(T, h.shape[1]), 0
+        for n in counts.tolist():
+            rows = slice(start, start + n)
+            out.index_add_(0, tokens[rows], (h[rows] * pair_weights[rows, None]).to(h.dtype))
             start += n
         return out
+
+    def experts_forward(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
+        """The pairs' rows x[tokens] [P, H], sorted by expert (counts[u] rows for experts[u]) -> each
+        row through its expert's MLP, [P, H]. Here one expert_forward per used expert;
+        BlockSparseMoeBlock groups them into one kernel call (platform/cpu_moe.py)."""
+        xs, outs, start = x[tokens], [], 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            outs.append(self.expert_forward(e, xs[start:start + n]))
+            start += n
+        return torch.cat(outs) if outs else xs.new_empty(0, xs.shape[1])
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e`'s gated MLP on its rows: one GEMM for gate and up, act-and-mul, one for down

@@ -22,7 +22,7 @@ from iterserve.model.loader import ModelSource, is_four_bit_checkpoint
 from iterserve.platform.base import Platform, kv_blocks_for_budget, parse_dtype
 from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_moe import use_cpu_moe, use_moe_blocks
+from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_invariant_moe, use_moe_blocks
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, bf16_gemm_layout,
                                            bf16_linears_available, four_bit_max_tokens, gguf_twin_name, gguf_twins_of,
@@ -138,12 +138,10 @@ class CpuPlatform(Platform):
         if self.kernels is not None:
             use_cpu_elementwise(model)  # eager steps: SiLU-and-multiply and RoPE one kernel each
         blocks = getattr(model, "block_modules", set())
-        if cfg.batch_invariant and model.cfg.num_experts:
-            raise ValueError("batch_invariant (--batch-invariant) is not built for mixture-of-experts models: their "
-                             "router runs on torch's GEMM, whose rounding may change with the step's rows")
         if self.dtype == torch.float32:
             if cfg.batch_invariant:
                 self._prepare_float32_invariant(model)
+                use_invariant_moe(model)
             else:
                 self._prepare_float32(model)
             return
@@ -157,6 +155,7 @@ class CpuPlatform(Platform):
             n += self._use_blocks(model, None, "tiled", 0)
             if any(isinstance(m, nn.Linear) and m.in_features % 2 for m in model.modules()):
                 raise ValueError("batch_invariant: a projection has an odd in_features, which our bf16 GEMM cannot run")
+            use_invariant_moe(model)
             log.info("CPU bf16, batch-invariant: %d projections on our tiled bf16 GEMM, no quantised twins, every "
                      "query through the decode attention kernel", n)
             return
@@ -299,19 +298,21 @@ class CpuPlatform(Platform):
             budget = self.config.max_num_batched_tokens
             self.int4_max_tokens, self.q8_head_max_tokens = budget, budget
             log.info("%d modules compute from the GGUF's blocks, their only copy (gguf_gemm at every step size)", n)
-            return n
-        if plans is None:  # (measured: set by _measure)
-            self.int4_max_tokens, self.q8_head_max_tokens = (0, 0) if exact else (default["proj"], default["head"])
-        log.info("%d modules compute from the GGUF's blocks, their only copy (%s for steps of many rows%s)", n,
-                 layout if plans is None else "measured layouts",
-                 "" if exact else ", gguf_gemm for few")
+        else:
+            if plans is None:  # (measured: set by _measure)
+                self.int4_max_tokens, self.q8_head_max_tokens = (0, 0) if exact else (default["proj"], default["head"])
+            log.info("%d modules compute from the GGUF's blocks, their only copy (%s for steps of many rows%s)", n,
+                     layout if plans is None else "measured layouts",
+                     "" if exact else ", gguf_gemm for few")
         # a MoE layer's experts: not measured (no linears to time); the projections' layout and cut-over
-        moe = use_moe_blocks(model, layout, 0 if exact else default["proj"], amx)
+        moe = use_moe_blocks(model, layout, EVERY_ROW if every else 0 if exact else EXPERT_TWIN_MAX_TOKENS, amx)
         if moe:
             log.info("the experts of %d mixture-of-experts layers compute from the GGUF's blocks (%s), their only "
-                     "copy: per used expert, %s", len(moe), ", ".join(sorted(set(moe))),
-                     f"{layout} GEMM on dequantised panels" if exact else
-                     f"gguf_gemm for <= {default['proj']} rows, {layout} GEMM on dequantised panels above")
+                     "copy: %s", len(moe), ", ".join(sorted(set(moe))),
+                     f"per used expert, {layout} GEMM on dequantised panels" if exact else
+                     "every step's experts in one gguf_moe_gemm a layer" if every else
+                     f"experts with <= {EXPERT_TWIN_MAX_TOKENS} rows in one gguf_moe_gemm a layer, each with more "
+                     f"on the {layout} GEMM on dequantised panels")
         return n + len(moe)
 
     def _measure(self, model: nn.Module, use_int4: bool, use_q8_head: bool

@@ -10,9 +10,9 @@ experts run, and transformers computes it so.
 
 A GGUF's quantised experts (the loader's block modules "layers.N.mlp.experts": w13 / w2 left on the
 meta device) compute from the file's own blocks instead, llama.cpp's mul_mat_id: `BlockSparseMoeBlock`
-runs each used expert's rows through cpu_linear's block kernels, gguf_gemm for steps of few rows
-(decode), a panel of dequantised rows and the layout's GEMM for many (blocks_gemm: prefill), gate and
-up as one two-shard GEMM. Expert e's rows are rows e*F .. (e+1)*F of the stacked tensor, so its
+runs the experts with few rows (every one in a decode step) through one gguf_moe_gemm call for gate
+and up (one two-shard weight) and one for down, the layer's experts at once, and each expert with
+many rows (prefill) through a panel of dequantised rows and the layout's GEMM (blocks_gemm). Expert e's rows are rows e*F .. (e+1)*F of the stacked tensor, so its
 (buf, meta) is offsets into the one storage of the file's map (K-quants; no copy), as a dense
 projection's in-place blocks are.
 """
@@ -21,20 +21,71 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from iterserve.model.moe import SparseMoeBlock
+from iterserve.model.moe import SparseMoeBlock, TopKRouter
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import blocks_gemm, pack_bf16, pack_gguf_twin
 
 
-class CpuSparseMoeBlock(SparseMoeBlock):
+class CpuTopKRouter(TopKRouter):
+    """The router's logits on one of our GEMMs, which compute each row alike at every step size
+    (what --batch-invariant needs of every op): bf16 on the tiled GEMM from a packed weight, where
+    torch's bf16 F.linear took ~130 us a decode row at Granite-3B-A800M's shape [40 x 1536] (oneDNN
+    per call) and the tiled GEMM a few, with the same bits (one float32 sum rounded once:
+    tests/test_moe.py checks the layer's output); float32 on f32_gemm (batch_invariant only: MKL's
+    F.linear is as fast there and is transformers' own arithmetic)."""
+
+    def __init__(self, router: TopKRouter) -> None:
+        nn.Module.__init__(self)
+        self.__dict__.update(router.__dict__)
+        w = router.weight.detach()
+        self._parameters, self._buffers = {}, {}
+        self.num_experts, self.bf16 = w.shape[0], w.dtype == torch.bfloat16
+        self.register_buffer("w", pack_bf16(w) if self.bf16 else w.float().contiguous(), persistent=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16:
+            return load_cpu_kernels().bf16_gemm(x, self.w, self.num_experts, 0)
+        return load_cpu_kernels().f32_gemm(x, self.w)
+
+
+def cpu_router(router: TopKRouter, invariant: bool = False) -> TopKRouter:
+    """CpuTopKRouter for a bf16 router whose widths the packing takes (even), or under batch_invariant
+    a float32 one; else the router itself (refused under batch_invariant: its rows would not be alike)."""
+    w = router.weight
+    if w.dtype == torch.bfloat16 and not (w.shape[0] % 2 or w.shape[1] % 2) and _tiled_gemm():
+        return CpuTopKRouter(router)
+    if invariant and w.dtype == torch.float32:
+        return CpuTopKRouter(router)
+    if invariant:
+        raise ValueError(f"batch_invariant: this MoE router ({w.dtype}, {tuple(w.shape)}) has no fixed-order GEMM here "
+                         "(bf16 needs even widths and the tiled bf16 GEMM)")
+    return router
+
+
+def _tiled_gemm() -> bool:
+    kernels = load_cpu_kernels()
+    return kernels is not None and kernels.bf16_gemm_is_vectorised()
+
+
+class CpuCombine:
+    """SparseMoeBlock.combine as one kernel (csrc/elementwise.cpp moe_combine): torch's index_add_
+    of one bf16 decode row cost ~60 us (an OpenMP wake-up), k of them a layer; the same bits (each
+    add rounded to the activations' dtype, in pair order: transformers' expert by expert)."""
+
+    def combine(self, h: torch.Tensor, pair_weights: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
+                T: int) -> torch.Tensor:
+        return load_cpu_kernels().moe_combine(h, pair_weights, tokens, T)
+
+
+class CpuSparseMoeBlock(CpuCombine, SparseMoeBlock):
     """A SparseMoeBlock whose experts run on the tiled bf16 GEMM from packed weights; shares the
     router and settings of the block it replaces."""
 
     def __init__(self, block: SparseMoeBlock) -> None:
         nn.Module.__init__(self)
         self.__dict__.update(block.__dict__)
-        self._modules = {"gate": block.gate}  # the plain expert weights are not kept
+        self._modules = {"gate": cpu_router(block.gate)}  # the plain expert weights are not kept
         w13, w2 = block.experts.w13_weight.detach(), block.experts.w2_weight.detach()
         self.hidden_size = w2.shape[1]
         self.register_buffer("w13_tiles", torch.stack([pack_bf16(w) for w in w13]), persistent=False)
@@ -52,6 +103,42 @@ class CpuSparseMoeBlock(SparseMoeBlock):
         return kernels.bf16_gemm(h, self.w2_tiles[e], self.hidden_size, 0)
 
 
+class FixedF32SparseMoeBlock(CpuCombine, SparseMoeBlock):
+    """A float32 SparseMoeBlock for --batch-invariant: its experts and router on f32_gemm, each
+    output's sum in one order whatever the expert's or the step's rows (F.linear's MKL blocks by
+    rows); float32 weights kept as they are."""
+
+    def __init__(self, block: SparseMoeBlock) -> None:
+        nn.Module.__init__(self)
+        self.__dict__.update(block.__dict__)
+        self._modules = {"gate": cpu_router(block.gate, invariant=True), "experts": block.experts}
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        kernels = load_cpu_kernels()
+        gate, up = kernels.f32_gemm(x, self.experts.w13_weight[e]).split(self.inter, dim=-1)
+        return kernels.f32_gemm(self.act(gate) * up, self.experts.w2_weight[e])
+
+
+def use_invariant_moe(model: nn.Module) -> int:
+    """--batch-invariant on a mixture-of-experts model: every MoE block's router on a fixed-order GEMM
+    (cpu_router), a float32 block's experts on f32_gemm (FixedF32SparseMoeBlock). The rest is
+    alike already: bf16 experts run the tiled GEMM (CpuSparseMoeBlock, or blocks_gemm's panels at
+    every step), a GGUF's float32 experts gguf_gemm at every step or f32_gemm panels, and a token's
+    outputs are summed in expert order whatever else the step holds. Returns the blocks changed."""
+    changed = 0
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, SparseMoeBlock):
+            continue
+        if type(mod) is SparseMoeBlock:
+            if mod.experts.w13_weight.dtype != torch.float32:
+                raise ValueError("batch_invariant: a bf16 MoE block was left off the tiled GEMM (odd widths?)")
+            replace_module(model, name, FixedF32SparseMoeBlock(mod))
+        elif not isinstance(mod.gate, CpuTopKRouter):
+            mod._modules["gate"] = cpu_router(mod.gate, invariant=True)
+        changed += 1
+    return changed
+
+
 def use_cpu_moe(model: nn.Module) -> int:
     """Swaps every bf16 SparseMoeBlock whose widths the packing takes (even) for CpuSparseMoeBlock
     (the kernels must have loaded, with the tiled GEMM vectorised); returns how many changed."""
@@ -66,6 +153,13 @@ def use_cpu_moe(model: nn.Module) -> int:
         replace_module(model, name, CpuSparseMoeBlock(mod))
         changed += 1
     return changed
+
+
+# Rows of one expert up to which gguf_gemm on its blocks beats blocks_gemm (a dequantised panel and the
+# tiled GEMM): 16 at Granite-3B-A800M's expert [1024 x 1536] on the Zen 5 host (46 vs 596 us at 1
+# row, 206 vs 488 at 8, even at 16; docs/profile.md). A dense projection's cut-over is lower (4):
+# there the alternative is a float weight already laid out, here a panel dequantised every step.
+EXPERT_TWIN_MAX_TOKENS = 16
 
 
 class ExpertShard:
@@ -92,7 +186,7 @@ def _stack_experts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     return torch.cat(bufs), torch.stack(metas).contiguous()
 
 
-class BlockSparseMoeBlock(SparseMoeBlock):
+class BlockSparseMoeBlock(CpuCombine, SparseMoeBlock):
     """A SparseMoeBlock whose experts compute from the GGUF's blocks, their only copy (llama.cpp's
     mul_mat_id): steps of at most `twin_max_tokens` rows for an expert run gguf_gemm on its blocks,
     larger ones blocks_gemm in `layout` (float32 panels in a float32 run: gguf-py's numbers, so the
@@ -102,7 +196,7 @@ class BlockSparseMoeBlock(SparseMoeBlock):
                  twin_max_tokens: int, amx_min_rows: int = 0) -> None:
         nn.Module.__init__(self)
         self.__dict__.update(block.__dict__)
-        self._modules = {"gate": block.gate}  # the meta expert parameters go
+        self._modules = {"gate": cpu_router(block.gate)}  # the meta expert parameters go
         E, F, H = self.num_experts, self.inter, int(gate.cols)
         self.hidden_size, self.layout = H, layout
         self.twin_max_tokens, self.amx_min_rows = twin_max_tokens, amx_min_rows
@@ -121,14 +215,43 @@ class BlockSparseMoeBlock(SparseMoeBlock):
             return load_cpu_kernels().gguf_gemm(x, buf, meta, n)
         return blocks_gemm(x, buf, meta, n, self.layout, self.amx_min_rows).to(x.dtype)
 
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.silu_kernel and gate_up.dtype == torch.bfloat16:
+            return load_cpu_kernels().silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.inter, dim=-1)  # float32: the float path's ops, so its numbers
+        return self.act(gate) * up
+
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._gemm(x, self.w13_buf, self.w13_meta[e], 2 * self.inter)
-        if self.silu_kernel and x.dtype == torch.bfloat16:
-            h = load_cpu_kernels().silu_and_mul(gate_up)
-        else:  # float32: the float path's ops, so its numbers
-            gate, up = gate_up.split(self.inter, dim=-1)
-            h = self.act(gate) * up
-        return self._gemm(h, self.w2_buf, self.w2_meta[e], self.hidden_size)
+        return self._gemm(self._act_and_mul(gate_up), self.w2_buf, self.w2_meta[e], self.hidden_size)
+
+    def experts_forward(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                        counts: torch.Tensor) -> torch.Tensor:
+        """The experts with at most twin_max_tokens rows (a decode step's, all of them) in one
+        gguf_moe_gemm call each for w13 and w2 (their rows' numbers are gguf_gemm's, expert by expert;
+        the layer's input gathered per pair inside the call); the others one blocks_gemm per expert,
+        as expert_forward."""
+        if len(counts) and int(counts.max()) <= self.twin_max_tokens:
+            return self._grouped(x, tokens, experts, counts)
+        few = counts <= self.twin_max_tokens
+        if not bool(few.any()):
+            return super().experts_forward(x, tokens, experts, counts)
+        ends = counts.cumsum(0)
+        starts = ends - counts
+        rows = torch.cat([torch.arange(a, b) for a, b in zip(starts[few].tolist(), ends[few].tolist())])
+        out = x.new_empty(len(tokens), x.shape[1])
+        out[rows] = self._grouped(x, tokens[rows], experts[few], counts[few])
+        for e, a, b in zip(experts[~few].tolist(), starts[~few].tolist(), ends[~few].tolist()):
+            out[a:b] = self.expert_forward(e, x[tokens[a:b]])
+        return out
+
+    def _grouped(self, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        kernels = load_cpu_kernels()
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        gate_up = kernels.gguf_moe_gemm(x, self.w13_buf, self.w13_meta, experts, offsets, 2 * self.inter, tokens)
+        return kernels.gguf_moe_gemm(self._act_and_mul(gate_up), self.w2_buf, self.w2_meta, experts, offsets,
+                                     self.hidden_size)
 
 
 def use_moe_blocks(model: nn.Module, layout: str, twin_max_tokens: int, amx_min_rows: int = 0) -> list[str]:
