@@ -212,12 +212,9 @@ def qwen3_moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def q4_k_moe_file(tmp_path_factory):
     """A random Qwen3-MoE whose experts are Q4_K blocks (test_moe_blocks's file)."""
-    from test_moe_blocks import EXPERTS, TOP_K, _q4_k_experts
+    from test_moe_blocks import write_q4_k_moe
 
-    hf = random_model("qwen3_moe", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=256, head_dim=64,
-                                        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=256,
-                                        norm_topk_prob=True))
-    return convert(hf, tmp_path_factory.mktemp("invariant-moe") / "qwen3moe-q4_k.gguf", quant=_q4_k_experts)
+    return write_q4_k_moe(tmp_path_factory.mktemp("invariant-moe"))
 
 
 def _moe_blocks(llm: LLM) -> list:

@@ -42,13 +42,17 @@ def _q4_k_experts(name: str, w: np.ndarray):
     return mixed_quant(name, w)
 
 
-@pytest.fixture(scope="module")
-def moe_file(tmp_path_factory):
-    """A random Qwen3-MoE (rows of 256, Q4_K's block) written as a Q4_K MoE GGUF."""
+def write_q4_k_moe(folder):
+    """A random Qwen3-MoE (rows of 256, Q4_K's block) written into `folder` as a Q4_K MoE GGUF."""
     hf = random_model("qwen3_moe", dict(num_hidden_layers=2, hidden_size=256, intermediate_size=256, head_dim=64,
                                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=256,
                                         norm_topk_prob=True))
-    return convert(hf, tmp_path_factory.mktemp("moe") / "qwen3moe-q4_k.gguf", quant=_q4_k_experts)
+    return convert(hf, folder / "qwen3moe-q4_k.gguf", quant=_q4_k_experts)
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    return write_q4_k_moe(tmp_path_factory.mktemp("moe"))
 
 
 def _llm(path, **kw) -> LLM:
