@@ -107,7 +107,10 @@ def decoder_header(path: Path, arch: str, p: dict, ffn: int, context: int, rope_
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(eps)
     w.add_vocab_size(p["vocab"])
-    w.add_rope_dimension_count(p["hidden"] // p["heads"])
+    if "head_dim" in p:  # a head width that is not hidden / heads (Qwen3's 128 at hidden 2048, 32 heads)
+        w.add_key_length(p["head_dim"])
+        w.add_value_length(p["head_dim"])
+    w.add_rope_dimension_count(p.get("head_dim", p["hidden"] // p["heads"]))
     return w
 
 
