@@ -13,6 +13,8 @@ Models (all with SmolLM2's tokenizer, so one `--tokenizer` folder serves every c
   granite-moe-q4km, olmoe-q4km  mixture-of-experts GGUFs at Granite-3B-A800M's and OLMoE-1B-7B's
             shapes (benchmarks/random_moe_gguf.py: random blocks laid out as Q4_K_M; SmolLM2's
             tokenizer): iterserve the file, llama.cpp the file
+  granite-moe-bf16  a random GraniteMoE of Granite-3B-A800M's shape as a bf16 HF folder
+            (benchmarks/random_moe.py, SmolLM2's tokenizer): iterserve --dtype bfloat16, vLLM
 Shapes: random input/output token counts. Loads: `rate` (Poisson at --rate req/s, a moderate
 load), `c16` / `c32` (every prompt at once, at most 16 / 32 in flight: saturation), `single`
 (one at a time: the single-stream decode rate, 1000 / TPOT p50).
@@ -52,6 +54,8 @@ MODELS = {m.name: m for m in (
     ModelSpec("granite-moe-q4km", "$PEERS/model/granite-3b-a800m-random.Q4_K_M.gguf",
               gguf="granite-3b-a800m-random.Q4_K_M.gguf"),
     ModelSpec("olmoe-q4km", "$PEERS/model/olmoe-1b-7b-random.Q4_K_M.gguf", gguf="olmoe-1b-7b-random.Q4_K_M.gguf"),
+    ModelSpec("granite-moe-bf16", "$PEERS/model/granite-3b-a800m-random-hf", ("--dtype", "bfloat16"),
+              hf_dir="granite-3b-a800m-random-hf"),
 )}
 MOE_PRESETS = {"granite-moe-q4km": "granite-3b-a800m", "olmoe-q4km": "olmoe-1b-7b"}  # random_moe_gguf.py's
 TOKENIZER_DIR = "smollm2-135m-hf"  # under $PEERS/model: every model here has SmolLM2's vocabulary
