@@ -140,15 +140,15 @@ def ensure_moe_models(install: PeerInstall, wanted: Sequence[str]) -> None:
     (random_moe.py) under $PEERS/model, made when missing."""
     models = install.home / "model"
     hf = models / mx.MODELS["granite-moe-bf16"].hf_dir
-    if "granite-moe-bf16" in wanted and not (hf / "config.json").exists():
+    if "granite-moe-bf16" in wanted and not (hf / "model.safetensors").exists():
         _say(f"writing a random GraniteMoE to {hf}")
         subprocess.run([sys.executable, str(Path(__file__).with_name("random_moe.py")), str(hf), "--preset",
                         "granite-3b-a800m", "--device", "cpu"], check=True)
         for name in ("tokenizer.json", "tokenizer_config.json"):  # one tokenizer for every client run
             shutil.copy(models / mx.TOKENIZER_DIR / name, hf / name)
-    for name in wanted:
-        path = install.home / "model" / mx.MODELS[name].gguf
-        if name in mx.MOE_PRESETS and not path.exists():
+    for name in (n for n in wanted if n in mx.MOE_PRESETS):
+        path = models / mx.MODELS[name].gguf
+        if not path.exists():
             _say(f"writing {path}")
             subprocess.run([sys.executable, str(Path(__file__).with_name("random_moe_gguf.py")), str(path),
                             "--preset", mx.MOE_PRESETS[name]], check=True)
