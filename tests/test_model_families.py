@@ -143,6 +143,17 @@ def hf_reference(folder, prompts: list[list[int]], window: bool = True):
 
 
 @torch.inference_mode()
+def engine_top1_agreement(eng, prompts: list[list[int]], ref_ids: list[list[int]]) -> tuple[int, int]:
+    """(agreeing, total): how many of the float32 greedy tokens `eng`'s model ranks first, teacher-forced
+    at every generated position (all rows of one step)."""
+    agree = total = 0
+    for p, ref in zip(prompts, ref_ids):
+        logits = sequence_logits((eng.model, eng.model_config, eng.tokenizer), p + ref[:-1])[len(p) - 1:]
+        agree += int((logits.argmax(-1) == torch.tensor(ref)).sum())
+        total += len(ref)
+    return agree, total
+
+
 def hf_bf16_agreement(folder, prompts: list[list[int]], ref_ids: list[list[int]]) -> int:
     """How many of the float32 greedy tokens transformers' own bf16 model ranks first."""
     from transformers import AutoModelForCausalLM
@@ -213,11 +224,7 @@ def test_family_matches_transformers(family, family_dirs, prompts):
     # bf16 through the engine's own loading (the CPU platform's layouts and kernels): top-1 agreement
     # with the float32 tokens at every generated position (teacher-forced, all rows of one step)
     eng = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory="32MiB").engine
-    agree = total = 0
-    for p, ref in zip(prompts, ref_ids):
-        logits = sequence_logits((eng.model, eng.model_config, eng.tokenizer), p + ref[:-1])[len(p) - 1:]
-        agree += int((logits.argmax(-1) == torch.tensor(ref)).sum())
-        total += len(ref)
+    agree, total = engine_top1_agreement(eng, prompts, ref_ids)
     # a random model is far more fragile in bf16 than a trained one (transformers' own bf16 agreed on
     # 98-120 of these 120 steps): 99%, or within 2 steps of transformers' own bf16 where it falls short
     hf16 = hf_bf16_agreement(folder, prompts, ref_ids)

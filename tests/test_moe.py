@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from model_utils import sequence_logits
-from test_model_families import BASE, NEW_TOKENS, WINDOW, _greedy, check_float32_engine, hf_bf16_agreement
+from test_model_families import (BASE, NEW_TOKENS, WINDOW, _greedy, check_float32_engine, engine_top1_agreement,
+                                 hf_bf16_agreement)
 from test_model_families import hf_reference, prompts, saved_families  # noqa: F401 (prompts: a shared fixture)
 
 from iterserve.llm import LLM
@@ -101,11 +101,7 @@ def test_moe_family_matches_transformers(family, moe_dirs, prompts):
     # tiled GEMM where it is vectorised): top-1 agreement with the float32 tokens
     eng = LLM(model=str(folder), dtype="bfloat16", kv_cache_memory="32MiB").engine
     assert isinstance(eng.model.layers[0].mlp, SparseMoeBlock)
-    agree = total = 0
-    for p, ref in zip(prompts, ref_ids):
-        logits = sequence_logits((eng.model, eng.model_config, eng.tokenizer), p + ref[:-1])[len(p) - 1:]
-        agree += int((logits.argmax(-1) == torch.tensor(ref)).sum())
-        total += len(ref)
+    agree, total = engine_top1_agreement(eng, prompts, ref_ids)
     # a random MoE is more fragile in bf16 than a dense model: one rounding that flips a top-k choice
     # swaps a whole expert's output (transformers' own bf16 agreed with its float32 on 110 of Mixtral's
     # 120 steps, ours on 105, the two bf16 runs on 115): within 8 steps of transformers' own bf16

@@ -24,7 +24,7 @@ from torch import nn
 from iterserve.model.moe import SparseMoeBlock, TopKRouter
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import blocks_gemm, pack_bf16, pack_gguf_twin
+from iterserve.platform.cpu_linear import blocks_gemm, pack_bf16, pack_gguf_twin, tiled_gemm_vectorised
 
 
 class CpuTopKRouter(TopKRouter):
@@ -53,7 +53,8 @@ def cpu_router(router: TopKRouter, invariant: bool = False) -> TopKRouter:
     """CpuTopKRouter for a bf16 router whose widths the packing takes (even), or under batch_invariant
     a float32 one; else the router itself (refused under batch_invariant: its rows would not be alike)."""
     w = router.weight
-    if w.dtype == torch.bfloat16 and not (w.shape[0] % 2 or w.shape[1] % 2) and _tiled_gemm():
+    even = not (w.shape[0] % 2 or w.shape[1] % 2)
+    if w.dtype == torch.bfloat16 and even and tiled_gemm_vectorised(load_cpu_kernels()):
         return CpuTopKRouter(router)
     if invariant and w.dtype == torch.float32:
         return CpuTopKRouter(router)
@@ -61,11 +62,6 @@ def cpu_router(router: TopKRouter, invariant: bool = False) -> TopKRouter:
         raise ValueError(f"batch_invariant: this MoE router ({w.dtype}, {tuple(w.shape)}) has no fixed-order GEMM here "
                          "(bf16 needs even widths and the tiled bf16 GEMM)")
     return router
-
-
-def _tiled_gemm() -> bool:
-    kernels = load_cpu_kernels()
-    return kernels is not None and kernels.bf16_gemm_is_vectorised()
 
 
 class CpuCombine:
