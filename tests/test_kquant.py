@@ -128,6 +128,30 @@ def test_gemm_within_the_activation_quantisation_bound(qtype, kernel_variant, va
         assert kernels.gguf_gemm(torch.zeros(0, k), buf, meta, 37).shape == (0, 37)
 
 
+@pytest.mark.parametrize("k,types", [(16896, ("Q4_K", "Q6_K", "Q5_1")), (16480, ("Q8_0", "Q4_0"))])
+def test_long_rows_summed_in_chunks_are_one_pass(k, types, kernel_variant, variant_kernels):
+    """Past 16384 / MB inputs a block of MB rows runs over K in chunks that carry their float sums
+    (8 rows: chunks of 2048; one row: 16384), so rows 1..9 and 16 at once or alone cross the chunk
+    bounds at different places: the same bits, within the activations' bound of float64. K 16480:
+    the x4 types' padded last group."""
+    kernels = variant_kernels
+    assert kernel_variant != "avx2" or kernels.gguf_gemm_isa() == "avx2"
+    shards, start = [], 0
+    for i, qtype in enumerate(types):
+        shards.append(Shard(start, qtype, random_blocks(qtype, 7, k, seed=i), k))
+        start += 7
+    buf, meta = pack_gguf_twin(shards, k)
+    w = np.concatenate([dequant(s.qtype, s.data) for s in shards])
+    c = np.concatenate([dot_part(s.qtype, s.data) for s in shards])
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)) * 2
+    full = kernels.gguf_gemm(x, buf, meta, start)
+    _check_gemm(kernels, x, buf, meta, start, w, c)
+    for m in range(1, 10):
+        assert torch.equal(kernels.gguf_gemm(x[:m], buf, meta, start), full[:m]), m
+    alone = torch.cat([kernels.gguf_gemm(x[i:i + 1], buf, meta, start) for i in range(16)])
+    assert torch.equal(alone, full)
+
+
 def test_the_error_is_that_of_the_activations_alone(kernel_variant, variant_kernels):
     """With activations already on the int16 grid (integers up to 32767 times one scale), the
     kernel's sums are exact: what is left is float32 rounding."""

@@ -68,6 +68,16 @@ struct GgRows {  // the quantised activation rows
   }
 };
 
+// One output column's running sums for MB rows between two K chunks of gg_rows (any ISA's lanes): a
+// chunk picks up the float accumulators where the previous one left them, so a row's float
+// operations run in the same order as in one pass over K (bit-equal at every chunking).
+template <int MB>
+struct GgCarry {
+  float acc[MB][16];
+  float kmin[MB][8];
+  float bmin[MB][4];
+};
+
 #if ISV_GG_AVX512 || ISV_GG_AVX2
 // The mins term of gg_rows (K-quants' 8 sub-block mins, Q4_1/Q5_1's one min per 32 inputs) times
 // the activations' sums: 8 and 4 lanes wide on either ISA, so both vector paths keep it here.
@@ -93,6 +103,14 @@ struct GgMins {
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) b4[m] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + m * B4 + 4 * g), b4[m]);
   }
+  void load(const GgCarry<MB>& c) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) k[m] = _mm256_loadu_ps(c.kmin[m]), b4[m] = _mm_loadu_ps(c.bmin[m]);
+  }
+  void save(GgCarry<MB>& c) const {
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(c.kmin[m], k[m]), _mm_storeu_ps(c.bmin[m], b4[m]);
+  }
   float total(int m) const {
     if constexpr (!has_min(TYPE)) return 0.f;
     else if constexpr (is_kquant(TYPE)) return -reduce_add8(k[m]);
@@ -101,12 +119,17 @@ struct GgMins {
 };
 #endif
 
-// Out[m, n] for n in [n0, n1) of one shard: w its first row, `last` its last row index (prefetch).
+// Out[m, n] for n in [n0, n1) of one shard: w its first row, `last` its last row index (prefetch),
+// over inputs [k0, k1) (whole blocks / groups); a chunk after the first starts from carry[n - n0],
+// and one before the last leaves its sums there instead of writing out.
 template <int64_t TYPE, int MB, typename T>
 void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0, int64_t n1,
-             int64_t last) {
+             int64_t last, int64_t k0, int64_t k1, GgCarry<MB>* carry) {
   const int64_t K = a.K, B4 = a.K4 / 32;
   constexpr bool KQ = is_kquant(TYPE);
+  const bool first = k0 == 0, final = k1 >= (KQ ? K : a.K4);
+  // in chunks the next bytes read are the next weight row's at the same inputs, one row ahead
+  [[maybe_unused]] const int64_t ahead = first && final ? kStreamAhead : row_bytes;
   [[maybe_unused]] const uint8_t* wend = w + (last + 1) * row_bytes;  // the shard's end
 #if ISV_GG_AVX512
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -114,12 +137,14 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
     const uint8_t* wr = w + n * row_bytes;
     __m512 acc[MB];
     GgMins<TYPE, MB> mins;
+    GgCarry<MB>* c = carry ? carry + (n - n0) : nullptr;  // null in a one-chunk pass
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c->acc[m]);
+    if (!first) mins.load(*c);
     if constexpr (KQ) {
-      for (int64_t sb = 0; sb < K / 256; ++sb) {
+      for (int64_t sb = k0 / 256; sb < k1 / 256; ++sb) {
         const uint8_t* b = wr + sb * kquant_bytes(TYPE);
-        prefetch_stream(b, kquant_bytes(TYPE), wend);
+        prefetch_stream(b, kquant_bytes(TYPE), wend, ahead);
         // NA int32 accumulators a row (few rows: a single chain of dependent dots would bound the loop)
         constexpr int NA = MB == 1 ? 4 : MB == 2 ? 2 : 1;
         __m512i is[MB][NA];
@@ -199,9 +224,9 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
     } else {
       const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
       const __m256i m10 = _mm256_set1_epi8(0x10);
-      for (int64_t g = 0; g < a.K4 / 128; ++g) {
+      for (int64_t g = k0 / 128; g < k1 / 128; ++g) {
         const uint8_t* gb = wr + g * x4_bytes(TYPE);
-        prefetch_stream(gb, x4_bytes(TYPE), wend);
+        prefetch_stream(gb, x4_bytes(TYPE), wend, ahead);
         const __m512 dv = _mm512_permutexvar_ps(
             by4, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb)))));
         const uint8_t* lv = gb + x4_header(TYPE);
@@ -241,6 +266,12 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         if constexpr (has_min(TYPE)) mins.add_blocks(gb, a, B4, g);
       }
     }
+    if (!final) {
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) _mm512_storeu_ps(c->acc[m], acc[m]);
+      mins.save(*c);
+      continue;
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) store(out + m * ldo + n, _mm512_reduce_add_ps(acc[m]) * a.dx[m] + mins.total(m));
   }
@@ -252,12 +283,14 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[MB];
     GgMins<TYPE, MB> mins;
+    GgCarry<MB>* c = carry ? carry + (n - n0) : nullptr;  // null in a one-chunk pass
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) acc[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c->acc[m]);
+    if (!first) mins.load(*c);
     if constexpr (KQ) {
-      for (int64_t sb = 0; sb < K / 256; ++sb) {
+      for (int64_t sb = k0 / 256; sb < k1 / 256; ++sb) {
         const uint8_t* b = wr + sb * kquant_bytes(TYPE);
-        prefetch_stream(b, kquant_bytes(TYPE), wend);
+        prefetch_stream(b, kquant_bytes(TYPE), wend, ahead);
         __m256i is0[MB], is1[MB];
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) is0[m] = _mm256_setzero_si256(), is1[m] = _mm256_setzero_si256();
@@ -324,9 +357,9 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
       }
     } else {
       const __m256i lo2 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), hi2 = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
-      for (int64_t g = 0; g < a.K4 / 128; ++g) {
+      for (int64_t g = k0 / 128; g < k1 / 128; ++g) {
         const uint8_t* gb = wr + g * x4_bytes(TYPE);
-        prefetch_stream(gb, x4_bytes(TYPE), wend);
+        prefetch_stream(gb, x4_bytes(TYPE), wend, ahead);
         const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb))));
         const __m256 dA = _mm256_permutevar8x32_ps(d4, lo2), dB = _mm256_permutevar8x32_ps(d4, hi2);
         const uint8_t* lv = gb + x4_header(TYPE);
@@ -377,6 +410,12 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         if constexpr (has_min(TYPE)) mins.add_blocks(gb, a, B4, g);
       }
     }
+    if (!final) {
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) _mm256_storeu_ps(c->acc[m], acc[m]);
+      mins.save(*c);
+      continue;
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) store(out + m * ldo + n, reduce_add8(acc[m]) * a.dx[m] + mins.total(m));
   }
@@ -385,8 +424,11 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     float acc[MB] = {}, mins[MB] = {};
+    GgCarry<MB>* c = carry ? carry + (n - n0) : nullptr;  // null in a one-chunk pass
+    if (!first)
+      for (int m = 0; m < MB; ++m) acc[m] = c->acc[m][0], mins[m] = c->kmin[m][0];
     if constexpr (KQ) {
-      for (int64_t sb = 0; sb < K / 256; ++sb) {
+      for (int64_t sb = k0 / 256; sb < k1 / 256; ++sb) {
         const uint8_t* b = wr + sb * kquant_bytes(TYPE);
         int64_t is[MB] = {};  // up to 256 products of 2^12 x 2^15: past int32
         float d;
@@ -419,7 +461,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         for (int m = 0; m < MB; ++m) acc[m] += d * static_cast<float>(is[m]);
       }
     } else {
-      for (int64_t g = 0; g < a.K4 / 128; ++g) {
+      for (int64_t g = k0 / 128; g < k1 / 128; ++g) {
         const uint8_t* gb = wr + g * x4_bytes(TYPE);
         const uint8_t* lv = gb + x4_header(TYPE);
         const uint8_t* hbits = gb + 8 + (has_min(TYPE) ? 8 : 0);
@@ -445,9 +487,28 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         }
       }
     }
+    if (!final) {
+      for (int m = 0; m < MB; ++m) c->acc[m][0] = acc[m], c->kmin[m][0] = mins[m];
+      continue;
+    }
     for (int m = 0; m < MB; ++m) store(out + m * ldo + n, acc[m] * a.dx[m] + mins[m]);
   }
 #endif
+}
+
+// The rows of a tile of 32 weight rows, MB activation rows at a time, over K in chunks whose MB
+// activation rows (int16) fit in 32 KiB of L1: 8 rows of an 8B's down projection (K 14336) are
+// 224 KiB, and one pass over all K read them from L2 once per weight row (half the rate at K 8192
+// as at K 2048). One chunk when they fit (a decode row up to K 16384): the same pass as before.
+template <int64_t TYPE, int MB, typename T>
+void gg_tile(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t t0, int64_t t1,
+             int64_t last) {
+  constexpr int64_t kChunk = 16384 / MB;  // inputs: a multiple of 256 (K-quant blocks) and of 128 (x4 groups)
+  const int64_t kend = is_kquant(TYPE) ? a.K : a.K4;
+  if (kend <= kChunk) return gg_rows<TYPE, MB>(a, w, row_bytes, out, ldo, t0, t1, last, 0, kend, nullptr);
+  GgCarry<MB> carry[32];
+  for (int64_t k0 = 0; k0 < kend; k0 += kChunk)
+    gg_rows<TYPE, MB>(a, w, row_bytes, out, ldo, t0, t1, last, k0, std::min(kend, k0 + kChunk), carry);
 }
 
 template <int64_t TYPE, typename T>
@@ -458,10 +519,10 @@ void gg_shard(const GgRows& rows, int64_t M, const uint8_t* w, int64_t row_bytes
     for (int64_t m = 0; m < M;) {
       const int64_t left = M - m;
       T* o = out + m * ldo;
-      if (left >= 8) { gg_rows<TYPE, 8>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 8; }
-      else if (left >= 4) { gg_rows<TYPE, 4>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 4; }
-      else if (left >= 2) { gg_rows<TYPE, 2>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 2; }
-      else { gg_rows<TYPE, 1>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 1; }
+      if (left >= 8) { gg_tile<TYPE, 8>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 8; }
+      else if (left >= 4) { gg_tile<TYPE, 4>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 4; }
+      else if (left >= 2) { gg_tile<TYPE, 2>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 2; }
+      else { gg_tile<TYPE, 1>(rows.at(m), w, row_bytes, o, ldo, t0, t1, last); m += 1; }
     }
   }
 }

@@ -17,6 +17,8 @@ namespace iterserve {
 template <typename T>
 const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); }
 
+constexpr int64_t kStreamAhead = 4096;  // see prefetch_stream
+
 #if defined(__AVX512F__) || ISV_AVX2_FMA
 // Asks for `bytes` from p into cache, a 64-byte line at a time.
 inline void prefetch(const void* p, int64_t bytes) {
@@ -27,10 +29,10 @@ inline void prefetch(const void* p, int64_t bytes) {
 // (none at or past `end`). Asking for whole rows 16 rows ahead, as the other GEMMs do, put the
 // request 74 KB ahead for a 4.6 KB row (a 1B's Q4_K down projection, K = 8192), out of L1 before
 // its use, and sent a row's 18-72 requests at once (docs/profile.md: 1.32-1.43x at one activation
-// row on the down projections, 1.04-1.26x on the others).
-constexpr int64_t kStreamAhead = 4096;
-inline void prefetch_stream(const uint8_t* p, int64_t bytes, const uint8_t* end) {
-  const uint8_t* a = p + kStreamAhead;
+// row on the down projections, 1.04-1.26x on the others). A reader that goes on elsewhere (gguf_gemm
+// over K in chunks: the next weight row) says how far ahead its next bytes are.
+inline void prefetch_stream(const uint8_t* p, int64_t bytes, const uint8_t* end, int64_t ahead = kStreamAhead) {
+  const uint8_t* a = p + ahead;
   for (int64_t off = 0; off < bytes + 63 && a + off < end; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(a + off), _MM_HINT_T0);
 }
