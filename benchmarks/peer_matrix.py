@@ -135,6 +135,17 @@ def ensure_1b_models(install: PeerInstall, wanted: Sequence[str]) -> None:
         f16.unlink()
 
 
+def ensure_random_gguf_models(install: PeerInstall, wanted: Sequence[str]) -> None:
+    """The random dense GGUFs at sizes llama-quantize would need an f16 file twice their size for
+    (random_gguf.py's presets: the 8B) under $PEERS/model, made when missing."""
+    for name in (n for n in wanted if n in mx.DENSE_PRESETS):
+        path = install.home / "model" / mx.MODELS[name].gguf
+        if not path.exists():
+            _say(f"writing {path}")
+            subprocess.run([sys.executable, str(Path(__file__).with_name("random_gguf.py")), str(path),
+                            "--preset", mx.DENSE_PRESETS[name]], check=True)
+
+
 def ensure_moe_models(install: PeerInstall, wanted: Sequence[str]) -> None:
     """The random MoE GGUFs (random_moe_gguf.py's presets) and the bf16 GraniteMoE folder
     (random_moe.py) under $PEERS/model, made when missing."""
@@ -271,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     install = PeerInstall(args.peers_dir, Path(os.environ.get("PEERS") or DEFAULT_PEERS_HOME))
     if any(m.startswith("1b") for m in args.model_list):
         ensure_1b_models(install, args.model_list)
+    ensure_random_gguf_models(install, args.model_list)
     ensure_moe_models(install, args.model_list)
     cells: dict[str, dict[str, Any]] = {}
     runs: dict[str, Any] = {}

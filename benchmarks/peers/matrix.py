@@ -10,6 +10,9 @@ Models (all with SmolLM2's tokenizer, so one `--tokenizer` folder serves every c
             SmolLM2's 49152-token vocabulary) as a bf16 HF folder: iterserve --dtype bfloat16, vLLM
   1b-q4km   the same weights as a Q4_K_M GGUF (f16 GGUF written here, llama.cpp's llama-quantize):
             iterserve the file, llama.cpp the file
+  8b-q4km   a random Llama-3.1-8B-shaped Q4_K_M GGUF (benchmarks/random_gguf.py's preset "8b": random
+            blocks in Q4_K_M's mix, 128256-token vocabulary: SmolLM2's padded with plain tokens):
+            iterserve the file, llama.cpp the file
   granite-moe-q4km, olmoe-q4km  mixture-of-experts GGUFs at Granite-3B-A800M's and OLMoE-1B-7B's
             shapes (benchmarks/random_moe_gguf.py: random blocks laid out as Q4_K_M; SmolLM2's
             tokenizer): iterserve the file, llama.cpp the file
@@ -51,6 +54,7 @@ MODELS = {m.name: m for m in (
     ModelSpec("smollm2", "smollm2-135m", hf_dir="smollm2-135m-hf", gguf="SmolLM2-135M-Instruct.Q4_1.gguf"),
     ModelSpec("1b-bf16", "$PEERS/model/llama-1b-random-hf", ("--dtype", "bfloat16"), hf_dir="llama-1b-random-hf"),
     ModelSpec("1b-q4km", "$PEERS/model/llama-1b-random.Q4_K_M.gguf", gguf="llama-1b-random.Q4_K_M.gguf"),
+    ModelSpec("8b-q4km", "$PEERS/model/llama-8b-random.Q4_K_M.gguf", gguf="llama-8b-random.Q4_K_M.gguf"),
     ModelSpec("granite-moe-q4km", "$PEERS/model/granite-3b-a800m-random.Q4_K_M.gguf",
               gguf="granite-3b-a800m-random.Q4_K_M.gguf"),
     ModelSpec("olmoe-q4km", "$PEERS/model/olmoe-1b-7b-random.Q4_K_M.gguf", gguf="olmoe-1b-7b-random.Q4_K_M.gguf"),
@@ -58,6 +62,7 @@ MODELS = {m.name: m for m in (
               hf_dir="granite-3b-a800m-random-hf"),
 )}
 MOE_PRESETS = {"granite-moe-q4km": "granite-3b-a800m", "olmoe-q4km": "olmoe-1b-7b"}  # random_moe_gguf.py's
+DENSE_PRESETS = {"8b-q4km": "8b"}  # random_gguf.py's (Q4_K_M's block mix, written without llama-quantize)
 TOKENIZER_DIR = "smollm2-135m-hf"  # under $PEERS/model: every model here has SmolLM2's vocabulary
 SHAPES = ((64, 256), (256, 96), (512, 128), (1024, 64), (2048, 32))
 

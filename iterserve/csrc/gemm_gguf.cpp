@@ -120,16 +120,17 @@ struct GgMins {
 #endif
 
 // Out[m, n] for n in [n0, n1) of one shard: w its first row, `last` its last row index (prefetch),
-// over inputs [k0, k1) (whole blocks / groups); a chunk after the first starts from carry[n - n0],
-// and one before the last leaves its sums there instead of writing out.
-template <int64_t TYPE, int MB, typename T>
+// over inputs [k0, k1) (whole blocks / groups); in chunks (CH), a chunk after the first starts from
+// carry[n - n0], and one before the last leaves its sums there instead of writing out. One pass over
+// K is its own instantiation (CH false: constants where the chunks have variables, 4-8 % faster).
+template <int64_t TYPE, int MB, bool CH, typename T>
 void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0, int64_t n1,
              int64_t last, int64_t k0, int64_t k1, GgCarry<MB>* carry) {
   const int64_t K = a.K, B4 = a.K4 / 32;
   constexpr bool KQ = is_kquant(TYPE);
-  const bool first = k0 == 0, final = k1 >= (KQ ? K : a.K4);
+  const bool first = !CH || k0 == 0, final = !CH || k1 >= (KQ ? K : a.K4);
   // in chunks the next bytes read are the next weight row's at the same inputs, one row ahead
-  [[maybe_unused]] const int64_t ahead = first && final ? kStreamAhead : row_bytes;
+  [[maybe_unused]] const int64_t ahead = CH ? row_bytes : kStreamAhead;
   [[maybe_unused]] const uint8_t* wend = w + (last + 1) * row_bytes;  // the shard's end
 #if ISV_GG_AVX512
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -505,10 +506,10 @@ void gg_tile(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
              int64_t last) {
   constexpr int64_t kChunk = 16384 / MB;  // inputs: a multiple of 256 (K-quant blocks) and of 128 (x4 groups)
   const int64_t kend = is_kquant(TYPE) ? a.K : a.K4;
-  if (kend <= kChunk) return gg_rows<TYPE, MB>(a, w, row_bytes, out, ldo, t0, t1, last, 0, kend, nullptr);
+  if (kend <= kChunk) return gg_rows<TYPE, MB, false>(a, w, row_bytes, out, ldo, t0, t1, last, 0, kend, nullptr);
   GgCarry<MB> carry[32];
   for (int64_t k0 = 0; k0 < kend; k0 += kChunk)
-    gg_rows<TYPE, MB>(a, w, row_bytes, out, ldo, t0, t1, last, k0, std::min(kend, k0 + kChunk), carry);
+    gg_rows<TYPE, MB, true>(a, w, row_bytes, out, ldo, t0, t1, last, k0, std::min(kend, k0 + kChunk), carry);
 }
 
 template <int64_t TYPE, typename T>

