@@ -136,19 +136,19 @@ def ensure_1b_models(install: PeerInstall, wanted: Sequence[str]) -> None:
 
 
 def ensure_random_gguf_models(install: PeerInstall, wanted: Sequence[str]) -> None:
-    """The random dense GGUFs at sizes llama-quantize would need an f16 file twice their size for
-    (random_gguf.py's presets: the 8B) under $PEERS/model, made when missing."""
-    for name in (n for n in wanted if n in mx.DENSE_PRESETS):
+    """The GGUFs of random blocks (matrix.RANDOM_GGUFS: the 8B and the MoE files, at sizes llama-quantize
+    would need an f16 file twice theirs for) under $PEERS/model, made when missing."""
+    for name in (n for n in wanted if n in mx.RANDOM_GGUFS):
         path = install.home / "model" / mx.MODELS[name].gguf
         if not path.exists():
+            script, preset = mx.RANDOM_GGUFS[name]
             _say(f"writing {path}")
-            subprocess.run([sys.executable, str(Path(__file__).with_name("random_gguf.py")), str(path),
-                            "--preset", mx.DENSE_PRESETS[name]], check=True)
+            subprocess.run([sys.executable, str(Path(__file__).with_name(script)), str(path), "--preset", preset],
+                           check=True)
 
 
-def ensure_moe_models(install: PeerInstall, wanted: Sequence[str]) -> None:
-    """The random MoE GGUFs (random_moe_gguf.py's presets) and the bf16 GraniteMoE folder
-    (random_moe.py) under $PEERS/model, made when missing."""
+def ensure_moe_folder(install: PeerInstall, wanted: Sequence[str]) -> None:
+    """The bf16 GraniteMoE folder (random_moe.py) under $PEERS/model, made when missing."""
     models = install.home / "model"
     hf = models / mx.MODELS["granite-moe-bf16"].hf_dir
     if "granite-moe-bf16" in wanted and not (hf / "model.safetensors").exists():
@@ -157,12 +157,6 @@ def ensure_moe_models(install: PeerInstall, wanted: Sequence[str]) -> None:
                         "granite-3b-a800m", "--device", "cpu"], check=True)
         for name in ("tokenizer.json", "tokenizer_config.json"):  # one tokenizer for every client run
             shutil.copy(models / mx.TOKENIZER_DIR / name, hf / name)
-    for name in (n for n in wanted if n in mx.MOE_PRESETS):
-        path = models / mx.MODELS[name].gguf
-        if not path.exists():
-            _say(f"writing {path}")
-            subprocess.run([sys.executable, str(Path(__file__).with_name("random_moe_gguf.py")), str(path),
-                            "--preset", mx.MOE_PRESETS[name]], check=True)
 
 
 # ---------------------------------------------------------------- the cells
@@ -283,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(m.startswith("1b") for m in args.model_list):
         ensure_1b_models(install, args.model_list)
     ensure_random_gguf_models(install, args.model_list)
-    ensure_moe_models(install, args.model_list)
+    ensure_moe_folder(install, args.model_list)
     cells: dict[str, dict[str, Any]] = {}
     runs: dict[str, Any] = {}
     steps: dict[str, Any] = {}

@@ -61,8 +61,10 @@ MODELS = {m.name: m for m in (
     ModelSpec("granite-moe-bf16", "$PEERS/model/granite-3b-a800m-random-hf", ("--dtype", "bfloat16"),
               hf_dir="granite-3b-a800m-random-hf"),
 )}
-MOE_PRESETS = {"granite-moe-q4km": "granite-3b-a800m", "olmoe-q4km": "olmoe-1b-7b"}  # random_moe_gguf.py's
-DENSE_PRESETS = {"8b-q4km": "8b"}  # random_gguf.py's (Q4_K_M's block mix, written without llama-quantize)
+# the GGUFs written with random blocks in Q4_K_M's mix (no f16 file first, no llama-quantize): model ->
+# (the script under benchmarks/, its preset)
+RANDOM_GGUFS = {"8b-q4km": ("random_gguf.py", "8b"), "granite-moe-q4km": ("random_moe_gguf.py", "granite-3b-a800m"),
+                "olmoe-q4km": ("random_moe_gguf.py", "olmoe-1b-7b")}
 TOKENIZER_DIR = "smollm2-135m-hf"  # under $PEERS/model: every model here has SmolLM2's vocabulary
 SHAPES = ((64, 256), (256, 96), (512, 128), (1024, 64), (2048, 32))
 
