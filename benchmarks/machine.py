@@ -20,6 +20,13 @@ def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
     return 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src), reps) / 1e9
 
 
+def read_bandwidth_gbs(gib: int = 1, reps: int = 5) -> float:
+    """GB/s of summing a `gib` GiB float32 tensor: reads only, as a decode step reads its weights
+    (the bound of a single stream: bytes read a token over this)."""
+    x = torch.ones(gib * 2**28)
+    return x.numel() * 4 / best_time(x.sum, reps) / 1e9
+
+
 def bf16_gemm_gflops(n: int = 1024, reps: int = 5) -> float:
     """GFLOP/s of an n x n x n bfloat16 matmul through torch (oneDNN: AMX tiles where present)."""
     a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
