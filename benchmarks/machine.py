@@ -1,6 +1,6 @@
 """Two figures that say what kind of machine a benchmark ran on, printed beside its results: memory
-bandwidth (a large tensor copy: decoding small batches is bound by reading weights) and bf16 GEMM
-throughput through torch (prefill and large batches are bound by it; on AMX hosts oneDNN uses the
+bandwidth (a large tensor copy: decoding small batches is bound by reading weights) and bf16 and
+float32 GEMM throughput through torch (prefill and large batches are bound by it; on AMX hosts oneDNN uses the
 tiles). Hosts of one "kind" differ 2x in both, so a result without them cannot be compared.
 """
 from __future__ import annotations
@@ -27,18 +27,31 @@ def read_bandwidth_gbs(gib: int = 1, reps: int = 5) -> float:
     return x.numel() * 4 / best_time(x.sum, reps) / 1e9
 
 
-def bf16_gemm_gflops(n: int = 1024, reps: int = 5) -> float:
-    """GFLOP/s of an n x n x n bfloat16 matmul through torch (oneDNN: AMX tiles where present)."""
-    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+def gemm_gflops(dtype: torch.dtype = torch.bfloat16, n: int = 1024, reps: int = 5) -> float:
+    """GFLOP/s of an n x n x n matmul through torch in `dtype` (bf16: oneDNN, AMX tiles where present;
+    float32: MKL, the rate an AVX2-only CPU's float32 engine can reach, where bf16 crawls)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     return 2 * n**3 / best_time(lambda: torch.mm(a, b), reps) / 1e9
+
+
+def bf16_gemm_gflops(n: int = 1024, reps: int = 5) -> float:
+    return gemm_gflops(torch.bfloat16, n, reps)
+
+
+def best_gemm_gflops(fig: dict[str, Any]) -> float:
+    """The faster of the host's bf16 and float32 GEMM figures: the compute bound of a step counts the
+    best dense rate the host has (bf16 crawls without AVX512-BF16, where the engine runs float32)."""
+    return max(fig["bf16_gemm_1024_gflop_s"], fig.get("f32_gemm_1024_gflop_s", 0.0))
 
 
 def machine_figures() -> dict[str, Any]:
     """host_info() plus the bandwidth and GEMM figures, and torch's thread count for them."""
     return {**host_info(), "copy_gb_s": round(copy_bandwidth_gbs(), 1),
-            "bf16_gemm_1024_gflop_s": round(bf16_gemm_gflops(), 1), "torch_threads": torch.get_num_threads()}
+            "bf16_gemm_1024_gflop_s": round(bf16_gemm_gflops(), 1),
+            "f32_gemm_1024_gflop_s": round(gemm_gflops(torch.float32), 1), "torch_threads": torch.get_num_threads()}
 
 
 def figures_line(fig: dict[str, Any]) -> str:
     return (f"host: {fig['cpu']}, {fig['cores']} cores, {' '.join(fig['isa'])}; copy {fig['copy_gb_s']} GB/s, "
-            f"bf16 GEMM 1024^3 {fig['bf16_gemm_1024_gflop_s']} GFLOP/s ({fig['torch_threads']} threads)")
+            f"bf16 GEMM 1024^3 {fig['bf16_gemm_1024_gflop_s']} GFLOP/s, float32 {fig.get('f32_gemm_1024_gflop_s', '-')} "
+            f"({fig['torch_threads']} threads)")

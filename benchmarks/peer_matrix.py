@@ -43,7 +43,7 @@ from typing import Any, Sequence
 from peers import matrix as mx
 import thread_cpu
 from iterserve.bench.common import load_average
-from machine import figures_line, machine_figures
+from machine import best_gemm_gflops, figures_line, machine_figures
 from peers.systems import PeerInstall, System, Unavailable, serving
 from iterserve.bench.summary import default_raw_dir, git_commit, write_json
 from peers.vllm_bench import run_bench
@@ -225,7 +225,7 @@ def decode_step(args: argparse.Namespace, install: PeerInstall, model: mx.ModelS
     profile_decode(llm, 16, 128, 2)  # warm-up
     row = profile_decode(llm, 16, 128, args.step_repeats)
     bounds = mx.step_bounds(mx.llama_step_cost(cfg, 16, weight_bytes), host["copy_gb_s"],
-                            host["bf16_gemm_1024_gflop_s"], row["wall_ms_per_step"])
+                            best_gemm_gflops(host), row["wall_ms_per_step"])
     out = {"rows": 16, "context": 128, **row, **bounds, "engine": llm.engine.resolved_config()}
     buckets = {k: round(v, 1) for k, v in row["buckets_ms"].items()}
     _say(f"{model.name} 16-row decode step: {row['wall_ms_per_step']:.1f} ms; bounds: bandwidth "

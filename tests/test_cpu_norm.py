@@ -1,9 +1,10 @@
 """RMSNorm through the C++ kernel (iterserve/csrc/norm.cpp `rms_norm`, platform/cpu_norm.py)
 against the model's torch RMSNorm in bf16: the same bits (the sum of squares' order may move the
 normalised x by one bf16 ulp, so the output, rounded again after the weight, by up to two; allowed
-in a tiny fraction: seen with the scalar sum of a CPU without AVX-512), each row alike whatever the row count, and the
-platform swaps every norm of a bf16 model (not of a float32 one). The kernel's bits on the native build
-and, on an AVX-512 host, the AVX2 one too (conftest's kernel_variant)."""
+in a tiny fraction: seen with the scalar sum of a CPU without AVX-512), each row alike whatever the row count;
+in float32 (AVX2-only CPUs run float32) within float32 rounding of torch's; and the platform swaps every
+norm of a bf16 or float32 model. The kernel's bits on the native build and, on an AVX-512 host, the AVX2
+one too (conftest's kernel_variant)."""
 from __future__ import annotations
 
 import pytest
@@ -50,20 +51,43 @@ def test_each_row_alike_at_any_row_count():
         assert torch.equal(ours(x[250:251]), full[250:251])
 
 
-def test_float32_keeps_the_torch_path():
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_float32_rows_within_rounding_of_torch(unit_offset, variant_kernels):
+    """A float32 norm (and the residual add before it) is the kernel's too: the same formulas with no
+    rounding to bf16, so within a few float32 ulps of torch's (only the sum of squares' order differs);
+    the sum is torch's bit for bit; each row alike whatever the row count."""
+    g = torch.Generator().manual_seed(2)
+    ref = RMSNorm(576, 1e-6, unit_offset)
+    ref.weight.data = torch.randn(576, generator=g) * 0.3 + (0 if unit_offset else 1)
+    ours = CpuRMSNorm(ref)
+    x, a = torch.randn(100, 576, generator=g) * 3, torch.randn(100, 576, generator=g)
+    with torch.no_grad():
+        got = variant_kernels.rms_norm(x, ours.weight, ours.eps, unit_offset)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, ref(x), rtol=2e-6, atol=2e-6)
+        s, h = variant_kernels.add_rms_norm(x, a, ours.weight, ours.eps, unit_offset)
+        want_s, want_h = ref.add_and_norm(x, a)
+        assert torch.equal(s, want_s)
+        torch.testing.assert_close(h, want_h, rtol=2e-6, atol=2e-6)
+        assert torch.equal(variant_kernels.rms_norm(x[40:43], ours.weight, ours.eps, unit_offset), got[40:43])
+        assert torch.equal(ours(x), load_cpu_kernels().rms_norm(x, ours.weight, ours.eps, unit_offset))
+
+
+def test_mixed_dtypes_keep_the_torch_path():
+    """A bf16 row through a float32 weight (or the reverse) is torch's, not the kernel's."""
     ref, ours = norm_pair(64)
-    ref.float()
     x = torch.randn(3, 64)
     with torch.no_grad():
         assert torch.equal(ours(x), ref(x))
 
 
 @pytest.mark.real_model
-def test_platform_swaps_every_norm_in_bf16_only():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_platform_swaps_every_norm(dtype):
     from iterserve.llm import LLM
 
-    llm = LLM("smollm2-135m", dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=256)
+    llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory="16MiB", max_model_len=256)
     norms = [m for m in llm.engine.model.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 2 * llm.engine.model_config.num_layers + 1
     assert all(type(m) is CpuRMSNorm for m in norms)
-    assert use_cpu_rms_norm(torch.nn.Sequential(RMSNorm(8, 1e-5))) == 0  # float32 weights stay
+    assert use_cpu_rms_norm(torch.nn.Sequential(RMSNorm(8, 1e-5).half())) == 0  # float16 weights stay

@@ -3,13 +3,15 @@
 
 It is a custom torch op (`torch.ops.iterserve.paged_attention`), opaque to torch.compile, that
 takes the step's metadata, caches and backend from the forward context (forward_context.py says
-why), so the compiled decoder never sees them. Importing this module registers the op.
+why), so the compiled decoder never sees them; eager runs call its kernel function straight
+(custom_ops.py). Importing this module registers the op.
 """
 from __future__ import annotations
 
 import torch
 
 from iterserve.attention.forward_context import get_forward_context
+from iterserve.custom_ops import call_directly
 
 _lib = torch.library.Library("iterserve", "FRAGMENT")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window=0, "
@@ -31,4 +33,11 @@ def _paged_attention_fake(q, k, v, layer, scale, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 
-paged_attention = torch.ops.iterserve.paged_attention
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """The op under torch.compile and the profiler; its kernel function straight in eager runs
+    (custom_ops.call_directly: the dispatcher's round trip costs more than a short decode's attention)."""
+    op = _paged_attention_op if call_directly() else torch.ops.iterserve.paged_attention
+    return op(q, k, v, layer, scale, window, softcap)

@@ -26,10 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_kv_write", &q8_0_kv_write, "x [T, kv_heads, D] quantised into a q8_0 KV cache's slots, in place "
         "(the bytes of attention/kv_cache_dtype.py's quantise; see kv_write.cpp)", py::arg("x"), py::arg("cache"),
         py::arg("slot_mapping"));
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows in Hugging Face's order of rounding; unit_offset: Gemma's "
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 or float32 rows in Hugging Face's order of rounding; unit_offset: Gemma's "
         "(1 + w) form (see norm.cpp)", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("unit_offset") = false);
-  m.def("add_rms_norm", &add_rms_norm, "(x + a, rms_norm(x + a)) of bf16 rows: a residual add and the norm after "
+  m.def("add_rms_norm", &add_rms_norm, "(x + a, rms_norm(x + a)) of bf16 or float32 rows: a residual add and the norm after "
         "it in one pass (see norm.cpp)", py::arg("x"), py::arg("a"), py::arg("w"), py::arg("eps"),
         py::arg("unit_offset") = false);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :F]) * x[:, F:] of x [T, 2F] (float32 or bf16) in torch's order "

@@ -1,5 +1,5 @@
-// rms_norm: RMSNorm of bf16 rows in one pass (eager torch runs it as eight ops); add_rms_norm: a
-// residual add and the norm after it, in one pass.
+// rms_norm: RMSNorm of bf16 or float32 rows in one pass (eager torch runs it as eight ops); add_rms_norm:
+// a residual add and the norm after it, in one pass.
 #include "kernel_common.h"
 #include "kernels.h"
 #include "lanes.h"
@@ -21,7 +21,10 @@ namespace {
 // weight, by up to two).
 // unit_offset: Gemma's form, whose weight is stored as an offset from 1, in Gemma's own order of
 // rounding (transformers' GemmaRMSNorm scales in float32 and rounds once): out = bf16(x * r * (1 + w)).
-void rms_norm_row(const uint16_t* xr, const uint16_t* wp, uint16_t* orow, int64_t H, float e, bool unit_offset) {
+// T = float: a float32 model's rows and weight (AVX2-only CPUs run float32), the same formulas with no
+// rounding to bf16: 28.6 us a 576-wide row through eager torch on a Zen 3 core, 61 norms a step.
+template <typename T>
+void rms_norm_row(const T* xr, const T* wp, T* orow, int64_t H, float e, bool unit_offset) {
   float ss = 0.f;
   int64_t d = 0;
 #if defined(__AVX512F__)  // over the lanes, AVX-512 only: on AVX2 the plain loop's order is kept (its bits)
@@ -39,7 +42,7 @@ void rms_norm_row(const uint16_t* xr, const uint16_t* wp, uint16_t* orow, int64_
     return;
   }
   for (int64_t c = 0; c < H; ++c) {
-    uint16_t y;
+    T y;
     store(&y, load(xr[c]) * r);
     store(orow + c, load(wp[c]) * load(y));
   }
@@ -58,9 +61,17 @@ void norm_rows(int64_t T, const F& row) {
 }
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dt == at::kBFloat16 || dt == at::kFloat) && w.scalar_type() == dt &&
               w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
-              "x must be [T, H] bfloat16 and the weight [H] bfloat16");
+              "x must be [T, H] bfloat16 or float32 and the weight [H] of its dtype");
+}
+
+// the element type of a bf16 (its bits) or float32 tensor
+template <typename F>
+void by_dtype(const at::Tensor& x, const F& f) {
+  if (x.scalar_type() == at::kFloat) f(float{});
+  else f(uint16_t{});
 }
 
 }  // namespace
@@ -70,32 +81,38 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, boo
   const at::Tensor x = x_in.contiguous();
   const int64_t H = x.size(1);
   at::Tensor out = at::empty_like(x);
-  const uint16_t* xp = ptr<uint16_t>(x);
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  norm_rows(x.size(0), [&](int64_t t) {
-    rms_norm_row(xp + t * H, ptr<uint16_t>(w), op + t * H, H, static_cast<float>(eps), unit_offset);
+  by_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T *xp = ptr<T>(x), *wp = ptr<T>(w);
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    norm_rows(x.size(0), [&](int64_t t) {
+      rms_norm_row(xp + t * H, wp, op + t * H, H, static_cast<float>(eps), unit_offset);
+    });
   });
   return out;
 }
 
 // The residual add and the RMSNorm after it (a decoder layer's `x = x + a; h = norm(x)`) in one pass
-// per row: (s, rms_norm(s)) with s = bf16(x + a), torch's add (the sum in float32, rounded once), and
+// per row: (s, rms_norm(s)) with s = x + a in the rows' dtype (bf16: rounded once), torch's add (the sum in float32, rounded once), and
 // the norm above on s while its row is in L1. Eager torch reads x and a, writes s, reads s again:
 // 2048 x 576 0.20 vs 0.30 ms (add + the norm kernel), 1 row 3.6 vs 4.4 us.
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& a_in, const at::Tensor& w,
                                      double eps, bool unit_offset) {
   check_norm_args(x_in, w);
-  TORCH_CHECK(a_in.sizes() == x_in.sizes() && a_in.scalar_type() == at::kBFloat16, "a must be x's shape, bfloat16");
+  TORCH_CHECK(a_in.sizes() == x_in.sizes() && a_in.scalar_type() == x_in.scalar_type(), "a must be x's shape and dtype");
   const at::Tensor x = x_in.contiguous(), a = a_in.contiguous();
   const int64_t H = x.size(1);
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  const uint16_t *xp = ptr<uint16_t>(x), *ap = ptr<uint16_t>(a);
-  uint16_t *sp = reinterpret_cast<uint16_t*>(sum.data_ptr()), *op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  norm_rows(x.size(0), [&](int64_t t) {
-    const uint16_t *xr = xp + t * H, *ar = ap + t * H;
-    uint16_t* sr = sp + t * H;
-    for (int64_t c = 0; c < H; ++c) store(sr + c, load(xr[c]) + load(ar[c]));
-    rms_norm_row(sr, ptr<uint16_t>(w), op + t * H, H, static_cast<float>(eps), unit_offset);
+  by_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T *xp = ptr<T>(x), *ap = ptr<T>(a), *wp = ptr<T>(w);
+    T *sp = reinterpret_cast<T*>(sum.data_ptr()), *op = reinterpret_cast<T*>(out.data_ptr());
+    norm_rows(x.size(0), [&](int64_t t) {
+      const T *xr = xp + t * H, *ar = ap + t * H;
+      T* sr = sp + t * H;
+      for (int64_t c = 0; c < H; ++c) store(sr + c, load(xr[c]) + load(ar[c]));
+      rms_norm_row(sr, wp, op + t * H, H, static_cast<float>(eps), unit_offset);
+    });
   });
   return {sum, out};
 }

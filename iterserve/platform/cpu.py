@@ -132,10 +132,10 @@ class CpuPlatform(Platform):
         q = cfg.quantization
         self._log_attention_paths(model.cfg)
         if self.dtype == torch.bfloat16 and self.kernels is not None:
-            use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
             if tiled_gemm_vectorised(self.kernels) and use_cpu_moe(model):
                 log.info("CPU bf16: the experts of mixture-of-experts layers on our tiled bf16 GEMM")
         if self.kernels is not None:
+            use_cpu_rms_norm(model)  # eager steps: one kernel per norm instead of eight ops
             use_cpu_elementwise(model)  # eager steps: SiLU-and-multiply and RoPE one kernel each
         blocks = getattr(model, "block_modules", set())
         if self.dtype == torch.float32:

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from iterserve.cpu_info import cpu_flags
+from iterserve.custom_ops import call_directly
 from iterserve.model.gguf_file import unpermute_qk
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
@@ -595,10 +596,10 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_order = self.out_order is None  # else the bias (in the model's order) is added after the gather
-        y = torch.ops.iterserve.cpu_linear(x, self.packed_weight, self.layout, self.out_features,
-                                           getattr(self, "twin_weight", None), getattr(self, "twin_scales", None),
-                                           getattr(self, "twin_mins", None), self.bias if in_order else None,
-                                           self.twin_max_tokens, self.twin, self.amx_min_rows, self.from_blocks)
+        op = _cpu_linear if call_directly() else torch.ops.iterserve.cpu_linear
+        y = op(x, self.packed_weight, self.layout, self.out_features, getattr(self, "twin_weight", None),
+               getattr(self, "twin_scales", None), getattr(self, "twin_mins", None),
+               self.bias if in_order else None, self.twin_max_tokens, self.twin, self.amx_min_rows, self.from_blocks)
         if in_order:
             return y
         y = y.index_select(-1, self.out_order)
