@@ -157,22 +157,29 @@ def test_decode_kernel_reads_8bit_as_its_dequantised_float32(fmt, q_dtype, head_
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q8_0_write_kernel_stores_the_torch_forms_bytes(dtype, variant_kernels):
-    """The CPU backend writes q8_0 rows with q8_0_kv_write: the same bytes as quantise (round half to
-    even, float16 scales to nearest even, zero blocks, tiny and huge values), into the named slots only."""
+@pytest.mark.parametrize("cache", ["q8_0", "bfloat16", "float32"])
+def test_write_kernel_stores_the_torch_forms_bytes(cache, dtype, variant_kernels):
+    """The CPU backend writes float32, bf16 and q8_0 rows with kv_write: the same bytes as the torch form
+    (quantise + index_copy_: bf16 rounded to nearest even; q8_0 rounds half to even, float16 scales to
+    nearest even, zero blocks, tiny and huge values), into the named slots only; a slot outside the
+    cache is refused before anything is written."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, 3, 64, generator=g) * torch.logspace(-9, 4, 40).view(40, 1, 1)
     x[3] = 0
     x[4, 0, :32] = torch.arange(32) - 15.5  # exact halves after scaling
+    x[5, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.0e38])  # bf16 ties, and a huge one
     x = x.to(dtype)
     slots = torch.randperm(8 * 16, generator=g)[:40]
-    got = torch.zeros(FORMATS["q8_0"].cache_shape(8, 16, 3, 64), dtype=torch.uint8)
+    fmt = FORMATS[cache]
+    got = torch.zeros(fmt.cache_shape(8, 16, 3, 64), dtype=fmt.storage)
     want = got.clone()
-    variant_kernels.q8_0_kv_write(x, got, slots)
+    variant_kernels.kv_write(x, got, slots)
     write_rows(want, x, slots)
-    assert torch.equal(got, want)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    before = got.clone()
     with pytest.raises(RuntimeError, match="outside the cache"):
-        variant_kernels.q8_0_kv_write(x[:1], got, torch.tensor([8 * 16]))
+        variant_kernels.kv_write(x[:2], got, torch.tensor([0, 8 * 16]))
+    assert torch.equal(got.view(torch.uint8), before.view(torch.uint8))
 
 
 @needs_kernels

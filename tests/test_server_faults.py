@@ -349,5 +349,5 @@ def test_step_timeout_covers_the_longest_step_of_a_large_model():
                        num_kv_heads=2, head_dim=16)
     budget = EngineConfig(max_num_batched_tokens=2048)
     big = longest_step_s(SimpleNamespace(model_config=llama_8b, config=budget))
-    assert 250 < big < 400  # 6.98e9 weights x 2 x 2048 tokens at 1e11 FLOP/s
+    assert 900 < big < 1000  # 6.98e9 weights x 2 x 2048 tokens at 3e10 FLOP/s
     assert longest_step_s(SimpleNamespace(model_config=tiny, config=budget)) < 1

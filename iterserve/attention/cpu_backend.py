@@ -16,6 +16,9 @@ from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 
 
+KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # kv_write's caches (uint8: q8_0)
+
+
 class CpuKernelAttentionBackend(AttentionBackend):
     name = "cpu"
 
@@ -24,11 +27,12 @@ class CpuKernelAttentionBackend(AttentionBackend):
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """A q8_0 cache is written by the kernel (the torch form's bytes, in one pass instead of ~15 ops)."""
-        if k_cache.dtype != torch.uint8:
+        """A float32, bf16 or q8_0 cache is written by the kernel (the torch form's bytes, in one pass
+        instead of a cast and an index_copy_, or ~15 ops for q8_0); fp8 by the torch form."""
+        if k_cache.dtype not in KERNEL_KV_DTYPES or k.dtype not in (torch.float32, torch.bfloat16):
             return super().write_kv(k_cache, v_cache, k, v, slot_mapping)
-        self.kernels.q8_0_kv_write(k, k_cache, slot_mapping)
-        self.kernels.q8_0_kv_write(v, v_cache, slot_mapping)
+        self.kernels.kv_write(k, k_cache, slot_mapping)
+        self.kernels.kv_write(v, v_cache, slot_mapping)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:

@@ -23,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a chunk's queries, causal, against its sequence's paged K/V (bf16, AVX512-BF16); window and softcap 0: "
         "off (see attention_prefill.cpp)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("ctx"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
-  m.def("q8_0_kv_write", &q8_0_kv_write, "x [T, kv_heads, D] quantised into a q8_0 KV cache's slots, in place "
+  m.def("kv_write", &kv_write, "x [T, kv_heads, D] into a float32, bf16 or q8_0 KV cache's slots, in place "
         "(the bytes of attention/kv_cache_dtype.py's quantise; see kv_write.cpp)", py::arg("x"), py::arg("cache"),
         py::arg("slot_mapping"));
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 or float32 rows in Hugging Face's order of rounding; unit_offset: Gemma's "

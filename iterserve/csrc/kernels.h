@@ -23,7 +23,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
                                    double softcap);
 
 // kv_write.cpp
-void q8_0_kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping);
+void kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping);
 
 // gemm_quant.cpp
 at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales);

@@ -1,5 +1,7 @@
-// q8_0_kv_write: a step's keys or values written into a q8_0 KV cache (kv_formats.h), quantised on the
-// way in, in one pass. The torch form (attention/kv_cache_dtype.py `quantise`, ~15 small ops) took
+// kv_write: a step's keys or values written into a float32, bf16 or q8_0 KV cache (kv_formats.h) at
+// their slots, converted or quantised on the way in, in one pass. bf16 from float32 rows (the default cache
+// of a float32 run on an AVX2-only CPU) is torch's rounding, to nearest even: the bytes of the torch form
+// (`.to(bfloat16)` and `index_copy_`, two ops a call with their dispatch, 60 calls a SmolLM2 step). q8_0: The torch form (attention/kv_cache_dtype.py `quantise`, ~15 small ops) took
 // ~250 us a call for 16 decode rows on a loaded 2-core host: 15 ms of a SmolLM2 step's 60 writes.
 // Same arithmetic as the torch form and llama.cpp's quantize_row_q8_0: per 32 values d = max|x| / 127,
 // q = round-half-even(x * (1 / d)), d stored as float16 (round to nearest even), so the bytes equal
@@ -44,27 +46,42 @@ void quantise_row(const T* x, int64_t D, Q8Block* out) {
 
 }  // namespace
 
-// x [T, KVH, D] float32 or bf16 -> cache [num_blocks, block_size, KVH, D / 32 * 34] uint8 at the
-// slots slot_mapping [T] int64 names (slot = block * block_size + offset), in place.
-void q8_0_kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping) {
+// x [T, KVH, D] float32 or bf16 -> cache [num_blocks, block_size, KVH, W] at the slots slot_mapping [T]
+// int64 names (slot = block * block_size + offset), in place; W = D (float32, bf16) or D / 32 * 34 bytes (q8_0).
+void kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(x_in.dim() == 3 && cache.dim() == 4 && cache.is_contiguous(), "x must be [T, kv_heads, D], the cache 4-d");
   const at::Tensor x = x_in.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2);
-  TORCH_CHECK(kv_format(cache, D) == KVFormat::kQ8 && cache.size(2) == KVH, "the cache must be q8_0 of x's heads");
+  const KVFormat fmt = kv_format(cache, D);
+  TORCH_CHECK(fmt == KVFormat::kQ8 || fmt == KVFormat::kBF16 || fmt == KVFormat::kFloat,
+              "kv_write takes float32, bf16 or q8_0 caches");
+  TORCH_CHECK(cache.size(2) == KVH, "the cache must have x's heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == T, "one int64 slot per row");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  const int64_t num_slots = cache.size(0) * cache.size(1), row = D / 32;
+  const int64_t num_slots = cache.size(0) * cache.size(1);
   const int64_t* sp = slots.const_data_ptr<int64_t>();
-  Q8Block* dst = reinterpret_cast<Q8Block*>(cache.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
-    for (int64_t h = 0; h < KVH; ++h) {
-      Q8Block* out = dst + (sp[t] * KVH + h) * row;
-      if (x.scalar_type() == at::kFloat) quantise_row(ptr<float>(x) + (t * KVH + h) * D, D, out);
-      else quantise_row(ptr<uint16_t>(x) + (t * KVH + h) * D, D, out);
-    }
-  }
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
+  auto rows = [&](auto zero) {
+    using X = decltype(zero);
+    const X* xp = ptr<X>(x);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        const X* src = xp + (t * KVH + h) * D;
+        const int64_t at = sp[t] * KVH + h;  // the (slot, head) row of the cache
+        if (fmt == KVFormat::kQ8) {
+          quantise_row(src, D, reinterpret_cast<Q8Block*>(cache.data_ptr()) + at * (D / 32));
+        } else if (fmt == KVFormat::kBF16) {
+          uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr()) + at * D;
+          for (int64_t d = 0; d < D; ++d) store(dst + d, load(src[d]));
+        } else {
+          float* dst = reinterpret_cast<float*>(cache.data_ptr()) + at * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]);
+        }
+      }
+  };
+  if (x.scalar_type() == at::kFloat) rows(float{});
+  else rows(uint16_t{});
 }
 
 }  // namespace iterserve

@@ -173,13 +173,16 @@ def error_output(request_id: str, message: str, reason: str = "error") -> Reques
     return RequestOutput(request_id, [], "", True, reason, 0, 0, RequestTimes(time.monotonic()), error=message)
 
 
-SLOWEST_FLOPS = 1e11  # FLOP/s a slow host (2 cores, AVX2, under load) still reaches in a prefill's GEMMs
+# FLOP/s a slow host (2 cores, AVX2, under load) still reaches in a prefill's GEMMs: a 2-core Zen 3 ran an
+# 8B Q4_K_M's prefill at ~130 GFLOP/s alone and under 100 with a test suite beside it (a 2048-token step
+# took 286 s and was failed as hung at 1e11), so a margin of 4x below what it reached alone
+SLOWEST_FLOPS = 3e10
 
 
 def longest_step_s(engine: LLMEngine) -> float:
     """What the largest step this engine can schedule (max_num_batched_tokens of prefill) may take on
     a slow host: 2 FLOPs per weight per token at SLOWEST_FLOPS. The step timeout is never shorter, so
-    a long prompt chunk of an 8B model on two cores (~70 s here) is not taken for a hung kernel."""
+    a long prompt chunk of an 8B model on two cores (70-290 s seen) is not taken for a hung kernel."""
     body, _ = engine.model_config.param_counts()
     return 2.0 * body * engine.config.max_num_batched_tokens / SLOWEST_FLOPS
 

@@ -81,7 +81,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="an engine step running longer than this many seconds turns /health to 503 and fails "
                         "the open requests (a hung kernel or device); raised to what a full prefill step of the "
                         "model may take on a slow host (2 FLOPs per weight per token of --max-num-batched-tokens "
-                        "at 100 GFLOP/s: ~330 s for an 8B) where that is longer; 0 = never (default 60)")
+                        "at 30 GFLOP/s: ~950 s for an 8B) where that is longer; 0 = never (default 60)")
     g.add_argument("--max-consecutive-step-failures", type=int, default=3,
                    help="engine steps failing in a row that declare the engine dead: /health 503, every "
                         "request refused (default 3)")
