@@ -33,8 +33,6 @@ def _paged_attention_fake(q, k, v, layer, scale, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The op under torch.compile and the profiler; its kernel function straight in eager runs

@@ -1,8 +1,9 @@
 // kv_write: a step's keys or values written into a float32, bf16 or q8_0 KV cache (kv_formats.h) at
 // their slots, converted or quantised on the way in, in one pass. bf16 from float32 rows (the default cache
 // of a float32 run on an AVX2-only CPU) is torch's rounding, to nearest even: the bytes of the torch form
-// (`.to(bfloat16)` and `index_copy_`, two ops a call with their dispatch, 60 calls a SmolLM2 step). q8_0: The torch form (attention/kv_cache_dtype.py `quantise`, ~15 small ops) took
-// ~250 us a call for 16 decode rows on a loaded 2-core host: 15 ms of a SmolLM2 step's 60 writes.
+// (`.to(bfloat16)` and `index_copy_`, two ops a call with their dispatch, 60 calls a SmolLM2 step). q8_0:
+// the torch form (attention/kv_cache_dtype.py `quantise`, ~15 small ops) took ~250 us a call for 16
+// decode rows on a loaded 2-core host: 15 ms of a SmolLM2 step's 60 writes.
 // Same arithmetic as the torch form and llama.cpp's quantize_row_q8_0: per 32 values d = max|x| / 127,
 // q = round-half-even(x * (1 / d)), d stored as float16 (round to nearest even), so the bytes equal
 // the torch form's (tests/test_kv_cache_dtype.py).
