@@ -34,10 +34,6 @@ def gemm_gflops(dtype: torch.dtype = torch.bfloat16, n: int = 1024, reps: int = 
     return 2 * n**3 / best_time(lambda: torch.mm(a, b), reps) / 1e9
 
 
-def bf16_gemm_gflops(n: int = 1024, reps: int = 5) -> float:
-    return gemm_gflops(torch.bfloat16, n, reps)
-
-
 def best_gemm_gflops(fig: dict[str, Any]) -> float:
     """The faster of the host's bf16 and float32 GEMM figures: the compute bound of a step counts the
     best dense rate the host has (bf16 crawls without AVX512-BF16, where the engine runs float32)."""
@@ -47,7 +43,7 @@ def best_gemm_gflops(fig: dict[str, Any]) -> float:
 def machine_figures() -> dict[str, Any]:
     """host_info() plus the bandwidth and GEMM figures, and torch's thread count for them."""
     return {**host_info(), "copy_gb_s": round(copy_bandwidth_gbs(), 1),
-            "bf16_gemm_1024_gflop_s": round(bf16_gemm_gflops(), 1),
+            "bf16_gemm_1024_gflop_s": round(gemm_gflops(torch.bfloat16), 1),
             "f32_gemm_1024_gflop_s": round(gemm_gflops(torch.float32), 1), "torch_threads": torch.get_num_threads()}
 
 

@@ -52,7 +52,7 @@ def summarise(prof, steps: int) -> dict:
     total = sum(ms for ms, _ in ops.values())
     buckets = {name: sum(ops[k][0] for k in keys if k in ops) for name, keys in BUCKETS.items()}
     buckets["other"] = total - sum(buckets.values())
-    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:int(os.environ.get("PROFILE_TOP_OPS", 8))]
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:8]
     return {"profiled_cpu_ms_per_step": total, "ops_per_step": sum(c for _, c in ops.values()),
             "buckets_ms": buckets, "top_ops": [(k, round(ms, 2), c) for k, (ms, c) in top]}
 
