@@ -57,8 +57,12 @@ using namespace gguf;
 #endif
 
 
+// The AVX2 path reads the K-quants' activations per 32 inputs as the 16 even inputs, then the 16 odd
+// ones (see there); the others in input order.
+constexpr bool kXqEvenOdd = !ISV_GG_AVX512 && ISV_GG_AVX2;
+
 struct GgRows {  // the quantised activation rows
-  const int16_t* xq;   // [M, K], in input order (K-quant blocks)
+  const int16_t* xq;   // [M, K] (K-quant blocks): in input order, or even / odd per 32 (kXqEvenOdd)
   const int16_t* xq4;  // [M, K4], each 128 inputs in the x4 order (32-input blocks); null when unused
   const float* dx;     // [M]: one scale a row
   const float* sx;     // [M, K4 / 32]: float32 sum of x over each 32 inputs (not quantised), zero past K
@@ -277,8 +281,13 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
     for (int m = 0; m < MB; ++m) store(out + m * ldo + n, _mm512_reduce_add_ps(acc[m]) * a.dx[m] + mins.total(m));
   }
 #elif ISV_GG_AVX2
-  // AVX2 (+ F16C): the same integer sums on 16 lanes, vpmaddwd + vpaddd; two int32 accumulators a
-  // super-block (inputs 0-15 and 16-31 of every 32), so no lane sums more than 16 products.
+  // AVX2 (+ F16C): the same integer sums on 16 lanes, vpmaddwd + vpaddd. K-quants: each 32 inputs' levels
+  // are taken as 16 int16 lanes holding a byte pair each (inputs 2i, 2i + 1), split into the even inputs
+  // (& 0xFF) and the odd ones (>> 8) without crossing the register's halves, scaled, and dotted with the
+  // activations' even and odd inputs (GgRows::xq's AVX2 order); int32 lane l of a super-block's sum holds
+  // inputs 4l..4l+3 of every 32, exact (Q4_K / Q5_K: at most 32 products a lane of 31 * 63 * 32767 < 2^31;
+  // Q6_K's larger levels: one sum per 128 inputs). Widening bytes to int16 in input order (vpmovzxbw
+  // across the halves, as before) cost 1.35x the time a row at one activation row (Zen 3).
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
@@ -289,33 +298,42 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
     for (int m = 0; m < MB; ++m) acc[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c->acc[m]);
     if (!first) mins.load(*c);
     if constexpr (KQ) {
+      const __m256i lowb = _mm256_set1_epi16(0x00FF);
       for (int64_t sb = k0 / 256; sb < k1 / 256; ++sb) {
         const uint8_t* b = wr + sb * kquant_bytes(TYPE);
         prefetch_stream(b, kquant_bytes(TYPE), wend, ahead);
-        __m256i is0[MB], is1[MB];
+        __m256i is[MB];
 #pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m) is0[m] = _mm256_setzero_si256(), is1[m] = _mm256_setzero_si256();
-        // one 32-input piece: levels (32 u8, input order) times its two 16-input scales, at input offset off
-        auto piece = [&](__m256i q, int16_t s0, int16_t s1, int64_t off, int sub) {
-          __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
-          __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
-          if (sub) w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(sub)), w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(sub));
-          w0 = _mm256_mullo_epi16(w0, _mm256_set1_epi16(s0));
-          w1 = _mm256_mullo_epi16(w1, _mm256_set1_epi16(s1));
+        for (int m = 0; m < MB; ++m) is[m] = _mm256_setzero_si256();
+        // one 32-input piece at input offset off: levels q (32 u8, input order) less sub, times sv
+        // (int16 lanes 0-7: the scale of inputs 0-15, lanes 8-15: that of inputs 16-31)
+        auto piece = [&](__m256i q, __m256i sv, int16_t sub, int64_t off) {
+          __m256i we = _mm256_and_si256(q, lowb), wo = _mm256_srli_epi16(q, 8);
+          if (sub) we = _mm256_sub_epi16(we, _mm256_set1_epi16(sub)), wo = _mm256_sub_epi16(wo, _mm256_set1_epi16(sub));
+          we = _mm256_mullo_epi16(we, sv);
+          wo = _mm256_mullo_epi16(wo, sv);
 #pragma GCC unroll 8
           for (int m = 0; m < MB; ++m) {
             const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq + m * K + sb * 256 + off);
-            is0[m] = _mm256_add_epi32(is0[m], _mm256_madd_epi16(w0, _mm256_loadu_si256(xr)));
-            is1[m] = _mm256_add_epi32(is1[m], _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1)));
+            is[m] = _mm256_add_epi32(is[m], _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(xr)),
+                                                             _mm256_madd_epi16(wo, _mm256_loadu_si256(xr + 1))));
           }
+        };
+        // a scale vector for piece: lanes 0-7 all `scales`' int16 lane lane_lo, lanes 8-15 all lane_hi (scales
+        // holds the same 8 int16 in both halves)
+        auto pick = [](__m256i scales, int lane_lo, int lane_hi) {
+          const auto ctl = [](int l) { return static_cast<int16_t>(((2 * l + 1) << 8) | (2 * l)); };
+          return _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(ctl(lane_hi)), _mm_set1_epi16(ctl(lane_lo))));
         };
         float d;
         if constexpr (TYPE == kQ6_K) {
           const uint8_t *ql = b, *qh = b + 128;
-          const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
           d = f16_at(b + 208);
+          const __m256 dv = _mm256_set1_ps(d);
           const __m256i m30 = _mm256_set1_epi8(0x30);
           for (int h = 0; h < 2; ++h) {
+            const __m256i scales = _mm256_broadcastsi128_si256(
+                _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h))));
             const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
             const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
@@ -325,13 +343,19 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
-            for (int s = 0; s < 4; ++s) piece(q[s], sc[8 * h + 2 * s], sc[8 * h + 2 * s + 1], 128 * h + 32 * s, 32);
+            for (int s = 0; s < 4; ++s) piece(q[s], pick(scales, 2 * s, 2 * s + 1), 32, 128 * h + 32 * s);
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; ++m) {  // one 128 inputs' sum: (q - 32) * sc up to 4096, 16 products a lane
+              acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), dv, acc[m]);
+              is[m] = _mm256_setzero_si256();
+            }
           }
         } else {
           uint64_t sc, mn;
           d = f16_at(b);
           k4_scales(b + 4, sc, mn);
           mins.add_kquant(b, mn, a, B4, sb);
+          const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
           const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
           __m256i qh = _mm256_setzero_si256();
           if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -346,15 +370,13 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
               lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
               hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
             }
-            piece(lo, byte_of(sc, 2 * j), byte_of(sc, 2 * j), 64 * j, 0);
-            piece(hi, byte_of(sc, 2 * j + 1), byte_of(sc, 2 * j + 1), 64 * j + 32, 0);
+            piece(lo, pick(scales, 2 * j, 2 * j), 0, 64 * j);
+            piece(hi, pick(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
           }
-        }
-        const __m256 dv = _mm256_set1_ps(d);
+          const __m256 dv = _mm256_set1_ps(d);
 #pragma GCC unroll 8
-        for (int m = 0; m < MB; ++m)
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1[m]), dv,
-                                   _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0[m]), dv, acc[m]));
+          for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), dv, acc[m]);
+        }
       }
     } else {
       const __m256i lo2 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), hi2 = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
@@ -559,6 +581,22 @@ void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
   }
   for (int64_t b = 0; b < K / 32; ++b)
     sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(load16(xr + 32 * b), load16(xr + 32 * b + 16)));
+#elif ISV_GG_AVX2
+  __m256 mx = _mm256_setzero_ps();
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t k = 0; k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xr + k), absmask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+  for (int64_t k = 0; k < K; k += 16) {  // to nearest even; |level| <= 32767, so the pack never saturates
+    const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k), inv));
+    const __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k + 8), inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8));
+  }
+  for (int64_t b = 0; b < K / 32; ++b)
+    sx[b] = reduce_add8(_mm256_add_ps(_mm256_add_ps(load8(xr + 32 * b), load8(xr + 32 * b + 8)),
+                                      _mm256_add_ps(load8(xr + 32 * b + 16), load8(xr + 32 * b + 24))));
 #else
   float amax = 0.f;
   for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(load(xr[k])));
@@ -614,6 +652,19 @@ struct GgQuantised {
       if (x4)  // position p of group g: input 8 * (p / 32) + p % 8 of block 4g + (p % 32) / 8, 8 inputs at a time
         for (int64_t k = 0; k < K; k += 8)
           std::memcpy(&xq4[m * K4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &xq[m * K + k], 16);
+      if constexpr (kXqEvenOdd) {
+#if ISV_GG_AVX2
+        for (int64_t k = 0; k + 32 <= K; k += 32) {  // per 32 inputs: the even ones, then the odd ones
+          __m256i* p = reinterpret_cast<__m256i*>(&xq[m * K + k]);
+          const __m256i v0 = _mm256_loadu_si256(p), v1 = _mm256_loadu_si256(p + 1);
+          const __m256i e = _mm256_packs_epi32(_mm256_srai_epi32(_mm256_slli_epi32(v0, 16), 16),
+                                               _mm256_srai_epi32(_mm256_slli_epi32(v1, 16), 16));
+          const __m256i o = _mm256_packs_epi32(_mm256_srai_epi32(v0, 16), _mm256_srai_epi32(v1, 16));
+          _mm256_storeu_si256(p, _mm256_permute4x64_epi64(e, 0xD8));
+          _mm256_storeu_si256(p + 1, _mm256_permute4x64_epi64(o, 0xD8));
+        }
+#endif
+      }
     }
   }
   GgRows rows() const { return {xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.data(), sx.data(), K, K4}; }
