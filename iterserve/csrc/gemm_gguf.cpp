@@ -59,11 +59,12 @@ using namespace gguf;
 
 // The AVX2 path reads the K-quants' activations per 32 inputs as the 16 even inputs, then the 16 odd
 // ones (see there); the others in input order.
-constexpr bool kXqEvenOdd = !ISV_GG_AVX512 && ISV_GG_AVX2;
+constexpr bool kXqEvenOdd = !ISV_GG_AVX512 && ISV_GG_AVX2;  // xq and xq4 alike
 
 struct GgRows {  // the quantised activation rows
   const int16_t* xq;   // [M, K] (K-quant blocks): in input order, or even / odd per 32 (kXqEvenOdd)
-  const int16_t* xq4;  // [M, K4], each 128 inputs in the x4 order (32-input blocks); null when unused
+  const int16_t* xq4;  // [M, K4], each 128 inputs in the x4 order (32-input blocks; then even / odd per 32
+                       // positions where kXqEvenOdd); null when unused
   const float* dx;     // [M]: one scale a row
   const float* sx;     // [M, K4 / 32]: float32 sum of x over each 32 inputs (not quantised), zero past K
   int64_t K, K4;
@@ -379,12 +380,14 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         }
       }
     } else {
-      const __m256i lo2 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), hi2 = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+      // the group's 4 scales, each on the two int32 lanes its block's positions land on (see below)
+      const __m256i by2 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+      const __m256i lowb = _mm256_set1_epi16(0x00FF);
       for (int64_t g = k0 / 128; g < k1 / 128; ++g) {
         const uint8_t* gb = wr + g * x4_bytes(TYPE);
         prefetch_stream(gb, x4_bytes(TYPE), wend, ahead);
-        const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb))));
-        const __m256 dA = _mm256_permutevar8x32_ps(d4, lo2), dB = _mm256_permutevar8x32_ps(d4, hi2);
+        const __m256 dv = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb)))), by2);
         const uint8_t* lv = gb + x4_header(TYPE);
         __m256i q[4];  // the 4 x 32 positions' levels as u8 (i8 for Q8_0)
         if constexpr (TYPE == kQ8_0) {
@@ -408,27 +411,33 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
             }
           }
         }
-        __m256i wa[4], wb[4];  // positions 0-15 (blocks 0, 1) and 16-31 (blocks 2, 3) of each 32, as int16
+        // as the K-quants: int16 lane i of q[j] holds positions 2i, 2i + 1, split into the even and odd
+        // positions without crossing the halves; int32 lane l of the dot holds positions 4l..4l+3 of
+        // each 32, i.e. block l / 2
+        __m256i we[4], wo[4];
         for (int j = 0; j < 4; ++j) {
           if constexpr (TYPE == kQ8_0) {
-            wa[j] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q[j]));
-            wb[j] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q[j], 1));
+            we[j] = _mm256_srai_epi16(_mm256_slli_epi16(q[j], 8), 8);
+            wo[j] = _mm256_srai_epi16(q[j], 8);
           } else {
-            const __m256i off = _mm256_set1_epi16(x4_offset(TYPE));
-            wa[j] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[j])), off);
-            wb[j] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[j], 1)), off);
+            we[j] = _mm256_and_si256(q[j], lowb);
+            wo[j] = _mm256_srli_epi16(q[j], 8);
+            if constexpr (x4_offset(TYPE) != 0) {
+              const __m256i off = _mm256_set1_epi16(x4_offset(TYPE));
+              we[j] = _mm256_sub_epi16(we[j], off), wo[j] = _mm256_sub_epi16(wo[j], off);
+            }
           }
         }
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
           const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq4 + m * a.K4 + g * 128);
-          __m256i ia = _mm256_madd_epi16(wa[0], _mm256_loadu_si256(xr));
-          __m256i ib = _mm256_madd_epi16(wb[0], _mm256_loadu_si256(xr + 1));
+          __m256i i0 = _mm256_madd_epi16(we[0], _mm256_loadu_si256(xr));
+          __m256i i1 = _mm256_madd_epi16(wo[0], _mm256_loadu_si256(xr + 1));
           for (int j = 1; j < 4; ++j) {
-            ia = _mm256_add_epi32(ia, _mm256_madd_epi16(wa[j], _mm256_loadu_si256(xr + 2 * j)));
-            ib = _mm256_add_epi32(ib, _mm256_madd_epi16(wb[j], _mm256_loadu_si256(xr + 2 * j + 1)));
+            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(we[j], _mm256_loadu_si256(xr + 2 * j)));
+            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(wo[j], _mm256_loadu_si256(xr + 2 * j + 1)));
           }
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), dB, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dA, acc[m]));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), dv, acc[m]);
         }
         if constexpr (has_min(TYPE)) mins.add_blocks(gb, a, B4, g);
       }
@@ -629,6 +638,21 @@ int64_t gg_check_shards(const int64_t* mt, int64_t S, int64_t K, int64_t K4, int
   return total;
 }
 
+#if ISV_GG_AVX2
+// Levels q[0, n) (n a multiple of 32) reordered in place: per 32, the 16 at even positions, then the 16 at odd ones.
+inline void even_odd(int16_t* q, int64_t n) {
+  for (int64_t k = 0; k < n; k += 32) {
+    __m256i* p = reinterpret_cast<__m256i*>(q + k);
+    const __m256i v0 = _mm256_loadu_si256(p), v1 = _mm256_loadu_si256(p + 1);
+    const __m256i e = _mm256_packs_epi32(_mm256_srai_epi32(_mm256_slli_epi32(v0, 16), 16),
+                                         _mm256_srai_epi32(_mm256_slli_epi32(v1, 16), 16));
+    const __m256i o = _mm256_packs_epi32(_mm256_srai_epi32(v0, 16), _mm256_srai_epi32(v1, 16));
+    _mm256_storeu_si256(p, _mm256_permute4x64_epi64(e, 0xD8));
+    _mm256_storeu_si256(p + 1, _mm256_permute4x64_epi64(o, 0xD8));
+  }
+}
+#endif
+
 // The activation rows of one call, quantised once on the calling thread as q4_gemm does (M x K is
 // tiny next to the weights); every row on its own, so a row's levels never depend on the others.
 struct GgQuantised {
@@ -654,15 +678,8 @@ struct GgQuantised {
           std::memcpy(&xq4[m * K4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &xq[m * K + k], 16);
       if constexpr (kXqEvenOdd) {
 #if ISV_GG_AVX2
-        for (int64_t k = 0; k + 32 <= K; k += 32) {  // per 32 inputs: the even ones, then the odd ones
-          __m256i* p = reinterpret_cast<__m256i*>(&xq[m * K + k]);
-          const __m256i v0 = _mm256_loadu_si256(p), v1 = _mm256_loadu_si256(p + 1);
-          const __m256i e = _mm256_packs_epi32(_mm256_srai_epi32(_mm256_slli_epi32(v0, 16), 16),
-                                               _mm256_srai_epi32(_mm256_slli_epi32(v1, 16), 16));
-          const __m256i o = _mm256_packs_epi32(_mm256_srai_epi32(v0, 16), _mm256_srai_epi32(v1, 16));
-          _mm256_storeu_si256(p, _mm256_permute4x64_epi64(e, 0xD8));
-          _mm256_storeu_si256(p + 1, _mm256_permute4x64_epi64(o, 0xD8));
-        }
+        even_odd(&xq[m * K], K);
+        if (x4) even_odd(&xq4[m * K4], K4);
 #endif
       }
     }
