@@ -308,8 +308,8 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         for (int m = 0; m < MB; ++m) is[m] = _mm256_setzero_si256();
         // one 32-input piece at input offset off: levels q (32 u8, input order) less sub, times sv
         // (int16 lanes 0-7: the scale of inputs 0-15, lanes 8-15: that of inputs 16-31)
-        auto piece = [&](__m256i q, __m256i sv, int16_t sub, int64_t off) {
-          __m256i we = _mm256_and_si256(q, lowb), wo = _mm256_srli_epi16(q, 8);
+        // (piece_eo: the levels already split into even inputs we and odd ones wo, as int16)
+        auto piece_eo = [&](__m256i we, __m256i wo, __m256i sv, int16_t sub, int64_t off) {
           if (sub) we = _mm256_sub_epi16(we, _mm256_set1_epi16(sub)), wo = _mm256_sub_epi16(wo, _mm256_set1_epi16(sub));
           we = _mm256_mullo_epi16(we, sv);
           wo = _mm256_mullo_epi16(wo, sv);
@@ -319,6 +319,9 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
             is[m] = _mm256_add_epi32(is[m], _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(xr)),
                                                              _mm256_madd_epi16(wo, _mm256_loadu_si256(xr + 1))));
           }
+        };
+        auto piece = [&](__m256i q, __m256i sv, int16_t sub, int64_t off) {
+          piece_eo(_mm256_and_si256(q, lowb), _mm256_srli_epi16(q, 8), sv, sub, off);
         };
         // a scale vector for piece: lanes 0-7 all `scales`' int16 lane lane_lo, lanes 8-15 all lane_hi (scales
         // holds the same 8 int16 in both halves)
@@ -361,8 +364,16 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           __m256i qh = _mm256_setzero_si256();
           if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
           const __m256i m10 = _mm256_set1_epi8(0x10);
+          const __m256i n0 = _mm256_set1_epi16(0x000F);  // Q4_K: each int16 lane's four nibbles straight out
           for (int j = 0; j < 4; ++j) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+            if constexpr (TYPE == kQ4_K) {
+              piece_eo(_mm256_and_si256(bytes, n0), _mm256_and_si256(_mm256_srli_epi16(bytes, 8), n0),
+                       pick(scales, 2 * j, 2 * j), 0, 64 * j);
+              piece_eo(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), n0), _mm256_srli_epi16(bytes, 12),
+                       pick(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
+              continue;
+            }
             __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
             if constexpr (TYPE == kQ5_K) {
               const int s = 2 * j;
@@ -389,25 +400,23 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         const __m256 dv = _mm256_permutevar8x32_ps(
             _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb)))), by2);
         const uint8_t* lv = gb + x4_header(TYPE);
-        __m256i q[4];  // the 4 x 32 positions' levels as u8 (i8 for Q8_0)
+        __m256i q[4];  // the 4 x 32 positions' levels as u8 (i8 for Q8_0; Q4_0 / Q4_1 split below straight from the bytes)
         if constexpr (TYPE == kQ8_0) {
           for (int j = 0; j < 4; ++j) q[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * j));
-        } else {
+        } else if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) {
           const uint8_t* hbits = gb + 8 + (has_min(TYPE) ? 8 : 0);
           for (int c = 0; c < 2; ++c) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * c));
             q[2 * c] = _mm256_and_si256(bytes, low4);
             q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-            if constexpr (TYPE == kQ5_0 || TYPE == kQ5_1) {
-              for (int t = 0; t < 2; ++t) {  // 32 bits -> 32 bytes of 0x10 / 0 (llama.cpp's bytes_from_bits_32)
-                uint32_t bits;
-                std::memcpy(&bits, hbits + 8 * c + 4 * t, 4);
-                const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-                __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), shuf);
-                v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-                v = _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
-                q[2 * c + t] = _mm256_or_si256(q[2 * c + t], _mm256_and_si256(v, _mm256_set1_epi8(0x10)));
-              }
+            for (int t = 0; t < 2; ++t) {  // 32 bits -> 32 bytes of 0x10 / 0 (llama.cpp's bytes_from_bits_32)
+              uint32_t bits;
+              std::memcpy(&bits, hbits + 8 * c + 4 * t, 4);
+              const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+              __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), shuf);
+              v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+              v = _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+              q[2 * c + t] = _mm256_or_si256(q[2 * c + t], _mm256_and_si256(v, _mm256_set1_epi8(0x10)));
             }
           }
         }
@@ -416,7 +425,16 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         // each 32, i.e. block l / 2
         __m256i we[4], wo[4];
         for (int j = 0; j < 4; ++j) {
-          if constexpr (TYPE == kQ8_0) {
+          if constexpr (TYPE == kQ4_0 || TYPE == kQ4_1) {  // each int16 lane's four nibbles straight out
+            const __m256i n0 = _mm256_set1_epi16(0x000F);
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * (j / 2)));
+            we[j] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, n0);
+            wo[j] = j % 2 ? _mm256_srli_epi16(bytes, 12) : _mm256_and_si256(_mm256_srli_epi16(bytes, 8), n0);
+            if constexpr (x4_offset(TYPE) != 0) {
+              const __m256i off = _mm256_set1_epi16(x4_offset(TYPE));
+              we[j] = _mm256_sub_epi16(we[j], off), wo[j] = _mm256_sub_epi16(wo[j], off);
+            }
+          } else if constexpr (TYPE == kQ8_0) {
             we[j] = _mm256_srai_epi16(_mm256_slli_epi16(q[j], 8), 8);
             wo[j] = _mm256_srai_epi16(q[j], 8);
           } else {
