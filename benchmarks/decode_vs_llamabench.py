@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=0,
                     help="also time prompt processing of this many tokens each round (llama-bench -p N)")
     ap.add_argument("--kv-cache-memory", default="512MiB")
+    ap.add_argument("--gguf-activations", choices=["int16", "int8"], default="int16",
+                    help="iterserve's --gguf-activations (int8: llama.cpp's activation quantisation for K-quants)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.llama_bench is None:
@@ -86,7 +88,7 @@ def main() -> int:
     per_token = sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
     bound = read * 1e9 / per_token
     print(f"{args.gguf.name}: {per_token / 1e9:.3f} GB read a token -> bound {bound:.1f} tok/s at {read:.1f} GB/s")
-    llm = LLM(str(args.gguf), kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(str(args.gguf), kv_cache_memory=args.kv_cache_memory, gguf_activations=args.gguf_activations)
     iterserve_decode(llm, 8)  # warm-up
     if args.prompt:
         iterserve_prefill(llm, args.prompt, 1000)

@@ -23,7 +23,7 @@ from torch import nn
 from iterserve.llm import LLM
 from iterserve.memory import model_tensors, weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import (INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
+from iterserve.platform.cpu_linear import (GGUF_INT8, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
                                            pack_bf16, pack_gguf_twin, prepack_available, random_shards,
                                            tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
@@ -206,3 +206,32 @@ def test_forced_bf16w_warns_of_no_rounding_for_blocks(q4_k_file, monkeypatch, tm
     with caplog.at_level(logging.WARNING, logger="iterserve.platform"):
         llm = _llm(q4_k_file, dtype="float32", bf16_gemm="bf16w")
     assert llm.engine.model.block_modules and "rounded to bf16" not in caplog.text
+
+
+@pytest.mark.skipif(not (load_cpu_kernels() and load_cpu_kernels().gguf_gemm_int8_supported()),
+                    reason="gguf_gemm's int8 activations need the AVX2 build")
+def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_file, monkeypatch, tmp_path):
+    """--gguf-activations int8: every module whose blocks are K-quants tells gguf_gemm int8 (each within
+    int8's error of the int16 module; the kernel's numbers are checked in test_kquant.py), a run takes
+    that path, the resolved config says so; refused with the reason where no step would read K-quant
+    blocks on gguf_gemm."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    int8, int16 = _llm(q4_k_only_file, gguf_activations="int8"), _llm(q4_k_only_file)
+    mods = [m for m in int8.engine.model.modules() if isinstance(m, CpuLinear)]
+    assert mods and all(m.op_twin == GGUF_INT8 for m in mods)
+    assert all(m.op_twin == "gguf" for m in int16.engine.model.modules() if isinstance(m, CpuLinear))
+    assert int8.engine.platform.resolved()["gguf_activations"] == "int8"
+    x = torch.randn(3, 256)
+    for m8, m16 in zip(mods, (m for m in int16.engine.model.modules() if isinstance(m, CpuLinear))):
+        y8, y16 = m8(x), m16(x)  # few rows: gguf_gemm, int8 and int16 activations
+        assert not torch.equal(y8, y16)
+        assert (y8 - y16).abs().max() <= 0.03 * y16.abs().max()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    prompts = [list(range(300, 303)), list(range(7, 12))]
+    a, b = int8.generate(prompts, params, use_tqdm=False), int16.generate(prompts, params, use_tqdm=False)
+    for x8, x16 in zip(a, b):  # a random model's logits are large (logprobs near -60): no closeness asked here
+        assert len(x8.token_ids) == 4 and x8.prompt_logprobs[1:] != x16.prompt_logprobs[1:]
+    with pytest.raises(ValueError, match="gguf_activations=int8 applies to a GGUF's K-quant blocks"):
+        _llm(q4_k_only_file, gguf_activations="int8", dtype="float32")  # float32 by name: no gguf_gemm
+    with pytest.raises(ValueError, match="gguf_activations must be 'int16' or 'int8'"):
+        _llm(q4_k_only_file, gguf_activations="int4")

@@ -345,3 +345,64 @@ def _decode_logits(engine, ids: list[int], prompt: int = 6) -> torch.Tensor:
     got = [run_step(runner, [(req, prompt)])[0]]
     got += [run_step(runner, [(req, 1)])[0] for _ in range(len(ids) - prompt)]
     return torch.stack(got[1:]).float()
+
+
+def _int8_reference(x: torch.Tensor, w: np.ndarray, c: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf_gemm(int8=True)'s sums in float64 from its own activation levels (round(x * (127 / amax)) to
+    nearest even per 256 inputs, in float32 as the kernel computes them), and the bound of float32 sums."""
+    xf = x.float().reshape(x.shape[0], -1, 256)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = (torch.round(xf * inv) * (amax / 127.0)).double().reshape(x.shape)
+    cd, md = torch.from_numpy(c).double(), torch.from_numpy(w - c).double()
+    ref = xq @ cd.t() + x.double() @ md.t()
+    bound = 2 ** -20 * (xq.abs() @ cd.abs().t() + x.double().abs() @ md.abs().t())
+    return ref, bound + (ref.abs() * 2 ** -8 if x.dtype == torch.bfloat16 else 0) + 1e-12
+
+
+@pytest.mark.parametrize("qtype", sorted(KQUANTS))
+def test_int8_activations_compute_llama_cpps_sums(qtype, kernel_variant, variant_kernels):
+    """gguf_gemm(int8=True) (--gguf-activations int8): the K-quant sums on activations quantised to int8
+    per 256 inputs, as a float64 reference on the same levels computes them, every row alone; further
+    from float32 than the int16 path (the cost it buys its speed with), within int8's bound of it."""
+    kernels = variant_kernels
+    if not kernels.gguf_gemm_int8_supported():
+        pytest.skip("this build has no AVX2 path (gguf_gemm int8 needs AVX2 + FMA + F16C)")
+    torch.manual_seed(0)
+    for k in sizes(qtype):
+        data = random_blocks(qtype, 37, k, seed=k)
+        w, c = dequant(qtype, data), dot_part(qtype, data)
+        buf, meta = pack_gguf_twin([Shard(0, qtype, data, k)], k)
+        for rows in (1, 2, 5, 9, 16):
+            x = torch.randn(rows, k) * torch.rand(1, k) * 3
+            y = kernels.gguf_gemm(x, buf, meta, 37, int8=True)
+            ref, bound = _int8_reference(x, w, c)
+            assert ((y.double() - ref).abs() <= bound).all(), (qtype, k, rows)
+            alone = torch.cat([kernels.gguf_gemm(x[i:i + 1], buf, meta, 37, int8=True) for i in range(rows)])
+            assert torch.equal(alone, y)
+            exact = x.double() @ torch.from_numpy(w).double().t()
+            int8_cost = (x.double().abs().reshape(rows, -1, 256).amax(-1) / 254).repeat_interleave(256, 1) \
+                @ torch.from_numpy(np.abs(c)).double().t()
+            assert ((y.double() - exact).abs() <= int8_cost + bound).all()
+        xb = torch.randn(3, k).bfloat16()
+        ref, bound = _int8_reference(xb, w, c)
+        assert ((kernels.gguf_gemm(xb, buf, meta, 37, int8=True).double() - ref).abs() <= bound).all()
+
+
+def test_int8_activations_leave_32_input_shards_and_long_rows_alone(kernel_variant, variant_kernels):
+    """One call over shards of K-quants and of a 32-input type, K past one chunk (16384 / rows): the
+    32-input shard's outputs are the int16 call's bits, the K-quant ones the reference's, whatever the rows."""
+    kernels = variant_kernels
+    if not kernels.gguf_gemm_int8_supported():
+        pytest.skip("this build has no AVX2 path (gguf_gemm int8 needs AVX2 + FMA + F16C)")
+    k, types = 16896, ("Q4_K", "Q5_1", "Q6_K")
+    shards = [Shard(7 * i, t, random_blocks(t, 7, k, seed=i), k) for i, t in enumerate(types)]
+    buf, meta = pack_gguf_twin(shards, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(3)) * 2
+    y, y16 = kernels.gguf_gemm(x, buf, meta, 21, int8=True), kernels.gguf_gemm(x, buf, meta, 21)
+    assert torch.equal(y[:, 7:14], y16[:, 7:14]) and not torch.equal(y[:, :7], y16[:, :7])
+    for s, cols in ((shards[0], slice(0, 7)), (shards[2], slice(14, 21))):
+        ref, bound = _int8_reference(x, dequant(s.qtype, s.data), dot_part(s.qtype, s.data))
+        assert ((y[:, cols].double() - ref).abs() <= bound).all(), s.qtype
+    for m in (1, 4, 8):
+        assert torch.equal(kernels.gguf_gemm(x[:m], buf, meta, 21, int8=True), y[:m])

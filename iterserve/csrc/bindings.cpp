@@ -57,7 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_gemm", &q8_0_gemm, "x @ w.T for int8 w with a float scale per 32 inputs (GGUF Q8_0)");
   m.def("gguf_gemm", &gguf_gemm, "x @ w.T from GGUF blocks (K-quants as stored, 32-input blocks repacked four "
         "to a group by pack_gguf_x4); a row range per shard, meta [S, 4]: type, rows, bytes per row, offset "
-        "(layout in gemm_gguf.cpp)", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("N"));
+        "(layout in gemm_gguf.cpp); int8: the K-quant shards on int8 activations per 256 inputs (llama.cpp's "
+        "Q8_K) instead of int16 per row", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("N"),
+        py::arg("int8") = false);
+  m.def("gguf_gemm_int8_supported", &gguf_gemm_int8_supported, "whether gguf_gemm(int8=True) runs in this build");
   m.def("gguf_moe_gemm", &gguf_moe_gemm, "llama.cpp's mul_mat_id from GGUF blocks: rows offsets[u] .. offsets[u + 1] "
         "of x (or of x[rows]) through expert experts[u], whose shards are meta[e] ([E, S, 4], as gguf_gemm's) in "
         "buf; one call a layer", py::arg("x"), py::arg("buf"), py::arg("meta"), py::arg("experts"), py::arg("offsets"),

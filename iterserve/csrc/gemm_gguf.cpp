@@ -68,8 +68,14 @@ struct GgRows {  // the quantised activation rows
   const float* dx;     // [M]: one scale a row
   const float* sx;     // [M, K4 / 32]: float32 sum of x over each 32 inputs (not quantised), zero past K
   int64_t K, K4;
+  // int8 activations for the K-quants (gguf_gemm(int8=true), llama.cpp's Q8_K), null otherwise: levels
+  // round(x / d8) per 256 inputs, d8 = amax / 127, and the levels' sums per 16 inputs
+  const int8_t* x8 = nullptr;  // [M, K]
+  const float* d8 = nullptr;   // [M, K / 256]
+  const int16_t* bs = nullptr;  // [M, K / 16]
   GgRows at(int64_t m) const {
-    return {xq + m * K, xq4 ? xq4 + m * K4 : nullptr, dx + m, sx + m * (K4 / 32), K, K4};
+    return {xq + m * K, xq4 ? xq4 + m * K4 : nullptr, dx + m, sx + m * (K4 / 32), K, K4,
+            x8 ? x8 + m * K : nullptr, x8 ? d8 + m * (K / 256) : nullptr, x8 ? bs + m * (K / 16) : nullptr};
   }
 };
 
@@ -546,6 +552,114 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
 #endif
 }
 
+#if ISV_GG_AVX2
+// gg_rows for the K-quants on int8 activations (GgRows::x8; AVX2, also in AVX-512 builds): llama.cpp's
+// Q4_K x Q8_K dot, vpmaddubsw (u8 levels x s8 activations, pairs summed in int16: at most 2 * 63 * 127)
+// then vpmaddwd by the sub-block scales, one float multiply-add a super-block with d * d8. About half
+// the instructions of the int16 path a weight, at llama.cpp's accuracy instead of int16's (docs/profile.md).
+// The mins term is the int16 path's (float sums of x); Q6_K's offset of 32 comes off as 32 * sc * the
+// activations' sums per 16 (bs).
+template <int64_t TYPE, int MB, bool CH, typename T>
+void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0, int64_t n1,
+                int64_t last, int64_t k0, int64_t k1, GgCarry<MB>* carry) {
+  const int64_t K = a.K, B4 = a.K4 / 32, NB = K / 256;
+  const bool first = !CH || k0 == 0, final = !CH || k1 >= K;
+  const int64_t ahead = CH ? row_bytes : kStreamAhead;
+  const uint8_t* wend = w + (last + 1) * row_bytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  auto pick = [](__m256i scales, int lane_lo, int lane_hi) {  // as gg_rows' AVX2 pick
+    const auto ctl = [](int l) { return static_cast<int16_t>(((2 * l + 1) << 8) | (2 * l)); };
+    return _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(ctl(lane_hi)), _mm_set1_epi16(ctl(lane_lo))));
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[MB];
+    GgMins<TYPE, MB> mins;
+    GgCarry<MB>* c = carry ? carry + (n - n0) : nullptr;
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c->acc[m]);
+    if (!first) mins.load(*c);
+    for (int64_t sb = k0 / 256; sb < k1 / 256; ++sb) {
+      const uint8_t* b = wr + sb * kquant_bytes(TYPE);
+      prefetch_stream(b, kquant_bytes(TYPE), wend, ahead);
+      __m256i is[MB];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) is[m] = _mm256_setzero_si256();
+      // 32 levels q (u8, input order) at input offset off, times scale vector sv
+      auto piece = [&](__m256i q, __m256i sv, int64_t off) {
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x8 + m * K + sb * 256 + off));
+          is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sv));
+        }
+      };
+      float d;
+      if constexpr (TYPE == kQ6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        d = f16_at(b + 208);
+        const __m256i m30 = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i scales = _mm256_broadcastsi128_si256(
+              _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h))));
+          const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+          piece(_mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
+                pick(scales, 0, 1), 128 * h);
+          piece(_mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
+                pick(scales, 2, 3), 128 * h + 32);
+          piece(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
+                pick(scales, 4, 5), 128 * h + 64);
+          piece(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)),
+                pick(scales, 6, 7), 128 * h + 96);
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {  // the levels' offset: 32 * sum over the 16 sub-blocks of sc * bs
+          const __m256i bsv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bs + m * (K / 16) + sb * 16));
+          is[m] = _mm256_sub_epi32(is[m], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5));
+        }
+      } else {
+        uint64_t sc, mn;
+        d = f16_at(b);
+        k4_scales(b + 4, sc, mn);
+        mins.add_kquant(b, mn, a, B4, sb);
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+        const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
+        __m256i qh = _mm256_setzero_si256();
+        if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        const __m256i m10 = _mm256_set1_epi8(0x10);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+          __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+          if constexpr (TYPE == kQ5_K) {
+            const int s = 2 * j;
+            const __m256i h0 = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+            const __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - s) : _mm256_srli_epi16(qh, s - 3);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
+          }
+          piece(lo, pick(scales, 2 * j, 2 * j), 64 * j);
+          piece(hi, pick(scales, 2 * j + 1, 2 * j + 1), 64 * j + 32);
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_set1_ps(d * a.d8[m * NB + sb]), acc[m]);
+    }
+    if (!final) {
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) _mm256_storeu_ps(c->acc[m], acc[m]);
+      mins.save(*c);
+      continue;
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, reduce_add8(acc[m]) + mins.total(m));
+  }
+}
+#endif
+
 // The rows of a tile of 32 weight rows, MB activation rows at a time, over K in chunks whose MB
 // activation rows (int16) fit in 32 KiB of L1: 8 rows of an 8B's down projection (K 14336) are
 // 224 KiB, and one pass over all K read them from L2 once per weight row (half the rate at K 8192
@@ -555,6 +669,17 @@ void gg_tile(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
              int64_t last) {
   constexpr int64_t kChunk = 16384 / MB;  // inputs: a multiple of 256 (K-quant blocks) and of 128 (x4 groups)
   const int64_t kend = is_kquant(TYPE) ? a.K : a.K4;
+#if ISV_GG_AVX2
+  if constexpr (is_kquant(TYPE)) {
+    if (a.x8) {
+      if (kend <= kChunk) return gg_rows_i8<TYPE, MB, false>(a, w, row_bytes, out, ldo, t0, t1, last, 0, kend, nullptr);
+      GgCarry<MB> carry[32];
+      for (int64_t k0 = 0; k0 < kend; k0 += kChunk)
+        gg_rows_i8<TYPE, MB, true>(a, w, row_bytes, out, ldo, t0, t1, last, k0, std::min(kend, k0 + kChunk), carry);
+      return;
+    }
+  }
+#endif
   if (kend <= kChunk) return gg_rows<TYPE, MB, false>(a, w, row_bytes, out, ldo, t0, t1, last, 0, kend, nullptr);
   GgCarry<MB> carry[32];
   for (int64_t k0 = 0; k0 < kend; k0 += kChunk)
@@ -671,21 +796,72 @@ inline void even_odd(int16_t* q, int64_t n) {
 }
 #endif
 
+#if ISV_GG_AVX2
+inline int32_t sum_i32x8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+// One activation row -> int8 levels per 256 inputs (K a multiple of 256): q = round(x / d8) to nearest
+// even, d8 = amax / 127, and the levels' sums per 16 inputs (llama.cpp's quantize_row_q8_K, symmetric).
+template <typename X>
+void gg_quantise_row_i8(const X* xr, int64_t K, int8_t* q, float* d8, int16_t* bs) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const X* xb = xr + 256 * b;
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < 256; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xb + i), absmask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    d8[b] = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int i = 0; i < 256; i += 32) {
+      __m256i r[4];
+      for (int t = 0; t < 4; ++t) r[t] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + i + 8 * t), inv));
+      // |level| <= 127: the packs never saturate; the two packs interleave the halves, the permute undoes it
+      const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+      const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 256 * b + i), p8);
+      // the sums of inputs i..i+15 and i+16..i+31, from the int16 levels in input order
+      const __m256i s16 = _mm256_madd_epi16(_mm256_permute4x64_epi64(p16a, 0xD8), _mm256_set1_epi16(1));
+      const __m256i t16 = _mm256_madd_epi16(_mm256_permute4x64_epi64(p16b, 0xD8), _mm256_set1_epi16(1));
+      bs[16 * b + i / 16] = static_cast<int16_t>(sum_i32x8(s16));
+      bs[16 * b + i / 16 + 1] = static_cast<int16_t>(sum_i32x8(t16));
+    }
+  }
+}
+#endif
+
 // The activation rows of one call, quantised once on the calling thread as q4_gemm does (M x K is
 // tiny next to the weights); every row on its own, so a row's levels never depend on the others.
 struct GgQuantised {
-  std::vector<int16_t> xq, xq4;
-  std::vector<float> dx, sx;
+  std::vector<int16_t> xq, xq4, bs;
+  std::vector<float> dx, sx, d8;
+  std::vector<int8_t> x8;
   int64_t K, K4;
 
-  // row m is xc's row src[m] (a gather) where src is given, else its row m
-  GgQuantised(const at::Tensor& xc, bool x4, const int64_t* src = nullptr, int64_t M = -1)
+  // row m is xc's row src[m] (a gather) where src is given, else its row m; int8: also the int8 rows
+  // the K-quant shards then read (K a multiple of 256)
+  GgQuantised(const at::Tensor& xc, bool x4, const int64_t* src = nullptr, int64_t M = -1, bool int8 = false)
       : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128) {
     if (M < 0) M = xc.size(0);
     const int64_t B4 = K4 / 32;
     xq.resize(M * K), xq4.assign(x4 ? M * K4 : 0, 0), dx.resize(M), sx.assign(M * B4, 0.f);
+    if (int8) x8.resize(M * K), d8.resize(M * (K / 256)), bs.resize(M * (K / 16));
     for (int64_t m = 0; m < M; ++m) {
       const int64_t r = src ? src[m] : m;
+#if ISV_GG_AVX2
+      if (int8) {
+        if (xc.scalar_type() == at::kFloat)
+          gg_quantise_row_i8(xc.const_data_ptr<float>() + r * K, K, &x8[m * K], &d8[m * (K / 256)], &bs[m * (K / 16)]);
+        else
+          gg_quantise_row_i8(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + r * K, K, &x8[m * K],
+                             &d8[m * (K / 256)], &bs[m * (K / 16)]);
+      }
+#endif
       if (xc.scalar_type() == at::kFloat)
         gg_quantise_row(xc.const_data_ptr<float>() + r * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
       else
@@ -702,7 +878,10 @@ struct GgQuantised {
       }
     }
   }
-  GgRows rows() const { return {xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.data(), sx.data(), K, K4}; }
+  GgRows rows() const {
+    return {xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.data(), sx.data(), K, K4,
+            x8.empty() ? nullptr : x8.data(), d8.empty() ? nullptr : d8.data(), bs.empty() ? nullptr : bs.data()};
+  }
 };
 
 // Output columns [lo, hi) of one weight's shards (meta at mt) for M activation rows.
@@ -728,8 +907,9 @@ void gg_check_x(const at::Tensor& x, const at::Tensor& buf) {
 }  // namespace
 
 // x [M, K] float32 or bfloat16; buf uint8 (every shard's rows, see above); meta [S, 4] int64 -> [M, N].
-at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N) {
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N, bool int8) {
   gg_check_x(x, buf);
+  TORCH_CHECK(!int8 || ISV_GG_AVX2, "gguf_gemm: int8 activations need a build with AVX2 + FMA + F16C");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
               "meta must be contiguous [S, 4] int64 (type, rows, bytes per row, offset)");
   const int64_t M = x.size(0), K = x.size(1), S = meta.size(0), K4 = (K + 127) / 128 * 128;
@@ -739,7 +919,9 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tenso
   TORCH_CHECK(total == N, "gguf_gemm: the shards have ", total, " rows, N is ", N);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const GgQuantised q(x.contiguous(), x4);
+  bool kq = false;  // int8 rows only where a K-quant shard reads them
+  for (int64_t s = 0; s < S; ++s) kq = kq || is_kquant(mt[4 * s]);
+  const GgQuantised q(x.contiguous(), x4, nullptr, -1, int8 && kq);
   const GgRows rows = q.rows();
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   auto run = [&](auto* op) {
@@ -809,6 +991,9 @@ at::Tensor gguf_moe_gemm(const at::Tensor& x, const at::Tensor& buf, const at::T
   else run(reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 }
+
+// int8 activations for gguf_gemm's K-quant shards (int8=true) in this build
+bool gguf_gemm_int8_supported() { return ISV_GG_AVX2; }
 
 // which gguf_gemm path this build runs: "avx512-vnni", "avx2" or "scalar"
 std::string gguf_gemm_isa() { return ISV_GG_AVX512 ? "avx512-vnni" : ISV_GG_AVX2 ? "avx2" : "scalar"; }

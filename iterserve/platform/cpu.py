@@ -27,7 +27,7 @@ from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, bf16_gemm_layout,
                                            bf16_linears_available, four_bit_max_tokens, gguf_twin_name, gguf_twins_of,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
-                                           tiled_gemm_vectorised, use_gguf_blocks)
+                                           tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
                                               choose_kernels, kernel_choice_dir, linears_by_shape, parse_linear_key,
                                               shapes_of)
@@ -117,6 +117,22 @@ class CpuPlatform(Platform):
         return frozenset(GGUF_BLOCKS)
 
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
+        """The projections and the LM head laid out and given their twins (`_prepare_linears`), then,
+        with gguf_activations int8, those reading K-quant blocks put on int8 activations."""
+        self._prepare_linears(model, source)
+        if self.config.gguf_activations != "int8":
+            return
+        if self.kernels is None or not self.kernels.gguf_gemm_int8_supported():
+            raise ValueError("gguf_activations=int8 needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
+        n = use_int8_activations(model)
+        if not n:
+            raise ValueError("gguf_activations=int8 applies to a GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) that steps "
+                             "of few rows read (gguf_gemm); this run has none (not a K-quant GGUF, or float32 asked "
+                             "for by name: every step computes in float32 then)")
+        log.info("CPU: %d projections (head included) read their K-quant blocks on int8 activations (a scale per 256 "
+                 "inputs, llama.cpp's Q8_K) in steps of few rows", n)
+
+    def _prepare_linears(self, model: nn.Module, source: ModelSource) -> None:
         """In bf16: weights laid out once for a bf16 GEMM (ours, oneDNN's, or a float32 copy) and
         (quantization) a 4-bit twin of the projections and a Q8_0 twin of the LM head for steps of
         few tokens, where decoding is bound by reading weights (platform/cpu_linear.py). A GGUF in
@@ -352,6 +368,7 @@ class CpuPlatform(Platform):
                 "bf16_gemm": "/".join(layouts) if layouts else self.layout,
                 "quantization": "gguf" if self.gguf_twins else "int4" if self.int4_max_tokens else "none",
                 "gguf_twins": sorted({gguf_twin_name(s) for s in self.gguf_twins.values()}),
+                "gguf_activations": self.config.gguf_activations if self.gguf_twins else None,
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
                 "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else

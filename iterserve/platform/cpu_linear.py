@@ -64,6 +64,7 @@ from iterserve.platform.cpu_kernels import load_cpu_kernels
 GROUP_SIZE = 32
 # torch's int4 kernel; ours (csrc/gemm_quant.cpp) for 4 and 8 bits, and from a GGUF's own blocks
 TWINS = ("int4", "q4_1", "q8_0", "gguf")
+GGUF_INT8 = "gguf_int8"  # the op's name for a "gguf" twin on int8 activations (use_int8_activations)
 
 # ---- GGUF blocks (llama.cpp's layouts; gguf-py's gguf/quants.py dequantises them) -------------------
 # name -> (ggml type id, inputs a block, bytes a block)
@@ -565,6 +566,7 @@ class CpuLinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.twin = twin or ""
+        self.op_twin = self.twin  # what the op is told: the twin, or GGUF_INT8 (use_int8_activations)
         self.twin_max_tokens = twin_max_tokens if twin else 0
         self.twin_spec = ""  # gguf: the shards' block types and rows (gguf_twin_spec)
         self.from_blocks = blocks is not None
@@ -599,11 +601,27 @@ class CpuLinear(nn.Module):
         op = _cpu_linear if call_directly() else torch.ops.iterserve.cpu_linear
         y = op(x, self.packed_weight, self.layout, self.out_features, getattr(self, "twin_weight", None),
                getattr(self, "twin_scales", None), getattr(self, "twin_mins", None),
-               self.bias if in_order else None, self.twin_max_tokens, self.twin, self.amx_min_rows, self.from_blocks)
+               self.bias if in_order else None, self.twin_max_tokens, self.op_twin, self.amx_min_rows, self.from_blocks)
         if in_order:
             return y
         y = y.index_select(-1, self.out_order)
         return y if self.bias is None else y + self.bias
+
+
+KQUANT_NAMES = ("q4_k", "q5_k", "q6_k")  # gguf_twin_spec's names of the block types int8 activations apply to
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Puts each CpuLinear whose GGUF twin holds K-quant blocks on gguf_gemm's int8 activations (a scale
+    per 256 inputs, llama.cpp's Q8_K) for its steps of few rows (gguf_activations=int8): about half the
+    instructions a weight of the int16 path, at llama.cpp's accuracy. Returns how many."""
+    n = 0
+    for mod in model.modules():
+        if (isinstance(mod, CpuLinear) and mod.twin == "gguf" and mod.twin_max_tokens
+                and any(t in mod.twin_spec for t in KQUANT_NAMES)):
+            mod.op_twin = GGUF_INT8
+            n += 1
+    return n
 
 
 PANEL_BYTES = 4 << 20  # a dequantised panel of output rows (blocks_gemm): about an L2's worth or two
@@ -671,8 +689,8 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), twin_weight, GROUP_SIZE, twin_scales)
         elif twin == "q4_1":
             y = load_cpu_kernels().q4_gemm(x, twin_weight, twin_scales, twin_mins)
-        elif twin == "gguf":
-            y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features)
+        elif twin == "gguf" or twin == GGUF_INT8:
+            y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features, twin == GGUF_INT8)
         else:
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
     elif from_blocks:
