@@ -60,8 +60,9 @@ from iterserve.bench.common import best_time  # noqa: E402
 from iterserve.attention.metadata import DecodeMetadata, PrefillMetadata  # noqa: E402
 from iterserve.attention.torch_attention import decode_attention, prefill_attention  # noqa: E402
 from iterserve.platform.cpu_kernels import load_cpu_kernels  # noqa: E402
-from iterserve.platform.cpu_linear import (GGUF_BLOCKS, GROUP_SIZE, RandomShard, pack_bf16, pack_gguf_twin,  # noqa: E402
-                                           pack_int4, pack_q4_1, pack_q8_0, tiled_gemm_vectorised)
+from iterserve.platform.cpu_linear import (GGUF_BLOCKS, GROUP_SIZE, KQUANTS, RandomShard, pack_bf16, pack_gguf_twin,  # noqa: E402
+                                           pack_int4, pack_q4_1, pack_q8_0, prepack_available,
+                                           tiled_gemm_vectorised)
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
@@ -296,7 +297,7 @@ def gguf_twins(args) -> None:
         if tiled:
             packed = [pack_bf16(w.bfloat16()) for _ in range(copies)]
             cands["bf16 (ours, tiled)"] = lambda x, ws=packed: [kernels.bf16_gemm(x, t, n) for t in ws]
-        else:
+        elif prepack_available():  # oneDNN's bf16 reorder needs AVX-512 (or AVX-NE-CONVERT)
             packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for _ in range(copies)]
             cands["bf16 (oneDNN)"] = lambda x, ws=packed: [
                 torch.ops.mkldnn._linear_pointwise(x, t, None, "none", [], "") for t in ws]
@@ -311,6 +312,8 @@ def gguf_twins(args) -> None:
                 continue
             twins = [pack_gguf_twin([RandomShard(0, n, k, qtype)], k) for _ in range(copies)]
             cands[qtype.lower()] = lambda x, ws=twins: [kernels.gguf_gemm(x, b, m, n) for b, m in ws]
+            if qtype in KQUANTS and kernels.gguf_gemm_int8_supported():
+                cands[qtype.lower() + " int8 x"] = lambda x, ws=twins: [kernels.gguf_gemm(x, b, m, n, True) for b, m in ws]
         skipped = [q for q in args.types if k % GGUF_BLOCKS[q][1]]
         print(f"\n{n} x {k}, {copies} cop{'y' if copies == 1 else 'ies'}: ms per call"
               + (f" ({', '.join(skipped)}: K is not a multiple of 256)" if skipped else ""))
@@ -355,10 +358,12 @@ def llamacpp_teacher_forced(url: str, ids: list[int], n_prompt: int) -> tuple[li
 
 def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -> None:
     """A GGUF model decoding one sequence, teacher-forced on float32's greedy tokens (float32 holds
-    the file's values exactly): bf16 with no twin (a float copy), with the file's blocks as the
-    weights (quantization auto, the default: gguf_gemm for decode steps), and with the min-max 4-bit
-    / Q8_0 twins rebuilt from the float weights (quantization int4): top-1 agreement and |logprob
-    difference| of float32's token; with `llamacpp_url`, llama-server on the same file and positions."""
+    the file's values exactly): where bf16 is the default dtype, bf16 with no twin (a float copy), with
+    the file's blocks as the weights (quantization auto, the default: gguf_gemm for decode steps), the
+    same on int8 activations (--gguf-activations int8) and with the min-max 4-bit / Q8_0 twins rebuilt
+    from the float weights (quantization int4); elsewhere (AVX2) the default float32 run on the blocks,
+    int16 and int8 activations: top-1 agreement and |logprob difference| of float32's token; with
+    `llamacpp_url`, llama-server on the same file and positions."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
@@ -393,9 +398,18 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
         print(f"{'llama.cpp (llama-server, same file)':36s} vs float32 over {len(want)} positions: top-1 {top1:.3f}, "
               f"|logprob diff| of float32's token mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.3f} "
               f"({len(diffs)} positions where it is in llama.cpp's top 20)", flush=True)
-    for label, q in (("bf16, no twin", "none"), ("bf16, the file's blocks (default)", "auto"),
-                     ("bf16 + min-max int4 / Q8_0 twins", "int4")):
-        eng = LLMEngine(EngineConfig(**base, dtype="bfloat16", quantization=q))
+    from iterserve.cpu_info import cpu_flags
+
+    if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():  # bf16 is the default dtype here
+        runs = [("bf16, no twin", dict(dtype="bfloat16", quantization="none")),
+                ("bf16, the file's blocks (default)", dict(dtype="bfloat16")),
+                ("bf16, the blocks, int8 activations", dict(dtype="bfloat16", gguf_activations="int8")),
+                ("bf16 + min-max int4 / Q8_0 twins", dict(dtype="bfloat16", quantization="int4"))]
+    else:  # float32 is (AVX2): the blocks on gguf_gemm in decode steps
+        runs = [("float32 auto, the blocks (default)", dict(dtype="auto")),
+                ("float32 auto, the blocks, int8 activations", dict(dtype="auto", gguf_activations="int8"))]
+    for label, kw in runs:
+        eng = LLMEngine(EngineConfig(**base, **kw))
         got = logits(eng, ids[:-1], n_prompt)
         top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
         diff = (got[rows, tokens] - want[rows, tokens]).abs()
