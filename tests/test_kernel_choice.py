@@ -115,3 +115,32 @@ def test_engine_lays_out_each_projection_as_measured(tiny_model_dir, monkeypatch
     assert all(m.layout == "float32" for m in forced.model.modules() if isinstance(m, CpuLinear))
     off = LLMEngine(EngineConfig(**{**cfg, "measure_kernels": False}))
     assert off.platform.kernel_choice is None and "CPU flags" in off.resolved_config()["kernel_choice"]
+
+
+@pytest.mark.skipif(not (load_cpu_kernels() and load_cpu_kernels().gguf_gemm_int8_supported()),
+                    reason="gguf_gemm's int8 activations need the AVX2 build")
+def test_int8_twins_are_timed_at_a_prompt_chunk_and_may_run_every_step(monkeypatch, tmp_path):
+    """gguf_activations=int8: a K-quant twin is timed on int8 activations, at the decode buckets and at
+    INT8_PREFILL_ROWS; ahead of the layout at every one it runs every step, else up to where it led;
+    the request is cached apart from the int16 one."""
+    kernels = load_cpu_kernels()
+    req = dict(shapes=[("proj", 64, 256, "q4_k:64")], buckets=[1, 2], dtype=torch.float32, blocks=True)
+    ran = []
+    real = kc.linear_candidates
+
+    def spying(lins, layouts, twin, spec="", blocks=False, int8=False):
+        out = real(lins, layouts, twin, spec, blocks, int8)
+        ran.append(int8)
+        make = out["float32"]
+        out["float32"] = lambda rows: (lambda f: (lambda: (time.sleep(0.004), f())))(make(rows))
+        return out
+
+    monkeypatch.setattr(kc, "linear_candidates", spying)
+    choice = kc.choose_kernels(kc.ChoiceRequest(**req, int8=True), kernels, folder=tmp_path)
+    plan = choice.linears[kc.linear_key("proj", 64, 256, "q4_k:64")]
+    assert ran == [True] and kc.INT8_PREFILL_ROWS in plan.ms["q4_k"]
+    assert plan.twin_max_tokens == kc.EVERY_ROW and "q4_k at every step" in plan.describe()
+    int16 = kc.choose_kernels(kc.ChoiceRequest(**req), kernels, folder=tmp_path)
+    assert int16.source == "measured" and ran == [True, False]
+    assert kc.INT8_PREFILL_ROWS not in int16.linears[kc.linear_key("proj", 64, 256, "q4_k:64")].ms["q4_k"]
+    assert int16.linears[kc.linear_key("proj", 64, 256, "q4_k:64")].twin_max_tokens < kc.EVERY_ROW

@@ -119,11 +119,12 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """The projections and the LM head laid out and given their twins (`_prepare_linears`), then,
         with gguf_activations int8, those reading K-quant blocks put on int8 activations."""
-        self._prepare_linears(model, source)
-        if self.config.gguf_activations != "int8":
-            return
-        if self.kernels is None or not self.kernels.gguf_gemm_int8_supported():
+        int8 = self.config.gguf_activations == "int8"
+        if int8 and (self.kernels is None or not self.kernels.gguf_gemm_int8_supported()):
             raise ValueError("gguf_activations=int8 needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
+        self._prepare_linears(model, source)
+        if not int8:
+            return
         n = use_int8_activations(model)
         if not n:
             raise ValueError("gguf_activations=int8 applies to a GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) that steps "
@@ -343,6 +344,7 @@ class CpuPlatform(Platform):
                             dtype=self.dtype,
                             layout=None if auto else self.layout, four_bit=use_int4,
                             q8_head=use_q8_head, amx=self.amx, blocks=bool(getattr(model, "block_modules", None)),
+                            int8=cfg.gguf_activations == "int8",
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
                             if measure_attention else None,
                             bf16_exact=bf16_exact_shapes(model) if self.dtype == torch.float32 and auto else [])

@@ -54,10 +54,9 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
-from iterserve.platform.cpu_linear import (LAYOUTS, CpuLinear, bf16_exact, bf16w_gemm_vectorised, four_bit_twin,
-                                           gguf_twin_name, pack_gguf_twin, prepack_available, random_shards,
-                                           tiled_gemm_amx,
-                                           tiled_gemm_vectorised)
+from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_INT8, KQUANT_NAMES, LAYOUTS, CpuLinear, bf16_exact,
+                                           bf16w_gemm_vectorised, four_bit_twin, gguf_twin_name, pack_gguf_twin,
+                                           prepack_available, random_shards, tiled_gemm_amx, tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -65,6 +64,7 @@ CHOICE_VERSION = 3  # bump when the meaning of a cached table changes (2: the ti
 # 3: twins from GGUF blocks, keyed by their spec)
 AMX = "tiled+amx"  # the tiled layout with every step on our AMX path: timed to find its cut-over
 PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
+INT8_PREFILL_ROWS = 512  # int8 activations' twin is timed at a prompt chunk's rows too (ChoiceRequest.int8)
 GIVE_UP = 2.5  # a layout this many times slower than the best at a step size is not timed further
 TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed its cut-over
 COPIES_BYTES = 48 << 20  # bf16 bytes of distinct weights one timed call of a projection reads
@@ -173,7 +173,8 @@ class LinearChoice:
         """'tiled+amx>=16 + q4_1<=4' (or '+ q4_k<=4', a twin from GGUF blocks named by their types):
         the layout, its AMX cut-over, the twin's."""
         return (self.layout + (f"+amx>={self.amx_min_rows}" if self.amx_min_rows else "")
-                + (f" + {self.twin}<={self.twin_max_tokens}" if self.twin_max_tokens else ""))
+                + (f" + {self.twin} at every step" if self.twin_max_tokens == EVERY_ROW else
+                   f" + {self.twin}<={self.twin_max_tokens}" if self.twin_max_tokens else ""))
 
 
 @dataclass
@@ -324,13 +325,13 @@ def amx_candidate(in_features: int, kernels: ModuleType | None) -> list[str]:
 
 
 def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None, spec: str = "",
-                      blocks: bool = False) -> dict[str, Callable[[int], Callable[[], object]]]:
+                      blocks: bool = False, int8: bool = False) -> dict[str, Callable[[int], Callable[[], object]]]:
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
     own overhead and the weights' memory traffic are in the figure. `spec`: the twin is one from
     GGUF blocks of these types and row ranges (random blocks: only the layout matters for speed).
     `blocks`: those blocks are the weight (CpuLinear's `blocks`), so each layout is timed with the
-    dequantisation of its panels (blocks_gemm) included."""
+    dequantisation of its panels (blocks_gemm) included. `int8`: the GGUF twin on int8 activations."""
     def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
         def make(rows: int) -> Callable[[], object]:
             x = torch.randn(rows, lins[0].in_features).to(lins[0].weight.dtype)  # activations as the model has them
@@ -350,6 +351,9 @@ def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: s
                                     shards=random_shards(spec, lin.in_features)) for lin in lins]
         elif twin:
             mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
+    if int8 and twin:
+        for mod in mods[twin]:
+            mod.op_twin = GGUF_INT8
     return {name: factory(copies) for name, copies in mods.items()}
 
 
@@ -388,6 +392,9 @@ class ChoiceRequest:
     # float32: the shapes (as in `shapes`) whose weights are all bf16-exact (bf16_exact_shapes), the
     # only ones that may get bf16w unforced: it gives float32's numbers for those weights alone
     bf16_exact: list[tuple] = field(default_factory=list)
+    # the GGUF twins of K-quant blocks are timed on int8 activations (gguf_activations=int8), also at a
+    # prompt chunk's INT8_PREFILL_ROWS: one faster than the layout there too runs every step
+    int8: bool = False
 
 
 def linears_by_shape(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
@@ -426,7 +433,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     described = {"layout": req.layout, "four_bit": req.four_bit, "q8_head": req.q8_head,
                  "attention": list(req.attention or ()), "attention_candidates": attn_names,
                  "kernels": kernels is not None, "amx": req.amx, "bf16_exact": [list(s) for s in req.bf16_exact],
-                 **({"blocks": True} if req.blocks else {})}
+                 **({"blocks": True} if req.blocks else {}), **({"int8": True} if req.int8 else {})}
     key = choice_key(req.shapes, req.buckets, req.dtype, described)
     if not remeasure:
         cached = load_cached(key, folder)
@@ -453,12 +460,15 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             twin = (gguf_twin_name(spec) if spec else
                     four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
+            int8 = req.int8 and any(t in spec for t in KQUANT_NAMES)
             buckets = proj_buckets if role == "proj" else req.buckets
+            if int8 and role == "proj":
+                buckets = sorted({*buckets, INT8_PREFILL_ROWS})
             copies = num_copies(n, k)
             # AMX never gives up: it is slow at few rows and wins at many, past where it would be dropped
             give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
             lins = [_linear(n, k, req.dtype, weightless=from_blocks) for _ in range(copies)]
-            sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks), buckets,
+            sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks, int8), buckets,
                           give_up=give_up or None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name not in (twin, AMX)}
@@ -467,6 +477,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                 base["tiled"] = {b: sec[AMX][b] if b >= amx_from else t for b, t in base["tiled"].items()}
             layout = pick_fastest(base)
             cut = twin_cutover(sec[twin], base[layout]) if twin else 0
+            if int8 and role == "proj" and cut == max(buckets):
+                cut = EVERY_ROW  # faster at a prompt chunk's rows as well: it runs every step
             linears[linear_key(role, n, k, spec)] = LinearChoice(role, layout, twin, cut, _ms(sec),
                                                                  amx_from if layout == "tiled" else 0)
         attention, attn_ms = None, {}
@@ -476,7 +488,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             sec = measure(attention_candidates({n: backends[n] for n in attn_names}, heads, kv_heads, head_dim,
                                                block_size, req.dtype), req.buckets)
             attention, attn_ms = pick_fastest(sec), _ms(sec)
-    choice = KernelChoice(proj_buckets, linears, attention, attn_ms, time.perf_counter() - t0)
+    shown = sorted({*proj_buckets, *([INT8_PREFILL_ROWS] if req.int8 else [])})
+    choice = KernelChoice(shown, linears, attention, attn_ms, time.perf_counter() - t0)
     save_cached(key, choice, folder)
     return choice
 
