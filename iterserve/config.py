@@ -22,6 +22,7 @@ ENV_DEFAULTS = {  # EngineConfig field -> the environment variable its default c
     "decode_attention": "ITERSERVE_DECODE_ATTENTION",
     "measure_kernels": "ITERSERVE_MEASURE_KERNELS",
     "cpu_amx": "ITERSERVE_CPU_AMX",
+    "gguf_activations": "ITERSERVE_GGUF_ACTIVATIONS",
 }
 
 
@@ -250,7 +251,7 @@ class EngineConfig:
     # CPU: how gguf_gemm quantises the activations its K-quant blocks (Q4_K, Q5_K, Q6_K) multiply in steps of
     # few rows: int16 (one scale a row: within ~1e-4 of float32) or int8 (a scale per 256 inputs, llama.cpp's
     # Q8_K: ~1.3x faster a decode step on AVX2, llama.cpp's accuracy; docs/profile.md has both measured)
-    gguf_activations: Literal["int16", "int8"] = "int16"
+    gguf_activations: Literal["int16", "int8"] = field(default_factory=lambda: _env("gguf_activations", "int16"))
     # torch.compile the decoder stack (inductor): faster steps after a one-off compilation at startup
     compile: bool = False
     # kernels (defaults from the environment: ENV_DEFAULTS). cpu_kernels: load iterserve's C++ CPU
@@ -339,7 +340,8 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be 'auto', 'none' or 'int4', got {self.quantization!r}")
         if self.gguf_activations not in ("int16", "int8"):
-            raise ValueError(f"gguf_activations must be 'int16' or 'int8', got {self.gguf_activations!r}")
+            raise ValueError(f"gguf_activations must be 'int16' or 'int8' (--gguf-activations, default from "
+                             f"{ENV_DEFAULTS['gguf_activations']}), got {self.gguf_activations!r}")
         for name, choices in (("bf16_gemm", BF16_GEMM_CHOICES), ("decode_attention", DECODE_ATTENTION_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} (--{name.replace('_', '-')}, default from "

@@ -130,6 +130,15 @@ struct GgMins {
 };
 #endif
 
+#if ISV_GG_AVX2
+// The K-quants' scale vector for 32 inputs on AVX2: int16 lanes 0-7 all `scales`' lane lo (the scale of
+// inputs 0-15), lanes 8-15 all lane hi (inputs 16-31); `scales` holds the same 8 int16 in both halves.
+inline __m256i pick_scales(__m256i scales, int lo, int hi) {
+  const auto ctl = [](int l) { return static_cast<int16_t>(((2 * l + 1) << 8) | (2 * l)); };
+  return _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(ctl(hi)), _mm_set1_epi16(ctl(lo))));
+}
+#endif
+
 // Out[m, n] for n in [n0, n1) of one shard: w its first row, `last` its last row index (prefetch),
 // over inputs [k0, k1) (whole blocks / groups); in chunks (CH), a chunk after the first starts from
 // carry[n - n0], and one before the last leaves its sums there instead of writing out. One pass over
@@ -312,9 +321,8 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         __m256i is[MB];
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) is[m] = _mm256_setzero_si256();
-        // one 32-input piece at input offset off: levels q (32 u8, input order) less sub, times sv
-        // (int16 lanes 0-7: the scale of inputs 0-15, lanes 8-15: that of inputs 16-31)
-        // (piece_eo: the levels already split into even inputs we and odd ones wo, as int16)
+        // one 32-input piece at input offset off: the levels split into even inputs we and odd ones wo
+        // (int16), less sub, times sv (pick_scales); `piece` takes them as 32 u8 in input order
         auto piece_eo = [&](__m256i we, __m256i wo, __m256i sv, int16_t sub, int64_t off) {
           if (sub) we = _mm256_sub_epi16(we, _mm256_set1_epi16(sub)), wo = _mm256_sub_epi16(wo, _mm256_set1_epi16(sub));
           we = _mm256_mullo_epi16(we, sv);
@@ -328,12 +336,6 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         };
         auto piece = [&](__m256i q, __m256i sv, int16_t sub, int64_t off) {
           piece_eo(_mm256_and_si256(q, lowb), _mm256_srli_epi16(q, 8), sv, sub, off);
-        };
-        // a scale vector for piece: lanes 0-7 all `scales`' int16 lane lane_lo, lanes 8-15 all lane_hi (scales
-        // holds the same 8 int16 in both halves)
-        auto pick = [](__m256i scales, int lane_lo, int lane_hi) {
-          const auto ctl = [](int l) { return static_cast<int16_t>(((2 * l + 1) << 8) | (2 * l)); };
-          return _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(ctl(lane_hi)), _mm_set1_epi16(ctl(lane_lo))));
         };
         float d;
         if constexpr (TYPE == kQ6_K) {
@@ -353,7 +355,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
-            for (int s = 0; s < 4; ++s) piece(q[s], pick(scales, 2 * s, 2 * s + 1), 32, 128 * h + 32 * s);
+            for (int s = 0; s < 4; ++s) piece(q[s], pick_scales(scales, 2 * s, 2 * s + 1), 32, 128 * h + 32 * s);
 #pragma GCC unroll 8
             for (int m = 0; m < MB; ++m) {  // one 128 inputs' sum: (q - 32) * sc up to 4096, 16 products a lane
               acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), dv, acc[m]);
@@ -375,9 +377,9 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
             if constexpr (TYPE == kQ4_K) {
               piece_eo(_mm256_and_si256(bytes, n0), _mm256_and_si256(_mm256_srli_epi16(bytes, 8), n0),
-                       pick(scales, 2 * j, 2 * j), 0, 64 * j);
+                       pick_scales(scales, 2 * j, 2 * j), 0, 64 * j);
               piece_eo(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), n0), _mm256_srli_epi16(bytes, 12),
-                       pick(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
+                       pick_scales(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
               continue;
             }
             __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
@@ -388,8 +390,8 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
               lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
               hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
             }
-            piece(lo, pick(scales, 2 * j, 2 * j), 0, 64 * j);
-            piece(hi, pick(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
+            piece(lo, pick_scales(scales, 2 * j, 2 * j), 0, 64 * j);
+            piece(hi, pick_scales(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
           }
           const __m256 dv = _mm256_set1_ps(d);
 #pragma GCC unroll 8
@@ -567,10 +569,6 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
   const int64_t ahead = CH ? row_bytes : kStreamAhead;
   const uint8_t* wend = w + (last + 1) * row_bytes;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  auto pick = [](__m256i scales, int lane_lo, int lane_hi) {  // as gg_rows' AVX2 pick
-    const auto ctl = [](int l) { return static_cast<int16_t>(((2 * l + 1) << 8) | (2 * l)); };
-    return _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(ctl(lane_hi)), _mm_set1_epi16(ctl(lane_lo))));
-  };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[MB];
@@ -605,14 +603,14 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
           const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
           const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
           piece(_mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
-                pick(scales, 0, 1), 128 * h);
+                pick_scales(scales, 0, 1), 128 * h);
           piece(_mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
-                pick(scales, 2, 3), 128 * h + 32);
+                pick_scales(scales, 2, 3), 128 * h + 32);
           piece(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
-                pick(scales, 4, 5), 128 * h + 64);
+                pick_scales(scales, 4, 5), 128 * h + 64);
           piece(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                 _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)),
-                pick(scales, 6, 7), 128 * h + 96);
+                pick_scales(scales, 6, 7), 128 * h + 96);
         }
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
 #pragma GCC unroll 8
@@ -640,8 +638,8 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
             lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
             hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
           }
-          piece(lo, pick(scales, 2 * j, 2 * j), 64 * j);
-          piece(hi, pick(scales, 2 * j + 1, 2 * j + 1), 64 * j + 32);
+          piece(lo, pick_scales(scales, 2 * j, 2 * j), 64 * j);
+          piece(hi, pick_scales(scales, 2 * j + 1, 2 * j + 1), 64 * j + 32);
         }
       }
 #pragma GCC unroll 8
