@@ -90,6 +90,36 @@ struct GgCarry {
 };
 
 #if ISV_GG_AVX512 || ISV_GG_AVX2
+// The K-quants' levels as 32 u8 in input order, what every vector path of gg_rows and gg_rows_i8 reads.
+// Q6_K: the four 32-input pieces of half h (inputs 128h .. 128h + 127) of block b, 0..63 (before - 32).
+inline void q6k_levels(const uint8_t* b, int h, __m256i q[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+  q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+  q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+}
+
+// Q4_K / Q5_K: the levels of sub-blocks 2j (lo) and 2j + 1 (hi) from their 32 bytes of nibbles; Q5_K
+// adds bit 4 from qh (bit s of qh[i]: bit 4 of sub-block s's input i).
+template <bool Q5>
+inline void k4_levels(__m256i bytes, __m256i qh, int j, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+  if constexpr (Q5) {
+    const __m256i m10 = _mm256_set1_epi8(0x10);
+    const int s = 2 * j;  // s <= 6: shift left by 4 - s or right by s - 4, then keep bit 4
+    const __m256i h0 = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+    const __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - s) : _mm256_srli_epi16(qh, s - 3);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
+  }
+}
+
 // The mins term of gg_rows (K-quants' 8 sub-block mins, Q4_1/Q5_1's one min per 32 inputs) times
 // the activations' sums: 8 and 4 lanes wide on either ISA, so both vector paths keep it here.
 template <int64_t TYPE, int MB>
@@ -174,21 +204,12 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           for (int i = 0; i < NA; ++i) is[m][i] = _mm512_setzero_si512();
         float d;
         if constexpr (TYPE == kQ6_K) {
-          const uint8_t *ql = b, *qh = b + 128;
           d = f16_at(b + 208);
           const __m512i sc = _mm512_castsi256_si512(
               _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
-          const __m256i m30 = _mm256_set1_epi8(0x30);
           for (int h = 0; h < 2; ++h) {
-            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
-                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
+            __m256i q[4];
+            q6k_levels(b, h, q);
             for (int s = 0; s < 4; ++s) {
               // lanes 0-15 take scale 8h + 2s, lanes 16-31 the next
               const int16_t i0 = static_cast<int16_t>(8 * h + 2 * s);
@@ -210,18 +231,11 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
           __m256i qh = _mm256_setzero_si256();
           if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-          const __m256i m10 = _mm256_set1_epi8(0x10);
           const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
           for (int j = 0; j < 4; ++j) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-            if constexpr (TYPE == kQ5_K) {  // bit s of qh[i]: bit 4 of sub-block s's input i
-              const int s = 2 * j;  // s <= 6: shift left by 4 - s or right by s - 4, then keep bit 4
-              const __m256i h0 = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
-              const __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - s) : _mm256_srli_epi16(qh, s - 3);
-              lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
-              hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
-            }
+            __m256i lo, hi;
+            k4_levels<TYPE == kQ5_K>(bytes, qh, j, lo, hi);
             const __m512i s0 = _mm512_permutexvar_epi16(_mm512_set1_epi16(2 * j), scz);  // sub-block 2j's scale
             const __m512i s1 = _mm512_permutexvar_epi16(_mm512_set1_epi16(2 * j + 1), scz);
             const __m512i w0 = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(lo), s0);
@@ -339,22 +353,13 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         };
         float d;
         if constexpr (TYPE == kQ6_K) {
-          const uint8_t *ql = b, *qh = b + 128;
           d = f16_at(b + 208);
           const __m256 dv = _mm256_set1_ps(d);
-          const __m256i m30 = _mm256_set1_epi8(0x30);
           for (int h = 0; h < 2; ++h) {
             const __m256i scales = _mm256_broadcastsi128_si256(
                 _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h))));
-            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
-                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
+            __m256i q[4];
+            q6k_levels(b, h, q);
             for (int s = 0; s < 4; ++s) piece(q[s], pick_scales(scales, 2 * s, 2 * s + 1), 32, 128 * h + 32 * s);
 #pragma GCC unroll 8
             for (int m = 0; m < MB; ++m) {  // one 128 inputs' sum: (q - 32) * sc up to 4096, 16 products a lane
@@ -371,7 +376,6 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
           __m256i qh = _mm256_setzero_si256();
           if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-          const __m256i m10 = _mm256_set1_epi8(0x10);
           const __m256i n0 = _mm256_set1_epi16(0x000F);  // Q4_K: each int16 lane's four nibbles straight out
           for (int j = 0; j < 4; ++j) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
@@ -382,14 +386,8 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
                        pick_scales(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
               continue;
             }
-            __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-            if constexpr (TYPE == kQ5_K) {
-              const int s = 2 * j;
-              const __m256i h0 = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
-              const __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - s) : _mm256_srli_epi16(qh, s - 3);
-              lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
-              hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
-            }
+            __m256i lo, hi;
+            k4_levels<TYPE == kQ5_K>(bytes, qh, j, lo, hi);
             piece(lo, pick_scales(scales, 2 * j, 2 * j), 0, 64 * j);
             piece(hi, pick_scales(scales, 2 * j + 1, 2 * j + 1), 0, 64 * j + 32);
           }
@@ -568,7 +566,6 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
   const bool first = !CH || k0 == 0, final = !CH || k1 >= K;
   const int64_t ahead = CH ? row_bytes : kStreamAhead;
   const uint8_t* wend = w + (last + 1) * row_bytes;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[MB];
@@ -593,24 +590,13 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
       };
       float d;
       if constexpr (TYPE == kQ6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
         d = f16_at(b + 208);
-        const __m256i m30 = _mm256_set1_epi8(0x30);
         for (int h = 0; h < 2; ++h) {
           const __m256i scales = _mm256_broadcastsi128_si256(
               _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h))));
-          const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-          piece(_mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
-                pick_scales(scales, 0, 1), 128 * h);
-          piece(_mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
-                pick_scales(scales, 2, 3), 128 * h + 32);
-          piece(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, m30)),
-                pick_scales(scales, 4, 5), 128 * h + 64);
-          piece(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)),
-                pick_scales(scales, 6, 7), 128 * h + 96);
+          __m256i q[4];
+          q6k_levels(b, h, q);
+          for (int s = 0; s < 4; ++s) piece(q[s], pick_scales(scales, 2 * s, 2 * s + 1), 128 * h + 32 * s);
         }
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
 #pragma GCC unroll 8
@@ -627,17 +613,10 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
         const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
         __m256i qh = _mm256_setzero_si256();
         if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-        const __m256i m10 = _mm256_set1_epi8(0x10);
         for (int j = 0; j < 4; ++j) {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-          __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-          if constexpr (TYPE == kQ5_K) {
-            const int s = 2 * j;
-            const __m256i h0 = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
-            const __m256i h1 = s + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - s) : _mm256_srli_epi16(qh, s - 3);
-            lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
-          }
+          __m256i lo, hi;
+          k4_levels<TYPE == kQ5_K>(bytes, qh, j, lo, hi);
           piece(lo, pick_scales(scales, 2 * j, 2 * j), 64 * j);
           piece(hi, pick_scales(scales, 2 * j + 1, 2 * j + 1), 64 * j + 32);
         }
