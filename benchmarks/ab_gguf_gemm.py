@@ -8,6 +8,8 @@ same bits; prints the best ms of the rounds per row count and old / new.
         --shape Q4_K:2048x8192 --shape Q6_K:4096x14336 --rows 1 4 8 16 32
 
 A shape is TYPE:NxK, TYPE Q4_K or Q6_K (N output rows, K inputs; random_gguf.py's random blocks).
+--int8 runs both builds on int8 activations (--gguf-activations int8); with --other-sums where the
+new build sums in another order (e.g. the interleaved many-row path against a build without it).
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def main() -> int:
     ap.add_argument("--other-sums", action="store_true",
                     help="the builds sum in another order: print the largest difference relative to the output's "
                          "scale instead of refusing different bits")
+    ap.add_argument("--int8", action="store_true",
+                    help="int8 activations for the K-quants (--gguf-activations int8), in both builds")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     print(figures_line(machine_figures()))
@@ -73,7 +77,7 @@ def main() -> int:
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
-            a, b = old.gguf_gemm(x, buf, meta, n).float(), new.gguf_gemm(x, buf, meta, n).float()
+            a, b = old.gguf_gemm(x, buf, meta, n, args.int8).float(), new.gguf_gemm(x, buf, meta, n, args.int8).float()
             if args.other_sums:
                 print(f"{spec} at {rows} rows: largest difference {((a - b).abs().max() / a.abs().max()).item():.2e}"
                       " of the largest output", file=sys.stderr)
@@ -84,7 +88,7 @@ def main() -> int:
                 for name, kernels in (("old", old), ("new", new)):
                     t0 = time.perf_counter()
                     for b in copies:
-                        kernels.gguf_gemm(x, b, meta, n)
+                        kernels.gguf_gemm(x, b, meta, n, args.int8)
                     best[name] = min(best[name], (time.perf_counter() - t0) / len(copies))
             cells.append(f"{best['old'] * 1e3:.2f} / {best['new'] * 1e3:.2f} (x{best['old'] / best['new']:.2f})")
         print(f"| {spec} | " + " | ".join(cells) + " |", flush=True)

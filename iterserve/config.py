@@ -342,6 +342,11 @@ class EngineConfig:
         if self.gguf_activations not in ("int16", "int8"):
             raise ValueError(f"gguf_activations must be 'int16' or 'int8' (--gguf-activations, default from "
                              f"{ENV_DEFAULTS['gguf_activations']}), got {self.gguf_activations!r}")
+        if self.gguf_activations == "int8" and self.batch_invariant:
+            raise ValueError("gguf_activations=int8 is not batch-invariant: from 16 rows a step (32 for Q6_K) its "
+                             "kernel sums 8 weight rows at once, in another order than a few rows' (the last bits of "
+                             "a row's logits follow the step's size); drop --gguf-activations int8 with "
+                             "--batch-invariant")
         for name, choices in (("bf16_gemm", BF16_GEMM_CHOICES), ("decode_attention", DECODE_ATTENTION_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} (--{name.replace('_', '-')}, default from "

@@ -235,3 +235,5 @@ def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_fil
         _llm(q4_k_only_file, gguf_activations="int8", dtype="float32")  # float32 by name: no gguf_gemm
     with pytest.raises(ValueError, match="gguf_activations must be 'int16' or 'int8'"):
         _llm(q4_k_only_file, gguf_activations="int4")
+    with pytest.raises(ValueError, match="gguf_activations=int8 is not batch-invariant"):
+        _llm(q4_k_only_file, gguf_activations="int8", batch_invariant=True)

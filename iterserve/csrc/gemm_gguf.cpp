@@ -57,6 +57,10 @@ using namespace gguf;
 #endif
 
 
+// Activation elements from which a call quantises its rows over the work pool (32 rows of K 2048: a
+// prompt chunk's; a decode step's few rows stay on the calling thread, a pool wake-up costs more)
+constexpr int64_t kParallelQuantise = 1 << 16;
+
 // The AVX2 path reads the K-quants' activations per 32 inputs as the 16 even inputs, then the 16 odd
 // ones (see there); the others in input order.
 constexpr bool kXqEvenOdd = !ISV_GG_AVX512 && ISV_GG_AVX2;  // xq and xq4 alike
@@ -68,14 +72,18 @@ struct GgRows {  // the quantised activation rows
   const float* dx;     // [M]: one scale a row
   const float* sx;     // [M, K4 / 32]: float32 sum of x over each 32 inputs (not quantised), zero past K
   int64_t K, K4;
+  // row strides of xq, xq4 and x8 (elements): a row and 64 bytes, so that the rows of a tile do not
+  // all fall in the same L1 sets (a 4 KiB multiple apart, as K 2048 int16 or K 8192 int8 rows would be,
+  // 8 rows share 8-way sets with the weights and evict each other)
+  int64_t lq, lq4, l8;
   // int8 activations for the K-quants (gguf_gemm(int8=true), llama.cpp's Q8_K), null otherwise: levels
   // round(x / d8) per 256 inputs, d8 = amax / 127, and the levels' sums per 16 inputs
   const int8_t* x8 = nullptr;  // [M, K]
   const float* d8 = nullptr;   // [M, K / 256]
   const int16_t* bs = nullptr;  // [M, K / 16]
   GgRows at(int64_t m) const {
-    return {xq + m * K, xq4 ? xq4 + m * K4 : nullptr, dx + m, sx + m * (K4 / 32), K, K4,
-            x8 ? x8 + m * K : nullptr, x8 ? d8 + m * (K / 256) : nullptr, x8 ? bs + m * (K / 16) : nullptr};
+    return {xq ? xq + m * lq : nullptr, xq4 ? xq4 + m * lq4 : nullptr, dx + m, sx + m * (K4 / 32), K, K4, lq, lq4,
+            l8, x8 ? x8 + m * l8 : nullptr, x8 ? d8 + m * (K / 256) : nullptr, x8 ? bs + m * (K / 16) : nullptr};
   }
 };
 
@@ -220,7 +228,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
 #pragma GCC unroll 8
               for (int m = 0; m < MB; ++m)
                 is[m][s % NA] = _mm512_dpwssd_epi32(is[m][s % NA], wv,
-                                                    _mm512_loadu_si512(a.xq + m * K + sb * 256 + 128 * h + 32 * s));
+                                                    _mm512_loadu_si512(a.xq + m * a.lq + sb * 256 + 128 * h + 32 * s));
             }
           }
         } else {
@@ -242,7 +250,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
             const __m512i w1 = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(hi), s1);
 #pragma GCC unroll 8
             for (int m = 0; m < MB; ++m) {
-              const int16_t* xr = a.xq + m * K + sb * 256 + 64 * j;
+              const int16_t* xr = a.xq + m * a.lq + sb * 256 + 64 * j;
               is[m][(2 * j) % NA] = _mm512_dpwssd_epi32(is[m][(2 * j) % NA], w0, _mm512_loadu_si512(xr));
               is[m][(2 * j + 1) % NA] = _mm512_dpwssd_epi32(is[m][(2 * j + 1) % NA], w1, _mm512_loadu_si512(xr + 32));
             }
@@ -291,7 +299,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         }
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
-          const int16_t* xr = a.xq4 + m * a.K4 + g * 128;
+          const int16_t* xr = a.xq4 + m * a.lq4 + g * 128;
           __m512i i0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[0], _mm512_loadu_si512(xr));
           __m512i i1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[1], _mm512_loadu_si512(xr + 32));
           i0 = _mm512_dpwssd_epi32(i0, wv[2], _mm512_loadu_si512(xr + 64));
@@ -343,7 +351,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           wo = _mm256_mullo_epi16(wo, sv);
 #pragma GCC unroll 8
           for (int m = 0; m < MB; ++m) {
-            const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq + m * K + sb * 256 + off);
+            const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq + m * a.lq + sb * 256 + off);
             is[m] = _mm256_add_epi32(is[m], _mm256_add_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(xr)),
                                                              _mm256_madd_epi16(wo, _mm256_loadu_si256(xr + 1))));
           }
@@ -454,7 +462,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
         }
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
-          const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq4 + m * a.K4 + g * 128);
+          const __m256i* xr = reinterpret_cast<const __m256i*>(a.xq4 + m * a.lq4 + g * 128);
           __m256i i0 = _mm256_madd_epi16(we[0], _mm256_loadu_si256(xr));
           __m256i i1 = _mm256_madd_epi16(wo[0], _mm256_loadu_si256(xr + 1));
           for (int j = 1; j < 4; ++j) {
@@ -496,7 +504,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
             const int lb = b[64 * h + 32 * (s & 1) + l], hb = b[128 + 32 * h + l];
             const int q = ((s < 2 ? lb & 0xF : lb >> 4) | (((hb >> (2 * s)) & 3) << 4)) - 32;
             const int32_t wq = q * sc[i / 16];
-            for (int m = 0; m < MB; ++m) is[m] += wq * a.xq[m * K + sb * 256 + i];
+            for (int m = 0; m < MB; ++m) is[m] += wq * a.xq[m * a.lq + sb * 256 + i];
           }
         } else {
           uint64_t sc, mn;
@@ -509,7 +517,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
             int q = (i % 64) < 32 ? qs[32 * j + l] & 0xF : qs[32 * j + l] >> 4;
             if constexpr (TYPE == kQ5_K) q |= ((b[16 + l] >> s) & 1) << 4;
             const int32_t wq = q * byte_of(sc, s);
-            for (int m = 0; m < MB; ++m) is[m] += wq * a.xq[m * K + sb * 256 + i];
+            for (int m = 0; m < MB; ++m) is[m] += wq * a.xq[m * a.lq + sb * 256 + i];
           }
           for (int s = 0; s < 8; ++s)
             for (int m = 0; m < MB; ++m) mins[m] -= dmin * static_cast<float>(byte_of(mn, s)) * a.sx[m * B4 + sb * 8 + s];
@@ -584,7 +592,7 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
       auto piece = [&](__m256i q, __m256i sv, int64_t off) {
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x8 + m * K + sb * 256 + off));
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x8 + m * a.l8 + sb * 256 + off));
           is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sv));
         }
       };
@@ -637,6 +645,184 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
 }
 #endif
 
+#if ISV_GG_AVX2
+// ---- int8 rows, many at once: the K-quants' weight rows 8 at a time, interleaved ------------------
+// gg_rows_i8 gives each (activation row, weight row, 32 inputs) a vpmaddubsw and a vpmaddwd (the
+// sub-block scale): with a super-block's fixed work per row it ran at ~15 multiply-adds a cycle on
+// Zen 3, half of what its two multiply pipes take. From kInterleaveRows<TYPE> activation rows (a prompt
+// chunk, a large batch), 8 weight rows' levels are laid out 4 inputs of each row in turn (IlBlock,
+// built once per 8 weight rows and read by every activation row), so one vpmaddubsw against 4 inputs
+// of an activation row, broadcast, covers 8 weight rows, and the groups of a piece that share each
+// weight row's scale add up in int16 before one vpmaddwd: Q4_K 9 multiplies for 256 multiply-adds
+// instead of 16, Q6_K 12 (llama.cpp's repacked Q4_K kernel works so; it keeps a repacked copy of the
+// weights, this packs 8 rows into L2 per call). The sums are the same integers; they reach float once a
+// super-block per output instead of in 8 lanes, so an output rounds differently from gg_rows_i8's
+// (within the float32 bound of the sum) and a row's last bits depend on whether its call had
+// kInterleaveRows rows: --gguf-activations int8 is not batch-invariant (refused with --batch-invariant).
+// Q5_K keeps gg_rows_i8.
+// From this many activation rows; Q6_K's pack costs more a weight row (0.7-1.1x at 16 rows, 1.15-1.4x at
+// 64 on Zen 3), Q4_K's pays off from 16 (1.0-1.25x, 1.3-1.6x at 64)
+template <int64_t TYPE>
+constexpr int64_t kInterleaveRows = TYPE == kQ6_K ? 32 : 16;
+
+struct IlBlock {  // one K-quant super-block (Q4_K or Q6_K) of 8 weight rows c = 0..7
+  __m256i lv[8][8];  // piece p (inputs 32p..), group g (inputs 32p + 4g..): bytes 4c..4c+3 = row c's levels
+  __m256i sv[8][2];  // piece p: int16 lanes 2c, 2c+1 = row c's scale of inputs 0-15 [0] and 16-31 [1]
+                     // (Q4_K: one scale a piece, [0] only)
+  __m256i oc[8];     // Q6_K: int16 lanes 2c, 2c+1 = row c's scales of sub-blocks 2k, 2k + 1 (the offset of 32)
+  __m256 mv[8];      // Q4_K: row c's dmin * its 8 sub-block mins (as GgMins::add_kquant)
+  __m256 dv;         // lane c: row c's d
+};
+
+// 8 x 8 int32 transpose: r[i] lane j <-> r[j] lane i
+inline void transpose8_epi32(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4)
+    for (int k = 0; k < 2; ++k)
+      u[i + k] = _mm256_unpacklo_epi64(t[i + k], t[i + k + 2]), u[i + k + 2] = _mm256_unpackhi_epi64(t[i + k], t[i + k + 2]);
+  // u[0..3] hold lanes (0, 4), (2, 6), (1, 5), (3, 7) of rows 0-3, u[4..7] those of rows 4-7
+  constexpr int from[4] = {0, 2, 1, 3};
+  for (int i = 0; i < 4; ++i) {
+    const __m256i lo = u[from[i]], hi = u[from[i] + 4];
+    r[i] = _mm256_permute2x128_si256(lo, hi, 0x20), r[i + 4] = _mm256_permute2x128_si256(lo, hi, 0x31);
+  }
+}
+
+// Super-block sb of the 8 weight rows from `w` (row_bytes apart) into o.
+template <int64_t TYPE>
+void il_pack(const uint8_t* w, int64_t row_bytes, int64_t sb, IlBlock& o) {
+  alignas(32) int16_t sc16[8][2][16], oc16[8][16];
+  alignas(32) float d[8];
+  __m256i lev[8][8];  // [piece][row]
+  for (int c = 0; c < 8; ++c) {
+    const uint8_t* b = w + c * row_bytes + sb * kquant_bytes(TYPE);
+    if constexpr (TYPE == kQ6_K) {
+      d[c] = f16_at(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int p = 0; p < 8; ++p) {
+        sc16[p][0][2 * c] = sc16[p][0][2 * c + 1] = sc[2 * p];
+        sc16[p][1][2 * c] = sc16[p][1][2 * c + 1] = sc[2 * p + 1];
+        oc16[p][2 * c] = sc[2 * p], oc16[p][2 * c + 1] = sc[2 * p + 1];
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i q[4];
+        q6k_levels(b, h, q);
+        for (int t = 0; t < 4; ++t) lev[4 * h + t][c] = q[t];
+      }
+    } else {
+      uint64_t sc, mn;
+      k4_scales(b + 4, sc, mn);
+      d[c] = f16_at(b);
+      o.mv[c] = _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
+      for (int p = 0; p < 8; ++p) sc16[p][0][2 * c] = sc16[p][0][2 * c + 1] = byte_of(sc, p);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
+        k4_levels<false>(bytes, bytes, j, lev[2 * j][c], lev[2 * j + 1][c]);
+      }
+    }
+  }
+  for (int p = 0; p < 8; ++p) {
+    transpose8_epi32(lev[p]);  // lev[p][g] lane c = row c's dword g
+    for (int g = 0; g < 8; ++g) _mm256_store_si256(&o.lv[p][g], lev[p][g]);
+    for (int h = 0; h < (TYPE == kQ6_K ? 2 : 1); ++h)
+      o.sv[p][h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc16[p][h]));
+    if constexpr (TYPE == kQ6_K) o.oc[p] = _mm256_load_si256(reinterpret_cast<const __m256i*>(oc16[p]));
+  }
+  o.dv = _mm256_load_ps(d);
+}
+
+// Activation rows r0 .. r0 + R - 1 times the 8 weight rows of `pk` (all K's super-blocks) -> out[r, 0..7]
+template <int64_t TYPE, int R, typename T>
+void il_rows(const GgRows& a, const IlBlock* pk, int64_t r0, T* out, int64_t ldo) {
+  const int64_t NB = a.K / 256, B4 = a.K4 / 32;
+  // groups whose int16 sums may add up before a vpmaddwd: a lane of one vpmaddubsw is at most
+  // 2 x 15 x 127 (Q4_K, 8 groups: 30480) or 2 x 63 x 127 (Q6_K, 2 groups: 32004) < 32768
+  constexpr int GS = TYPE == kQ6_K ? 2 : 8;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < NB; ++sb) {
+    const IlBlock& o = pk[sb];
+    __m256i is[R];
+    for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+#pragma GCC unroll 4
+      for (int g0 = 0; g0 < 8; g0 += GS) {
+        __m256i t[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = g0; g < g0 + GS; ++g) {
+          const __m256i l = _mm256_load_si256(&o.lv[p][g]);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            int32_t x4;  // inputs 32p + 4g .. + 3 of row r0 + r, broadcast
+            std::memcpy(&x4, a.x8 + (r0 + r) * a.l8 + sb * 256 + 32 * p + 4 * g, 4);
+            t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(l, _mm256_set1_epi32(x4)));
+            __asm__("" : "+x"(t[r]));  // keeps the chain: gcc would reassociate it into a tree and spill
+          }
+        }
+        const __m256i sv = o.sv[p][TYPE == kQ6_K && g0 >= 4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(t[r], sv));
+      }
+    }
+    if constexpr (TYPE == kQ6_K) {  // the levels' offset: 32 * the sum over the 16 sub-blocks of sc * bs
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int16_t* bs = a.bs + (r0 + r) * (a.K / 16) + sb * 16;
+        __m256i off = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) {
+          int32_t b2;
+          std::memcpy(&b2, bs + 2 * k, 4);
+          off = _mm256_add_epi32(off, _mm256_madd_epi16(o.oc[k], _mm256_set1_epi32(b2)));
+        }
+        is[r] = _mm256_sub_epi32(is[r], _mm256_slli_epi32(off, 5));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(o.dv, _mm256_set1_ps(a.d8[(r0 + r) * NB + sb])), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, acc[r]);
+    const float* sx = a.sx + (r0 + r) * B4;
+    for (int c = 0; c < 8; ++c) {  // Q4_K's mins: dmin * m * the float sums of x, as gg_rows_i8
+      float mins = 0.f;
+      if constexpr (TYPE == kQ4_K) {
+        __m256 k = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < NB; ++sb) k = _mm256_fmadd_ps(pk[sb].mv[c], _mm256_loadu_ps(sx + sb * 8), k);
+        mins = reduce_add8(k);
+      }
+      store(out + (r0 + r) * ldo + c, v[c] - mins);
+    }
+  }
+}
+
+// Output columns [n0, n1) of a Q4_K or Q6_K shard for M >= kInterleaveRows<TYPE> int8 rows, 8 weight rows
+// at a time; returns the first column not done (fewer than 8 left: gg_rows_i8 takes them).
+template <int64_t TYPE, typename T>
+int64_t il_shard(const GgRows& a, int64_t M, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0,
+                 int64_t n1) {
+  const int64_t NB = a.K / 256;
+  std::vector<IlBlock> pk(NB);  // one tile's pack: K 8192 is 32 x 2.9 KiB, in L2
+  int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) {
+    for (int64_t sb = 0; sb < NB; ++sb) il_pack<TYPE>(w + n * row_bytes, row_bytes, sb, pk[sb]);
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) il_rows<TYPE, 4>(a, pk.data(), r, out + n, ldo);
+    switch (M - r) {
+      case 3: il_rows<TYPE, 3>(a, pk.data(), r, out + n, ldo); break;
+      case 2: il_rows<TYPE, 2>(a, pk.data(), r, out + n, ldo); break;
+      case 1: il_rows<TYPE, 1>(a, pk.data(), r, out + n, ldo); break;
+    }
+  }
+  return n;
+}
+#endif
+
 // The rows of a tile of 32 weight rows, MB activation rows at a time, over K in chunks whose MB
 // activation rows (int16) fit in 32 KiB of L1: 8 rows of an 8B's down projection (K 14336) are
 // 224 KiB, and one pass over all K read them from L2 once per weight row (half the rate at K 8192
@@ -666,6 +852,10 @@ void gg_tile(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
 template <int64_t TYPE, typename T>
 void gg_shard(const GgRows& rows, int64_t M, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0,
               int64_t n1, int64_t last) {
+#if ISV_GG_AVX2
+  if constexpr (TYPE == kQ4_K || TYPE == kQ6_K)
+    if (rows.x8 && M >= kInterleaveRows<TYPE>) n0 = il_shard<TYPE>(rows, M, w, row_bytes, out, ldo, n0, n1);
+#endif
   for (int64_t t0 = n0; t0 < n1; t0 += 32) {  // a tile of weight rows stays in cache for every row group
     const int64_t t1 = std::min(n1, t0 + 32);
     for (int64_t m = 0; m < M;) {
@@ -695,15 +885,15 @@ void gg_dispatch(int64_t type, const GgRows& rows, int64_t M, const uint8_t* w, 
 }
 
 // One activation row -> int16 levels q = round(x * 32767 / amax) (to nearest even, as nearbyint),
-// its scale amax / 32767, and the float32 sum of x over each 32 inputs (K a multiple of 32).
+// its scale amax / 32767, and the float32 sum of x over each 32 inputs (K a multiple of 32); q null: the sums alone.
 template <typename X>
 void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
 #if defined(__AVX512F__)
   __m512 mx = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
+  for (int64_t k = 0; q && k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
   const float amax = _mm512_reduce_max_ps(mx);
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-  for (int64_t k = 0; k < K; k += 16) {
+  for (int64_t k = 0; q && k < K; k += 16) {
     const __m512 v = load16(xr + k);
     const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // to nearest even
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm512_cvtepi32_epi16(r));
@@ -713,12 +903,12 @@ void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
 #elif ISV_GG_AVX2
   __m256 mx = _mm256_setzero_ps();
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t k = 0; k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xr + k), absmask));
+  for (int64_t k = 0; q && k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xr + k), absmask));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-  for (int64_t k = 0; k < K; k += 16) {  // to nearest even; |level| <= 32767, so the pack never saturates
+  for (int64_t k = 0; q && k < K; k += 16) {  // to nearest even; |level| <= 32767, so the pack never saturates
     const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k), inv));
     const __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k + 8), inv));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8));
@@ -728,9 +918,9 @@ void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
                                       _mm256_add_ps(load8(xr + 32 * b + 16), load8(xr + 32 * b + 24))));
 #else
   float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(load(xr[k])));
+  for (int64_t k = 0; q && k < K; ++k) amax = std::max(amax, std::fabs(load(xr[k])));
   const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(load(xr[k]) * inv));
+  for (int64_t k = 0; q && k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(load(xr[k]) * inv));
   for (int64_t b = 0; b < K / 32; ++b) {
     float sum = 0.f;
     for (int i = 0; i < 32; ++i) sum += load(xr[b * 32 + i]);
@@ -812,52 +1002,62 @@ void gg_quantise_row_i8(const X* xr, int64_t K, int8_t* q, float* d8, int16_t* b
 }
 #endif
 
-// The activation rows of one call, quantised once on the calling thread as q4_gemm does (M x K is
-// tiny next to the weights); every row on its own, so a row's levels never depend on the others.
+// The activation rows of one call, quantised once before the weights are read (M x K is tiny next to
+// the weights; a prompt chunk's rows are quantised over the pool); every row on its own, so a row's
+// levels never depend on the others.
 struct GgQuantised {
   std::vector<int16_t> xq, xq4, bs;
   std::vector<float> dx, sx, d8;
   std::vector<int8_t> x8;
-  int64_t K, K4;
+  int64_t K, K4, lq, lq4, l8;
 
   // row m is xc's row src[m] (a gather) where src is given, else its row m; int8: also the int8 rows
-  // the K-quant shards then read (K a multiple of 256)
-  GgQuantised(const at::Tensor& xc, bool x4, const int64_t* src = nullptr, int64_t M = -1, bool int8 = false)
-      : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128) {
+  // the K-quant shards then read (K a multiple of 256); levels16: the int16 rows (xq), which an int8
+  // call without a 32-input shard never reads (its K-quant mins read sx alone)
+  GgQuantised(const at::Tensor& xc, bool x4, const int64_t* src = nullptr, int64_t M = -1, bool int8 = false,
+              bool levels16 = true)
+      : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128), lq(K + 32), lq4(K4 + 32), l8(K + 64) {
     if (M < 0) M = xc.size(0);
     const int64_t B4 = K4 / 32;
-    xq.resize(M * K), xq4.assign(x4 ? M * K4 : 0, 0), dx.resize(M), sx.assign(M * B4, 0.f);
-    if (int8) x8.resize(M * K), d8.resize(M * (K / 256)), bs.resize(M * (K / 16));
-    for (int64_t m = 0; m < M; ++m) {
+    if (levels16) xq.resize(M * lq);
+    xq4.assign(x4 ? M * lq4 : 0, 0), dx.resize(M), sx.assign(M * B4, 0.f);
+    if (int8) x8.resize(M * l8), d8.resize(M * (K / 256)), bs.resize(M * (K / 16));
+    const bool f32 = xc.scalar_type() == at::kFloat;
+    const float* xf = f32 ? xc.const_data_ptr<float>() : nullptr;
+    const uint16_t* xh = f32 ? nullptr : reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
+    auto row = [&](int64_t m) {
       const int64_t r = src ? src[m] : m;
 #if ISV_GG_AVX2
       if (int8) {
-        if (xc.scalar_type() == at::kFloat)
-          gg_quantise_row_i8(xc.const_data_ptr<float>() + r * K, K, &x8[m * K], &d8[m * (K / 256)], &bs[m * (K / 16)]);
-        else
-          gg_quantise_row_i8(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + r * K, K, &x8[m * K],
-                             &d8[m * (K / 256)], &bs[m * (K / 16)]);
+        if (f32) gg_quantise_row_i8(xf + r * K, K, &x8[m * l8], &d8[m * (K / 256)], &bs[m * (K / 16)]);
+        else gg_quantise_row_i8(xh + r * K, K, &x8[m * l8], &d8[m * (K / 256)], &bs[m * (K / 16)]);
       }
 #endif
-      if (xc.scalar_type() == at::kFloat)
-        gg_quantise_row(xc.const_data_ptr<float>() + r * K, K, &xq[m * K], &dx[m], &sx[m * B4]);
-      else
-        gg_quantise_row(reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) + r * K, K, &xq[m * K], &dx[m],
-                        &sx[m * B4]);
+      int16_t* q = levels16 ? &xq[m * lq] : nullptr;
+      if (f32) gg_quantise_row(xf + r * K, K, q, &dx[m], &sx[m * B4]);
+      else gg_quantise_row(xh + r * K, K, q, &dx[m], &sx[m * B4]);
+      if (!q) return;
       if (x4)  // position p of group g: input 8 * (p / 32) + p % 8 of block 4g + (p % 32) / 8, 8 inputs at a time
         for (int64_t k = 0; k < K; k += 8)
-          std::memcpy(&xq4[m * K4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &xq[m * K + k], 16);
+          std::memcpy(&xq4[m * lq4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &q[k], 16);
       if constexpr (kXqEvenOdd) {
 #if ISV_GG_AVX2
-        even_odd(&xq[m * K], K);
-        if (x4) even_odd(&xq4[m * K4], K4);
+        even_odd(q, K);
+        if (x4) even_odd(&xq4[m * lq4], K4);
 #endif
       }
+    };
+    if (M * K < kParallelQuantise) {
+      for (int64_t m = 0; m < M; ++m) row(m);
+    } else {
+      iterserve::parallel_ranges(M, kRanges, [&](int64_t lo, int64_t hi) {
+        for (int64_t m = lo; m < hi; ++m) row(m);
+      });
     }
   }
   GgRows rows() const {
-    return {xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.data(), sx.data(), K, K4,
-            x8.empty() ? nullptr : x8.data(), d8.empty() ? nullptr : d8.data(), bs.empty() ? nullptr : bs.data()};
+    return {xq.empty() ? nullptr : xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.data(), sx.data(), K, K4, lq, lq4,
+            l8, x8.empty() ? nullptr : x8.data(), d8.empty() ? nullptr : d8.data(), bs.empty() ? nullptr : bs.data()};
   }
 };
 
@@ -898,7 +1098,7 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tenso
   if (M == 0 || N == 0) return out;
   bool kq = false;  // int8 rows only where a K-quant shard reads them
   for (int64_t s = 0; s < S; ++s) kq = kq || is_kquant(mt[4 * s]);
-  const GgQuantised q(x.contiguous(), x4, nullptr, -1, int8 && kq);
+  const GgQuantised q(x.contiguous(), x4, nullptr, -1, int8 && kq, !(int8 && kq) || x4);
   const GgRows rows = q.rows();
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   auto run = [&](auto* op) {
