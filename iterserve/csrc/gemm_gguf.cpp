@@ -128,6 +128,13 @@ inline void k4_levels(__m256i bytes, __m256i qh, int j, __m256i& lo, __m256i& hi
   }
 }
 
+// A Q4_K / Q5_K super-block's 8 sub-block mins `mn` (k4_scales) times its dmin, as floats: what the
+// mins term multiplies the activations' sums by (gg_rows, gg_rows_i8, il_pack alike).
+inline __m256 k4_mins(const uint8_t* b, uint64_t mn) {
+  return _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
+}
+
 // The mins term of gg_rows (K-quants' 8 sub-block mins, Q4_1/Q5_1's one min per 32 inputs) times
 // the activations' sums: 8 and 4 lanes wide on either ISA, so both vector paths keep it here.
 template <int64_t TYPE, int MB>
@@ -141,8 +148,7 @@ struct GgMins {
   }
   // super-block sb: mins `mn` (8 bytes) scaled by its dmin, at `b`
   void add_kquant(const uint8_t* b, uint64_t mn, const GgRows& a, int64_t B4, int64_t sb) {
-    const __m256i m8 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
-    const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)), _mm256_cvtepi32_ps(m8));
+    const __m256 mv = k4_mins(b, mn);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) k[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(a.sx + m * B4 + sb * 8), k[m]);
   }
@@ -670,7 +676,7 @@ struct IlBlock {  // one K-quant super-block (Q4_K or Q6_K) of 8 weight rows c =
   __m256i sv[8][2];  // piece p: int16 lanes 2c, 2c+1 = row c's scale of inputs 0-15 [0] and 16-31 [1]
                      // (Q4_K: one scale a piece, [0] only)
   __m256i oc[8];     // Q6_K: int16 lanes 2c, 2c+1 = row c's scales of sub-blocks 2k, 2k + 1 (the offset of 32)
-  __m256 mv[8];      // Q4_K: row c's dmin * its 8 sub-block mins (as GgMins::add_kquant)
+  __m256 mv[8];      // Q4_K: row c's dmin * its 8 sub-block mins (k4_mins)
   __m256 dv;         // lane c: row c's d
 };
 
@@ -714,8 +720,7 @@ void il_pack(const uint8_t* w, int64_t row_bytes, int64_t sb, IlBlock& o) {
       uint64_t sc, mn;
       k4_scales(b + 4, sc, mn);
       d[c] = f16_at(b);
-      o.mv[c] = _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)),
-                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
+      o.mv[c] = k4_mins(b, mn);
       for (int p = 0; p < 8; ++p) sc16[p][0][2 * c] = sc16[p][0][2 * c + 1] = byte_of(sc, p);
       for (int j = 0; j < 4; ++j) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
