@@ -222,3 +222,69 @@ def test_vllm_bench_command_caps_concurrency_only_when_asked():
     assert capped[capped.index("--max-concurrency") + 1] == "32"
     assert capped[capped.index("--request-rate") + 1] == "inf" and "--save-detailed" in capped
     assert "--max-concurrency" not in vb.command(Path("vllm"), "http://h", "m", Path("tok"), vb.SETTINGS[0], Path("out"))
+
+
+def test_vllm_bench_runs_through_the_fresh_connection_launcher():
+    from pathlib import Path
+
+    from peers import vllm_bench as vb
+
+    cmd = vb.command(Path("venv/bin/vllm"), "http://h", "m", Path("tok"), vb.SETTINGS[0], Path("out"))
+    assert cmd[:4] == [str(Path("venv/bin/python")), str(Path(vb.__file__).with_name("vllm_bench_fresh.py")),
+                       "bench", "serve"]
+
+
+def test_fresh_connection_launcher_survives_a_server_that_closes_after_a_stream(monkeypatch):
+    """llama-server's behaviour: a chunked stream with a Keep-Alive header, then the socket closed.
+    vLLM's client builds its connector to reuse connections; through the launcher each request gets
+    its own, so three streamed requests in a row all read their whole body."""
+    import asyncio
+    import importlib
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    aiohttp = pytest.importorskip("aiohttp")
+    monkeypatch.setattr(aiohttp.TCPConnector, "__init__", aiohttp.TCPConnector.__init__)  # restored after
+    monkeypatch.delitem(sys.modules, "peers.vllm_bench_fresh", raising=False)
+    importlib.import_module("peers.vllm_bench_fresh")  # patches the connector, as in the client's process
+
+    class Closing(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Keep-Alive", "timeout=5, max=100")
+            self.end_headers()
+            for i in range(3):
+                event = f'data: {{"i": {i}}}\n\n'.encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.write(b"0\r\n\r\n")
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Closing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+
+    async def three_in_a_row() -> list[bytes]:
+        # the connector as vLLM's `bench serve` builds it
+        connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=60, force_close=False)
+        assert connector.force_close
+        bodies = []
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for _ in range(3):
+                async with session.post(url, json={"stream": True}) as r:
+                    bodies.append(await r.read())
+        return bodies
+
+    try:
+        bodies = asyncio.run(three_in_a_row())
+    finally:
+        server.shutdown()
+    assert bodies == [b'data: {"i": 0}\n\ndata: {"i": 1}\n\ndata: {"i": 2}\n\n'] * 3

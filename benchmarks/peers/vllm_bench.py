@@ -6,6 +6,8 @@ benchmark tool only, never an iterserve dependency. Each setting is its random d
 output lengths in tokens of the given tokenizer, ignore_eos) at a Poisson request rate; the
 served model's name is read from the server's /v1/models here and passed on (`--model`), because
 the client's own lookup needs vLLM's extra `root` field, which llama.cpp's server does not send.
+The client runs through `vllm_bench_fresh.py`: one new connection per request, because
+llama.cpp's server closes a streamed response's connection that the client would reuse.
 """
 from __future__ import annotations
 
@@ -43,8 +45,10 @@ def served_model(base_url: str) -> str:
 
 
 def command(vllm: Path, base_url: str, model: str, tokenizer: Path, s: BenchSetting, out_dir: Path) -> list[str]:
-    return [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint",
-            "/v1/completions", "--model", model, "--served-model-name", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+    fresh = Path(__file__).with_name("vllm_bench_fresh.py")
+    return [str(vllm.with_name("python")), str(fresh), "bench", "serve", "--backend", "openai",
+            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model, "--served-model-name", model,
+            "--tokenizer", str(tokenizer), "--dataset-name", "random",
             "--random-input-len", str(s.input_len), "--random-output-len", str(s.output_len),
             "--num-prompts", str(s.num_prompts), "--request-rate", str(s.rate), "--ignore-eos", "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
