@@ -288,3 +288,46 @@ def test_fresh_connection_launcher_survives_a_server_that_closes_after_a_stream(
     finally:
         server.shutdown()
     assert bodies == [b'data: {"i": 0}\n\ndata: {"i": 1}\n\ndata: {"i": 2}\n\n'] * 3
+
+
+def test_bare_keep_alive_comment_is_dropped_only_at_a_message_boundary():
+    """llama-server's `:` keep-alive comment, its blank line stripped by vLLM's client: dropped when
+    the handler's buffer is empty; a read that starts with ':' mid-message (a JSON colon) or holds
+    more than the comment line reaches the handler."""
+    pytest.importorskip("aiohttp")
+    from peers.vllm_bench_fresh import skip_bare_comments
+
+    class Recording:
+        def __init__(self):
+            self.buffer, self.seen = "", []
+
+        def add_chunk(self, chunk_bytes: bytes) -> list[str]:
+            self.seen.append(chunk_bytes)
+            self.buffer += chunk_bytes.decode()
+            return []
+
+    add = skip_bare_comments(Recording.add_chunk)
+    h = Recording()
+    for read in (b":", b'data: {"choices"', b':[{"text": " a"}]}', b":\n\ndata: {}"):
+        add(h, read)
+    assert h.seen == [b'data: {"choices"', b':[{"text": " a"}]}', b":\n\ndata: {}"]
+
+
+def test_vllm_client_parses_llamacpp_stream_after_a_keep_alive_comment():
+    """The real client's handler (where vLLM is installed), fed reads stripped as its caller strips them."""
+    pytest.importorskip("aiohttp")
+    lib = pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
+    from peers.vllm_bench_fresh import skip_bare_comments
+
+    reads = [b":\n\n", b'data: {"choices":[{"text":" a"}]}\n\n', b'data: {"choices":[{"text":" b"}]}\n\n',
+             b"data: [DONE]\n\n"]
+
+    def parse(add_chunk):
+        h, out = lib.StreamedResponseHandler(), []
+        for r in reads:
+            out += add_chunk(h, r.strip())
+        return out
+
+    assert parse(lib.StreamedResponseHandler.add_chunk)[0].startswith(":data: ")  # the client's own: glued
+    assert parse(skip_bare_comments(lib.StreamedResponseHandler.add_chunk)) == [
+        'data: {"choices":[{"text":" a"}]}', 'data: {"choices":[{"text":" b"}]}', "data: [DONE]"]
