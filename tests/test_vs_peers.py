@@ -331,3 +331,19 @@ def test_vllm_client_parses_llamacpp_stream_after_a_keep_alive_comment():
     assert parse(lib.StreamedResponseHandler.add_chunk)[0].startswith(":data: ")  # the client's own: glued
     assert parse(skip_bare_comments(lib.StreamedResponseHandler.add_chunk)) == [
         'data: {"choices":[{"text":" a"}]}', 'data: {"choices":[{"text":" b"}]}', "data: [DONE]"]
+
+
+@pytest.mark.slow  # a real iterserve serve process
+def test_iterserve_settings_record_the_iterserve_defaults_it_inherits(tiny_model_dir, tmp_path, monkeypatch):
+    """A run with ITERSERVE_GGUF_ACTIVATIONS=int8 (or any ITERSERVE_* default) in the environment
+    says so in its JSON, beside the flags."""
+    import httpx
+
+    from peers.systems import PeerInstall, System, serving
+
+    monkeypatch.setenv("ITERSERVE_DECODE_ATTENTION", "torch")
+    system = System("iterserve", "iterserve", ("--max-model-len", "256", "--num-kv-blocks", "32"))
+    with serving(system, PeerInstall(tmp_path, tmp_path), str(tiny_model_dir), tmp_path, 120) as started:
+        assert httpx.get(started.base_url + "/v1/models", timeout=30).status_code == 200
+    assert started.settings["args"] == "--max-model-len 256 --num-kv-blocks 32"
+    assert started.settings["ITERSERVE_DECODE_ATTENTION"] == "torch"

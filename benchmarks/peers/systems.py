@@ -111,7 +111,9 @@ def _iterserve(system: System, model: str, log_dir: Path, timeout_s: float) -> I
             srv.start()
         except RuntimeError as e:
             raise Unavailable(one_line(e)) from None
-        yield Started(srv.base_url, time.perf_counter() - t0, {"args": " ".join(system.args)},
+        # the ITERSERVE_* defaults it inherits (e.g. ITERSERVE_GGUF_ACTIVATIONS) are part of what ran
+        inherited = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ITERSERVE_")}
+        yield Started(srv.base_url, time.perf_counter() - t0, {"args": " ".join(system.args), **inherited},
                       srv.proc.pid if srv.proc else None)
     finally:
         srv.stop()
