@@ -239,15 +239,14 @@ def test_fresh_connection_launcher_survives_a_server_that_closes_after_a_stream(
     vLLM's client builds its connector to reuse connections; through the launcher each request gets
     its own, so three streamed requests in a row all read their whole body."""
     import asyncio
-    import importlib
-    import sys
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     aiohttp = pytest.importorskip("aiohttp")
-    monkeypatch.setattr(aiohttp.TCPConnector, "__init__", aiohttp.TCPConnector.__init__)  # restored after
-    monkeypatch.delitem(sys.modules, "peers.vllm_bench_fresh", raising=False)
-    importlib.import_module("peers.vllm_bench_fresh")  # patches the connector, as in the client's process
+    from peers.vllm_bench_fresh import fresh_connections
+
+    # as the launcher patches its own process; restored after the test
+    monkeypatch.setattr(aiohttp.TCPConnector, "__init__", fresh_connections(aiohttp.TCPConnector.__init__))
 
     class Closing(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -294,7 +293,6 @@ def test_bare_keep_alive_comment_is_dropped_only_at_a_message_boundary():
     """llama-server's `:` keep-alive comment, its blank line stripped by vLLM's client: dropped when
     the handler's buffer is empty; a read that starts with ':' mid-message (a JSON colon) or holds
     more than the comment line reaches the handler."""
-    pytest.importorskip("aiohttp")
     from peers.vllm_bench_fresh import skip_bare_comments
 
     class Recording:
@@ -315,7 +313,6 @@ def test_bare_keep_alive_comment_is_dropped_only_at_a_message_boundary():
 
 def test_vllm_client_parses_llamacpp_stream_after_a_keep_alive_comment():
     """The real client's handler (where vLLM is installed), fed reads stripped as its caller strips them."""
-    pytest.importorskip("aiohttp")
     lib = pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
     from peers.vllm_bench_fresh import skip_bare_comments
 

@@ -22,18 +22,17 @@ boundary is dropped here before the client's parser sees it; everything else rea
 import sys
 from typing import Any, Callable
 
-import aiohttp
 
-_connector_init = aiohttp.TCPConnector.__init__
+def fresh_connections(connector_init: Callable[..., None]) -> Callable[..., None]:
+    """Wraps aiohttp.TCPConnector.__init__: every connector it builds closes each connection after
+    its response (force_close), whatever the caller asked."""
 
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("keepalive_timeout", None)  # aiohttp refuses a keep-alive timeout beside force_close
+        kwargs["force_close"] = True
+        connector_init(self, *args, **kwargs)
 
-def _fresh_connections(self: aiohttp.TCPConnector, *args: object, **kwargs: object) -> None:
-    kwargs.pop("keepalive_timeout", None)  # aiohttp refuses a keep-alive timeout beside force_close
-    kwargs["force_close"] = True
-    _connector_init(self, *args, **kwargs)
-
-
-aiohttp.TCPConnector.__init__ = _fresh_connections  # type: ignore[method-assign]
+    return init
 
 
 def skip_bare_comments(add_chunk: Callable[[Any, bytes], list[str]]) -> Callable[[Any, bytes], list[str]]:
@@ -49,11 +48,12 @@ def skip_bare_comments(add_chunk: Callable[[Any, bytes], list[str]]) -> Callable
     return add
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the patches apply to this process alone, never to an importer's
+    import aiohttp
     from vllm.benchmarks.lib.endpoint_request_func import StreamedResponseHandler
     from vllm.entrypoints.cli.main import main
 
+    aiohttp.TCPConnector.__init__ = fresh_connections(aiohttp.TCPConnector.__init__)  # type: ignore[method-assign]
     StreamedResponseHandler.add_chunk = skip_bare_comments(StreamedResponseHandler.add_chunk)
-
     sys.argv[0] = "vllm"
     sys.exit(main())
