@@ -7,7 +7,7 @@ same bits; prints the best ms of the rounds per row count and old / new.
     python benchmarks/ab_gguf_gemm.py --baseline-src OLD_CHECKOUT \
         --shape Q4_K:2048x8192 --shape Q6_K:4096x14336 --rows 1 4 8 16 32
 
-A shape is TYPE:NxK, TYPE Q4_K or Q6_K (N output rows, K inputs; random_gguf.py's random blocks).
+A shape is TYPE:NxK, TYPE Q4_K, Q5_K or Q6_K (N output rows, K inputs; random_gguf.py's random blocks).
 --int8 runs both builds on int8 activations (--gguf-activations int8); with --other-sums where the
 new build sums in another order (e.g. the interleaved many-row path against a build without it).
 """

@@ -25,7 +25,7 @@ PRESETS = {  # hidden, layers, heads, kv heads, ffn, vocab
     "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),
     "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
 }
-SCALE_AT = {QT.Q4_K: (0, 2), QT.Q6_K: (208,)}  # byte offsets of a block's float16 scales
+SCALE_AT = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}  # byte offsets of a block's float16 scales
 
 
 def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> np.ndarray:

@@ -660,23 +660,22 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
 // built once per 8 weight rows and read by every activation row), so one vpmaddubsw against 4 inputs
 // of an activation row, broadcast, covers 8 weight rows, and the groups of a piece that share each
 // weight row's scale add up in int16 before one vpmaddwd: Q4_K 9 multiplies for 256 multiply-adds
-// instead of 16, Q6_K 12 (llama.cpp's repacked Q4_K kernel works so; it keeps a repacked copy of the
-// weights, this packs 8 rows into L2 per call). The sums are the same integers; they reach float once a
-// super-block per output instead of in 8 lanes, so an output rounds differently from gg_rows_i8's
+// instead of 16, Q5_K 10, Q6_K 12 (llama.cpp's repacked Q4_K kernel works so; it keeps a repacked copy
+// of the weights, this packs 8 rows into L2 per call). The sums are the same integers; they reach float
+// once a super-block per output instead of in 8 lanes, so an output rounds differently from gg_rows_i8's
 // (within the float32 bound of the sum) and a row's last bits depend on whether its call had
 // kInterleaveRows rows: --gguf-activations int8 is not batch-invariant (refused with --batch-invariant).
-// Q5_K keeps gg_rows_i8.
 // From this many activation rows; Q6_K's pack costs more a weight row (0.7-1.1x at 16 rows, 1.15-1.4x at
-// 64 on Zen 3), Q4_K's pays off from 16 (1.0-1.25x, 1.3-1.6x at 64)
+// 64 on Zen 3), Q4_K's and Q5_K's pay off from 16 (Q4_K 1.0-1.25x, 1.3-1.6x at 64)
 template <int64_t TYPE>
 constexpr int64_t kInterleaveRows = TYPE == kQ6_K ? 32 : 16;
 
-struct IlBlock {  // one K-quant super-block (Q4_K or Q6_K) of 8 weight rows c = 0..7
+struct IlBlock {  // one K-quant super-block (Q4_K, Q5_K or Q6_K) of 8 weight rows c = 0..7
   __m256i lv[8][8];  // piece p (inputs 32p..), group g (inputs 32p + 4g..): bytes 4c..4c+3 = row c's levels
   __m256i sv[8][2];  // piece p: int16 lanes 2c, 2c+1 = row c's scale of inputs 0-15 [0] and 16-31 [1]
-                     // (Q4_K: one scale a piece, [0] only)
+                     // (Q4_K, Q5_K: one scale a piece, [0] only)
   __m256i oc[8];     // Q6_K: int16 lanes 2c, 2c+1 = row c's scales of sub-blocks 2k, 2k + 1 (the offset of 32)
-  __m256 mv[8];      // Q4_K: row c's dmin * its 8 sub-block mins (k4_mins)
+  __m256 mv[8];      // Q4_K, Q5_K: row c's dmin * its 8 sub-block mins (k4_mins)
   __m256 dv;         // lane c: row c's d
 };
 
@@ -722,9 +721,12 @@ void il_pack(const uint8_t* w, int64_t row_bytes, int64_t sb, IlBlock& o) {
       d[c] = f16_at(b);
       o.mv[c] = k4_mins(b, mn);
       for (int p = 0; p < 8; ++p) sc16[p][0][2 * c] = sc16[p][0][2 * c + 1] = byte_of(sc, p);
+      const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
+      __m256i qh = _mm256_setzero_si256();
+      if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
       for (int j = 0; j < 4; ++j) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
-        k4_levels<false>(bytes, bytes, j, lev[2 * j][c], lev[2 * j + 1][c]);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        k4_levels<TYPE == kQ5_K>(bytes, qh, j, lev[2 * j][c], lev[2 * j + 1][c]);
       }
     }
   }
@@ -743,8 +745,9 @@ template <int64_t TYPE, int R, typename T>
 void il_rows(const GgRows& a, const IlBlock* pk, int64_t r0, T* out, int64_t ldo) {
   const int64_t NB = a.K / 256, B4 = a.K4 / 32;
   // groups whose int16 sums may add up before a vpmaddwd: a lane of one vpmaddubsw is at most
-  // 2 x 15 x 127 (Q4_K, 8 groups: 30480) or 2 x 63 x 127 (Q6_K, 2 groups: 32004) < 32768
-  constexpr int GS = TYPE == kQ6_K ? 2 : 8;
+  // 2 x 15 x 127 (Q4_K, 8 groups: 30480), 2 x 31 x 127 (Q5_K, 4 groups: 31496) or 2 x 63 x 127 (Q6_K,
+  // 2 groups: 32004) < 32768
+  constexpr int GS = TYPE == kQ6_K ? 2 : TYPE == kQ5_K ? 4 : 8;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < NB; ++sb) {
@@ -794,9 +797,9 @@ void il_rows(const GgRows& a, const IlBlock* pk, int64_t r0, T* out, int64_t ldo
     alignas(32) float v[8];
     _mm256_store_ps(v, acc[r]);
     const float* sx = a.sx + (r0 + r) * B4;
-    for (int c = 0; c < 8; ++c) {  // Q4_K's mins: dmin * m * the float sums of x, as gg_rows_i8
+    for (int c = 0; c < 8; ++c) {  // Q4_K's and Q5_K's mins: dmin * m * the float sums of x, as gg_rows_i8
       float mins = 0.f;
-      if constexpr (TYPE == kQ4_K) {
+      if constexpr (TYPE != kQ6_K) {
         __m256 k = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < NB; ++sb) k = _mm256_fmadd_ps(pk[sb].mv[c], _mm256_loadu_ps(sx + sb * 8), k);
         mins = reduce_add8(k);
@@ -806,7 +809,7 @@ void il_rows(const GgRows& a, const IlBlock* pk, int64_t r0, T* out, int64_t ldo
   }
 }
 
-// Output columns [n0, n1) of a Q4_K or Q6_K shard for M >= kInterleaveRows<TYPE> int8 rows, 8 weight rows
+// Output columns [n0, n1) of a K-quant shard for M >= kInterleaveRows<TYPE> int8 rows, 8 weight rows
 // at a time; returns the first column not done (fewer than 8 left: gg_rows_i8 takes them).
 template <int64_t TYPE, typename T>
 int64_t il_shard(const GgRows& a, int64_t M, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0,
@@ -858,7 +861,7 @@ template <int64_t TYPE, typename T>
 void gg_shard(const GgRows& rows, int64_t M, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0,
               int64_t n1, int64_t last) {
 #if ISV_GG_AVX2
-  if constexpr (TYPE == kQ4_K || TYPE == kQ6_K)
+  if constexpr (is_kquant(TYPE))
     if (rows.x8 && M >= kInterleaveRows<TYPE>) n0 = il_shard<TYPE>(rows, M, w, row_bytes, out, ldo, n0, n1);
 #endif
   for (int64_t t0 = n0; t0 < n1; t0 += 32) {  // a tile of weight rows stays in cache for every row group
