@@ -598,7 +598,8 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # buffers read from their dict: nn.Module.__getattr__ costs ~1 us a name (~1.7 for an absent one)
-        # on a Zen 3 core, and a small model's step makes ~120 of these calls around ~20 us kernels
+        # on a Zen 3 core, and a small model's step makes ~120 of these calls around ~20 us kernels (the
+        # four names are only ever set by register_buffer in __init__; a plain attribute would go unseen)
         buffers = self._buffers
         out_order = buffers["out_order"]
         in_order = out_order is None  # else the bias (in the model's order) is added after the gather
