@@ -6,8 +6,9 @@ benchmark tool only, never an iterserve dependency. Each setting is its random d
 output lengths in tokens of the given tokenizer, ignore_eos) at a Poisson request rate; the
 served model's name is read from the server's /v1/models here and passed on (`--model`), because
 the client's own lookup needs vLLM's extra `root` field, which llama.cpp's server does not send.
-The client runs through `vllm_bench_fresh.py`: one new connection per request, because
-llama.cpp's server closes a streamed response's connection that the client would reuse.
+The client runs through `vllm_bench_fresh.py`, which mends two of its faults against llama.cpp's
+server (a reused connection that server closed; its keep-alive comments glued to the events after
+them): that file says why.
 """
 from __future__ import annotations
 

@@ -97,6 +97,12 @@ struct GgCarry {
   float bmin[MB][4];
 };
 
+// Q4_K / Q5_K super-block b: where its 128 bytes of nibbles start (after Q5_K's 32 bytes of fifth bits)
+template <int64_t TYPE>
+inline const uint8_t* k4_nibbles(const uint8_t* b) {
+  return b + (TYPE == kQ5_K ? 48 : 16);
+}
+
 #if ISV_GG_AVX512 || ISV_GG_AVX2
 // The K-quants' levels as 32 u8 in input order, what every vector path of gg_rows and gg_rows_i8 reads.
 // Q6_K: the four 32-input pieces of half h (inputs 128h .. 128h + 127) of block b, 0..63 (before - 32).
@@ -126,6 +132,13 @@ inline void k4_levels(__m256i bytes, __m256i qh, int j, __m256i& lo, __m256i& hi
     lo = _mm256_or_si256(lo, _mm256_and_si256(h0, m10));
     hi = _mm256_or_si256(hi, _mm256_and_si256(h1, m10));
   }
+}
+
+// k4_levels' qh for super-block b: Q5_K's 32 bytes of fifth bits, zero for Q4_K
+template <int64_t TYPE>
+inline __m256i k4_fifth_bits(const uint8_t* b) {
+  if constexpr (TYPE == kQ5_K) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  else return _mm256_setzero_si256();
 }
 
 // A Q4_K / Q5_K super-block's 8 sub-block mins `mn` (k4_scales) times its dmin, as floats: what the
@@ -242,9 +255,8 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           d = f16_at(b);
           k4_scales(b + 4, sc, mn);
           mins.add_kquant(b, mn, a, B4, sb);
-          const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
-          __m256i qh = _mm256_setzero_si256();
-          if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const uint8_t* qs = k4_nibbles<TYPE>(b);
+          const __m256i qh = k4_fifth_bits<TYPE>(b);
           const __m512i scz = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
           for (int j = 0; j < 4; ++j) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
@@ -387,9 +399,8 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           k4_scales(b + 4, sc, mn);
           mins.add_kquant(b, mn, a, B4, sb);
           const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
-          const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
-          __m256i qh = _mm256_setzero_si256();
-          if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+          const uint8_t* qs = k4_nibbles<TYPE>(b);
+          const __m256i qh = k4_fifth_bits<TYPE>(b);
           const __m256i n0 = _mm256_set1_epi16(0x000F);  // Q4_K: each int16 lane's four nibbles straight out
           for (int j = 0; j < 4; ++j) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
@@ -517,7 +528,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
           d = f16_at(b);
           const float dmin = f16_at(b + 2);
           k4_scales(b + 4, sc, mn);
-          const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
+          const uint8_t* qs = k4_nibbles<TYPE>(b);
           for (int i = 0; i < 256; ++i) {
             const int j = i / 64, l = i % 32, s = i / 32;
             int q = (i % 64) < 32 ? qs[32 * j + l] & 0xF : qs[32 * j + l] >> 4;
@@ -624,9 +635,8 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
         k4_scales(b + 4, sc, mn);
         mins.add_kquant(b, mn, a, B4, sb);
         const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
-        const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
-        __m256i qh = _mm256_setzero_si256();
-        if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        const uint8_t* qs = k4_nibbles<TYPE>(b);
+        const __m256i qh = k4_fifth_bits<TYPE>(b);
         for (int j = 0; j < 4; ++j) {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
           __m256i lo, hi;
@@ -721,9 +731,8 @@ void il_pack(const uint8_t* w, int64_t row_bytes, int64_t sb, IlBlock& o) {
       d[c] = f16_at(b);
       o.mv[c] = k4_mins(b, mn);
       for (int p = 0; p < 8; ++p) sc16[p][0][2 * c] = sc16[p][0][2 * c + 1] = byte_of(sc, p);
-      const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
-      __m256i qh = _mm256_setzero_si256();
-      if constexpr (TYPE == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const uint8_t* qs = k4_nibbles<TYPE>(b);
+      const __m256i qh = k4_fifth_bits<TYPE>(b);
       for (int j = 0; j < 4; ++j) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
         k4_levels<TYPE == kQ5_K>(bytes, qh, j, lev[2 * j][c], lev[2 * j + 1][c]);
