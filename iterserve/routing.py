@@ -65,6 +65,7 @@ class ReplicaLoad:
 class _Replica:
     hashes: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     routed_total: int = 0  # requests this router sent it
+    last_routed: int = -1  # sequence number of the latest request sent it (-1: none yet)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
 
 
@@ -73,6 +74,7 @@ class RoutingPolicy:
         self.config = config
         self.replicas: dict[str, _Replica] = {}
         self._rr = itertools.count()
+        self._sent = itertools.count()  # numbers routed requests, for last_routed
 
     # ---- state ----------------------------------------------------------------------------------
     def update_replicas(self, replica_ids: list[str]) -> None:
@@ -99,6 +101,7 @@ class RoutingPolicy:
         if rep is None:
             return
         rep.routed_total += 1
+        rep.last_routed = next(self._sent)
         if hashes:
             for h in hashes:
                 rep.hashes[h] = None
@@ -140,10 +143,12 @@ class RoutingPolicy:
             start = next(self._rr) % len(candidates)
             order = candidates[start:] + candidates[:start]
             return [[c] for c in order]
-        # ties (e.g. all idle) go to the replica holding the fewest remembered blocks, so that new
-        # conversations spread instead of all starting on the first replica
+        # ties (e.g. all idle) go to the replica sent a request least recently, so that new
+        # conversations alternate even when each finishes before the next arrives (then no load
+        # tells them apart). Not to the one holding the fewest remembered blocks: a replica that
+        # earlier traffic left holding many would see every new conversation go elsewhere.
         by_load = sorted(candidates, key=lambda c: (self.load(c), self.replicas[c].load.kv_usage,
-                                                    len(self.replicas[c].hashes)))
+                                                    self.replicas[c].last_routed))
         if policy == "least-loaded" or not hashes:
             return [[c] for c in by_load]
         loads = [self.load(c) for c in candidates]

@@ -26,7 +26,28 @@ def test_prefix_follows_the_replica_that_holds_the_prompt():
     conv = list(range(100, 112))
     routed(p, "b", conv)
     assert first(p, conv + [7, 8, 9, 10]) == "b"  # the next turn extends the prompt b computed
-    assert first(p, [1, 2, 3, 4, 5]) == "a"  # no match: the replica holding less (ties on load)
+    assert first(p, [1, 2, 3, 4, 5]) == "a"  # no match: the replica sent nothing lately (ties on load)
+
+
+def test_new_conversations_alternate_when_none_overlaps():
+    """Each conversation's first turn finishes before the next one arrives, so both replicas report
+    idle every time; b holds many remembered blocks from earlier traffic. New conversations still
+    alternate (a tie-break on remembered blocks sent every one of them to a)."""
+    p = policy("prefix")
+    for i in range(5):
+        routed(p, "b", list(range(1000 * i, 1000 * i + 40)))  # ten blocks each
+    received = {"a": 0, "b": 5}
+    p.report("b", ReplicaLoad(received_total=5))
+    homes = []
+    for conv in range(4):
+        prompt = [conv + 1] * 12
+        home = first(p, prompt)
+        routed(p, home, prompt)
+        received[home] += 1
+        p.report(home, ReplicaLoad(received_total=received[home]))  # done: idle again
+        homes.append(home)
+        assert first(p, prompt + [7, 7, 7, 7]) == home  # its next turn follows it
+    assert homes == ["a", "b", "a", "b"]
 
 
 def test_prefix_gives_way_to_load_beyond_the_threshold():
