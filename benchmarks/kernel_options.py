@@ -356,14 +356,21 @@ def llamacpp_teacher_forced(url: str, ids: list[int], n_prompt: int) -> tuple[li
     return top, lp
 
 
+NUMERICS_PROMPTS = ("The history of the Roman Empire begins with",  # the first: the 48 positions of earlier sittings
+                    "def fibonacci(n):\n    \"\"\"Return", "My favourite recipe for bread is",
+                    "Question: Why is the sky blue?\nAnswer:", "In 1905 Albert Einstein published")
+
+
 def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -> None:
-    """A GGUF model decoding one sequence, teacher-forced on float32's greedy tokens (float32 holds
-    the file's values exactly): where bf16 is the default dtype, bf16 with no twin (a float copy), with
-    the file's blocks as the weights (quantization auto, the default: gguf_gemm for decode steps), the
-    same on int8 activations (--gguf-activations int8) and with the min-max 4-bit / Q8_0 twins rebuilt
-    from the float weights (quantization int4); elsewhere (AVX2) the default float32 run on the blocks,
-    int16 and int8 activations: top-1 agreement and |logprob difference| of float32's token; with
-    `llamacpp_url`, llama-server on the same file and positions."""
+    """A GGUF model decoding, teacher-forced on float32's greedy tokens (float32 holds the file's values
+    exactly) after each of NUMERICS_PROMPTS (`steps` positions each: 240 in all, so that one run's top-1
+    moves by 0.004 a position, not the 0.02 of the first prompt's 48 alone, also printed): where bf16
+    is the default dtype, bf16 with no twin (a float copy), with the file's blocks as the weights
+    (quantization auto, the default: gguf_gemm for decode steps), the same on int8 activations
+    (--gguf-activations int8) and with the min-max 4-bit / Q8_0 twins rebuilt from the float weights
+    (quantization int4); elsewhere (AVX2) the default float32 run on the blocks, int16 and int8
+    activations: top-1 agreement and |logprob difference| of float32's token; with `llamacpp_url`,
+    llama-server on the same file and positions."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
@@ -371,8 +378,6 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
 
     from iterserve.config import EngineConfig
     from iterserve.engine import LLMEngine
-
-    prompt = "The history of the Roman Empire begins with"
 
     def logits(engine, ids: list[int], n_prompt: int) -> torch.Tensor:
         runner = new_runner((engine.model, engine.model_config, engine.tokenizer), num_blocks=len(ids) // 16 + 2)
@@ -383,21 +388,33 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
 
     base = dict(model=path, kv_cache_memory="64MiB", measure_kernels=False, max_num_seqs=4)
     ref = LLMEngine(EngineConfig(**base, dtype="float32", quantization="none"))
-    ids = ref.tokenizer(prompt)["input_ids"]
-    n_prompt = len(ids)
-    for _ in range(steps):  # float32's greedy continuation
-        ids.append(int(logits(ref, ids, len(ids))[0].argmax()))
-    want = logits(ref, ids[:-1], n_prompt)
+    seqs = []  # (ids, prompt length, float32's log-probabilities at each position)
+    for prompt in NUMERICS_PROMPTS:
+        ids = ref.tokenizer(prompt)["input_ids"]
+        n_prompt = len(ids)
+        for _ in range(steps):  # float32's greedy continuation
+            ids.append(int(logits(ref, ids, len(ids))[0].argmax()))
+        seqs.append((ids, n_prompt, logits(ref, ids[:-1], n_prompt)))
     del ref
+    want = torch.cat([w for _, _, w in seqs])
+    tokens = torch.cat([torch.tensor(ids[n:]) for ids, n, _ in seqs])
     rows = torch.arange(len(want))
-    tokens = torch.tensor(ids[n_prompt:])
+
+    def report(label: str, top: torch.Tensor, diffs: torch.Tensor, note: str = "") -> None:
+        agree = top == want.argmax(-1)
+        print(f"{label:44s} vs float32 over {len(want)} positions: top-1 {agree.float().mean():.3f} "
+              f"(first prompt's {steps}: {agree[:steps].float().mean():.3f}), |logprob diff| of float32's "
+              f"token mean {diffs.mean():.4f} max {diffs.max():.3f}{note}", flush=True)
+
     if llamacpp_url:
-        top, lp = llamacpp_teacher_forced(llamacpp_url, ids, n_prompt)
-        top1 = (torch.tensor(top) == want.argmax(-1)).float().mean().item()
-        diffs = [abs(v - want[i, tokens[i]].item()) for i, v in enumerate(lp) if v is not None]
-        print(f"{'llama.cpp (llama-server, same file)':36s} vs float32 over {len(want)} positions: top-1 {top1:.3f}, "
-              f"|logprob diff| of float32's token mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.3f} "
-              f"({len(diffs)} positions where it is in llama.cpp's top 20)", flush=True)
+        top, lp = [], []
+        for ids, n_prompt, _ in seqs:
+            t, v = llamacpp_teacher_forced(llamacpp_url, ids, n_prompt)
+            top += t
+            lp += v
+        diffs = torch.tensor([abs(v - want[i, tokens[i]].item()) for i, v in enumerate(lp) if v is not None])
+        report("llama.cpp (llama-server, same file)", torch.tensor(top), diffs,
+               f" ({len(diffs)} positions where it is in llama.cpp's top 20)")
     from iterserve.cpu_info import cpu_flags
 
     if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():  # bf16 is the default dtype here
@@ -410,11 +427,8 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
                 ("float32 auto, the blocks, int8 activations", dict(dtype="auto", gguf_activations="int8"))]
     for label, kw in runs:
         eng = LLMEngine(EngineConfig(**base, **kw))
-        got = logits(eng, ids[:-1], n_prompt)
-        top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-        diff = (got[rows, tokens] - want[rows, tokens]).abs()
-        print(f"{label:36s} vs float32 over {len(want)} positions (decode steps: 1 row): top-1 {top1:.3f}, "
-              f"|logprob diff| of float32's token mean {diff.mean():.4f} max {diff.max():.3f}", flush=True)
+        got = torch.cat([logits(eng, ids[:-1], n_prompt) for ids, n_prompt, _ in seqs])
+        report(label + " (decode steps: 1 row)", got.argmax(-1), (got[rows, tokens] - want[rows, tokens]).abs())
         del eng
 
 

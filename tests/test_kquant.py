@@ -349,14 +349,16 @@ def _decode_logits(engine, ids: list[int], prompt: int = 6) -> torch.Tensor:
 
 def _int8_reference(x: torch.Tensor, w: np.ndarray, c: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """gguf_gemm(int8=True)'s sums in float64 from its own activation levels (round(x * (127 / amax)) to
-    nearest even per 256 inputs, in float32 as the kernel computes them), and the bound of float32 sums."""
+    nearest even per 256 inputs, in float32 as the kernel computes them): the dot part and the mins
+    alike (llama.cpp's bsums; from the float sums of x instead, the two terms' rounding errors add up
+    rather than cancel), and the bound of float32 sums."""
     xf = x.float().reshape(x.shape[0], -1, 256)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     xq = (torch.round(xf * inv) * (amax / 127.0)).double().reshape(x.shape)
     cd, md = torch.from_numpy(c).double(), torch.from_numpy(w - c).double()
-    ref = xq @ cd.t() + x.double() @ md.t()
-    bound = 2 ** -20 * (xq.abs() @ cd.abs().t() + x.double().abs() @ md.abs().t())
+    ref = xq @ (cd + md).t()
+    bound = 2 ** -20 * (xq.abs() @ (cd.abs() + md.abs()).t())
     return ref, bound + (ref.abs() * 2 ** -8 if x.dtype == torch.bfloat16 else 0) + 1e-12
 
 
@@ -382,7 +384,7 @@ def test_int8_activations_compute_llama_cpps_sums(qtype, kernel_variant, variant
             assert torch.equal(alone, y)  # 37 outputs: the pool's ranges hold 3, never 8 to interleave
             exact = x.double() @ torch.from_numpy(w).double().t()
             int8_cost = (x.double().abs().reshape(rows, -1, 256).amax(-1) / 254).repeat_interleave(256, 1) \
-                @ torch.from_numpy(np.abs(c)).double().t()
+                @ torch.from_numpy(np.abs(w)).double().t()
             assert ((y.double() - exact).abs() <= int8_cost + bound).all()
         xb = torch.randn(3, k).bfloat16()
         ref, bound = _int8_reference(xb, w, c)

@@ -142,7 +142,7 @@ inline __m256i k4_fifth_bits(const uint8_t* b) {
 }
 
 // A Q4_K / Q5_K super-block's 8 sub-block mins `mn` (k4_scales) times its dmin, as floats: what the
-// mins term multiplies the activations' sums by (gg_rows, gg_rows_i8, il_pack alike).
+// mins term multiplies the activations' float sums by (gg_rows: the int16 path).
 inline __m256 k4_mins(const uint8_t* b, uint64_t mn) {
   return _mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)),
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
@@ -582,23 +582,23 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
 // Q4_K x Q8_K dot, vpmaddubsw (u8 levels x s8 activations, pairs summed in int16: at most 2 * 63 * 127)
 // then vpmaddwd by the sub-block scales, one float multiply-add a super-block with d * d8. About half
 // the instructions of the int16 path a weight, at llama.cpp's accuracy instead of int16's (docs/profile.md).
-// The mins term is the int16 path's (float sums of x); Q6_K's offset of 32 comes off as 32 * sc * the
-// activations' sums per 16 (bs).
+// The mins term reads the same int8 levels as the dot (their sums per 16, bs; llama.cpp's bsums): the
+// dot part's rounding errors then cancel against the mins' instead of adding to them (from the float
+// sums of x, Gemma 3's o_proj outputs were 1.4-4x further from float32 than both terms on the levels);
+// Q6_K's offset of 32 comes off the same way, as 32 * sc * bs.
 template <int64_t TYPE, int MB, bool CH, typename T>
 void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0, int64_t n1,
                 int64_t last, int64_t k0, int64_t k1, GgCarry<MB>* carry) {
-  const int64_t K = a.K, B4 = a.K4 / 32, NB = K / 256;
+  const int64_t K = a.K, NB = K / 256;
   const bool first = !CH || k0 == 0, final = !CH || k1 >= K;
   const int64_t ahead = CH ? row_bytes : kStreamAhead;
   const uint8_t* wend = w + (last + 1) * row_bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[MB];
-    GgMins<TYPE, MB> mins;
     GgCarry<MB>* c = carry ? carry + (n - n0) : nullptr;
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) acc[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c->acc[m]);
-    if (!first) mins.load(*c);
     for (int64_t sb = k0 / 256; sb < k1 / 256; ++sb) {
       const uint8_t* b = wr + sb * kquant_bytes(TYPE);
       prefetch_stream(b, kquant_bytes(TYPE), wend, ahead);
@@ -613,7 +613,8 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
           is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sv));
         }
       };
-      float d;
+      float d, dmin = 0.f;
+      [[maybe_unused]] __m256i ms[MB];  // Q4_K, Q5_K: the mins' integer sums
       if constexpr (TYPE == kQ6_K) {
         d = f16_at(b + 208);
         for (int h = 0; h < 2; ++h) {
@@ -632,8 +633,13 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
       } else {
         uint64_t sc, mn;
         d = f16_at(b);
+        dmin = f16_at(b + 2);
         k4_scales(b + 4, sc, mn);
-        mins.add_kquant(b, mn, a, B4, sb);
+        const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // lanes 2j, 2j + 1: sub-block j's min
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)  // lane j: m_j * the levels' sum over sub-block j (<= 63 * 32 * 127)
+          ms[m] = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bs + m * (K / 16) + sb * 16)));
         const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
         const uint8_t* qs = k4_nibbles<TYPE>(b);
         const __m256i qh = k4_fifth_bits<TYPE>(b);
@@ -646,17 +652,19 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
         }
       }
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m)
+      for (int m = 0; m < MB; ++m) {
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_set1_ps(d * a.d8[m * NB + sb]), acc[m]);
+        if constexpr (TYPE != kQ6_K)
+          acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms[m]), _mm256_set1_ps(dmin * a.d8[m * NB + sb]), acc[m]);
+      }
     }
     if (!final) {
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) _mm256_storeu_ps(c->acc[m], acc[m]);
-      mins.save(*c);
       continue;
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, reduce_add8(acc[m]) + mins.total(m));
+    for (int m = 0; m < MB; ++m) store(out + m * ldo + n, reduce_add8(acc[m]));
   }
 }
 #endif
@@ -684,9 +692,11 @@ struct IlBlock {  // one K-quant super-block (Q4_K, Q5_K or Q6_K) of 8 weight ro
   __m256i lv[8][8];  // piece p (inputs 32p..), group g (inputs 32p + 4g..): bytes 4c..4c+3 = row c's levels
   __m256i sv[8][2];  // piece p: int16 lanes 2c, 2c+1 = row c's scale of inputs 0-15 [0] and 16-31 [1]
                      // (Q4_K, Q5_K: one scale a piece, [0] only)
-  __m256i oc[8];     // Q6_K: int16 lanes 2c, 2c+1 = row c's scales of sub-blocks 2k, 2k + 1 (the offset of 32)
-  __m256 mv[8];      // Q4_K, Q5_K: row c's dmin * its 8 sub-block mins (k4_mins)
+  __m256i oc[8];     // int16 lanes 2c, 2c+1 times inputs 16k.. and 16k + 16.. of an activation row's level
+                     // sums (bs): Q6_K row c's scales of sub-blocks 2k, 2k + 1 (the offset of 32), Q4_K and
+                     // Q5_K row c's min of sub-block k, twice
   __m256 dv;         // lane c: row c's d
+  __m256 dminv;      // Q4_K, Q5_K: lane c: row c's dmin
 };
 
 // 8 x 8 int32 transpose: r[i] lane j <-> r[j] lane i
@@ -708,7 +718,7 @@ inline void transpose8_epi32(__m256i r[8]) {
 template <int64_t TYPE>
 void il_pack(const uint8_t* w, int64_t row_bytes, int64_t sb, IlBlock& o) {
   alignas(32) int16_t sc16[8][2][16], oc16[8][16];
-  alignas(32) float d[8];
+  alignas(32) float d[8], dmin[8] = {};
   __m256i lev[8][8];  // [piece][row]
   for (int c = 0; c < 8; ++c) {
     const uint8_t* b = w + c * row_bytes + sb * kquant_bytes(TYPE);
@@ -728,9 +738,11 @@ void il_pack(const uint8_t* w, int64_t row_bytes, int64_t sb, IlBlock& o) {
     } else {
       uint64_t sc, mn;
       k4_scales(b + 4, sc, mn);
-      d[c] = f16_at(b);
-      o.mv[c] = k4_mins(b, mn);
-      for (int p = 0; p < 8; ++p) sc16[p][0][2 * c] = sc16[p][0][2 * c + 1] = byte_of(sc, p);
+      d[c] = f16_at(b), dmin[c] = f16_at(b + 2);
+      for (int p = 0; p < 8; ++p) {
+        sc16[p][0][2 * c] = sc16[p][0][2 * c + 1] = byte_of(sc, p);
+        oc16[p][2 * c] = oc16[p][2 * c + 1] = byte_of(mn, p);
+      }
       const uint8_t* qs = k4_nibbles<TYPE>(b);
       const __m256i qh = k4_fifth_bits<TYPE>(b);
       for (int j = 0; j < 4; ++j) {
@@ -744,15 +756,15 @@ void il_pack(const uint8_t* w, int64_t row_bytes, int64_t sb, IlBlock& o) {
     for (int g = 0; g < 8; ++g) _mm256_store_si256(&o.lv[p][g], lev[p][g]);
     for (int h = 0; h < (TYPE == kQ6_K ? 2 : 1); ++h)
       o.sv[p][h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc16[p][h]));
-    if constexpr (TYPE == kQ6_K) o.oc[p] = _mm256_load_si256(reinterpret_cast<const __m256i*>(oc16[p]));
+    o.oc[p] = _mm256_load_si256(reinterpret_cast<const __m256i*>(oc16[p]));
   }
-  o.dv = _mm256_load_ps(d);
+  o.dv = _mm256_load_ps(d), o.dminv = _mm256_load_ps(dmin);
 }
 
 // Activation rows r0 .. r0 + R - 1 times the 8 weight rows of `pk` (all K's super-blocks) -> out[r, 0..7]
 template <int64_t TYPE, int R, typename T>
 void il_rows(const GgRows& a, const IlBlock* pk, int64_t r0, T* out, int64_t ldo) {
-  const int64_t NB = a.K / 256, B4 = a.K4 / 32;
+  const int64_t NB = a.K / 256;
   // groups whose int16 sums may add up before a vpmaddwd: a lane of one vpmaddubsw is at most
   // 2 x 15 x 127 (Q4_K, 8 groups: 30480), 2 x 31 x 127 (Q5_K, 4 groups: 31496) or 2 x 63 x 127 (Q6_K,
   // 2 groups: 32004) < 32768
@@ -785,36 +797,26 @@ void il_rows(const GgRows& a, const IlBlock* pk, int64_t r0, T* out, int64_t ldo
         for (int r = 0; r < R; ++r) is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(t[r], sv));
       }
     }
-    if constexpr (TYPE == kQ6_K) {  // the levels' offset: 32 * the sum over the 16 sub-blocks of sc * bs
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int16_t* bs = a.bs + (r0 + r) * (a.K / 16) + sb * 16;
-        __m256i off = _mm256_setzero_si256();
-        for (int k = 0; k < 8; ++k) {
-          int32_t b2;
-          std::memcpy(&b2, bs + 2 * k, 4);
-          off = _mm256_add_epi32(off, _mm256_madd_epi16(o.oc[k], _mm256_set1_epi32(b2)));
-        }
-        is[r] = _mm256_sub_epi32(is[r], _mm256_slli_epi32(off, 5));
+    for (int r = 0; r < R; ++r) {
+      // the levels' sums (bs) times oc: Q6_K's offset of 32 (sc * bs), Q4_K's and Q5_K's mins (m * bs)
+      const int16_t* bs = a.bs + (r0 + r) * (a.K / 16) + sb * 16;
+      __m256i off = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        int32_t b2;
+        std::memcpy(&b2, bs + 2 * k, 4);
+        off = _mm256_add_epi32(off, _mm256_madd_epi16(o.oc[k], _mm256_set1_epi32(b2)));
       }
+      const __m256 d8 = _mm256_set1_ps(a.d8[(r0 + r) * NB + sb]);
+      if constexpr (TYPE == kQ6_K) is[r] = _mm256_sub_epi32(is[r], _mm256_slli_epi32(off, 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(o.dv, d8), acc[r]);
+      if constexpr (TYPE != kQ6_K) acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(off), _mm256_mul_ps(o.dminv, d8), acc[r]);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(o.dv, _mm256_set1_ps(a.d8[(r0 + r) * NB + sb])), acc[r]);
   }
   for (int r = 0; r < R; ++r) {
     alignas(32) float v[8];
     _mm256_store_ps(v, acc[r]);
-    const float* sx = a.sx + (r0 + r) * B4;
-    for (int c = 0; c < 8; ++c) {  // Q4_K's and Q5_K's mins: dmin * m * the float sums of x, as gg_rows_i8
-      float mins = 0.f;
-      if constexpr (TYPE != kQ6_K) {
-        __m256 k = _mm256_setzero_ps();
-        for (int64_t sb = 0; sb < NB; ++sb) k = _mm256_fmadd_ps(pk[sb].mv[c], _mm256_loadu_ps(sx + sb * 8), k);
-        mins = reduce_add8(k);
-      }
-      store(out + (r0 + r) * ldo + c, v[c] - mins);
-    }
+    for (int c = 0; c < 8; ++c) store(out + (r0 + r) * ldo + c, v[c]);
   }
 }
 
@@ -902,15 +904,15 @@ void gg_dispatch(int64_t type, const GgRows& rows, int64_t M, const uint8_t* w, 
 }
 
 // One activation row -> int16 levels q = round(x * 32767 / amax) (to nearest even, as nearbyint),
-// its scale amax / 32767, and the float32 sum of x over each 32 inputs (K a multiple of 32); q null: the sums alone.
+// its scale amax / 32767, and the float32 sum of x over each 32 inputs (K a multiple of 32).
 template <typename X>
 void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
 #if defined(__AVX512F__)
   __m512 mx = _mm512_setzero_ps();
-  for (int64_t k = 0; q && k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
+  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
   const float amax = _mm512_reduce_max_ps(mx);
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-  for (int64_t k = 0; q && k < K; k += 16) {
+  for (int64_t k = 0; k < K; k += 16) {
     const __m512 v = load16(xr + k);
     const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // to nearest even
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm512_cvtepi32_epi16(r));
@@ -920,12 +922,12 @@ void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
 #elif ISV_GG_AVX2
   __m256 mx = _mm256_setzero_ps();
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t k = 0; q && k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xr + k), absmask));
+  for (int64_t k = 0; k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xr + k), absmask));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-  for (int64_t k = 0; q && k < K; k += 16) {  // to nearest even; |level| <= 32767, so the pack never saturates
+  for (int64_t k = 0; k < K; k += 16) {  // to nearest even; |level| <= 32767, so the pack never saturates
     const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k), inv));
     const __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k + 8), inv));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8));
@@ -935,9 +937,9 @@ void gg_quantise_row(const X* xr, int64_t K, int16_t* q, float* dx, float* sx) {
                                       _mm256_add_ps(load8(xr + 32 * b + 16), load8(xr + 32 * b + 24))));
 #else
   float amax = 0.f;
-  for (int64_t k = 0; q && k < K; ++k) amax = std::max(amax, std::fabs(load(xr[k])));
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(load(xr[k])));
   const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  for (int64_t k = 0; q && k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(load(xr[k]) * inv));
+  for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(load(xr[k]) * inv));
   for (int64_t b = 0; b < K / 32; ++b) {
     float sum = 0.f;
     for (int i = 0; i < 32; ++i) sum += load(xr[b * 32 + i]);
@@ -1029,8 +1031,8 @@ struct GgQuantised {
   int64_t K, K4, lq, lq4, l8;
 
   // row m is xc's row src[m] (a gather) where src is given, else its row m; int8: also the int8 rows
-  // the K-quant shards then read (K a multiple of 256); levels16: the int16 rows (xq), which an int8
-  // call without a 32-input shard never reads (its K-quant mins read sx alone)
+  // the K-quant shards then read (K a multiple of 256), their mins included; levels16: the int16 rows
+  // (xq, dx, sx), which an int8 call without a 32-input shard never reads
   GgQuantised(const at::Tensor& xc, bool x4, const int64_t* src = nullptr, int64_t M = -1, bool int8 = false,
               bool levels16 = true)
       : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128), lq(K + 32), lq4(K4 + 32), l8(K + 64) {
@@ -1050,10 +1052,10 @@ struct GgQuantised {
         else gg_quantise_row_i8(xh + r * K, K, &x8[m * l8], &d8[m * (K / 256)], &bs[m * (K / 16)]);
       }
 #endif
-      int16_t* q = levels16 ? &xq[m * lq] : nullptr;
+      if (!levels16) return;
+      int16_t* q = &xq[m * lq];
       if (f32) gg_quantise_row(xf + r * K, K, q, &dx[m], &sx[m * B4]);
       else gg_quantise_row(xh + r * K, K, q, &dx[m], &sx[m * B4]);
-      if (!q) return;
       if (x4)  // position p of group g: input 8 * (p / 32) + p % 8 of block 4g + (p % 32) / 8, 8 inputs at a time
         for (int64_t k = 0; k < K; k += 8)
           std::memcpy(&xq4[m * lq4 + k / 128 * 128 + 32 * (k % 32 / 8) + 8 * (k / 32 % 4)], &q[k], 16);
