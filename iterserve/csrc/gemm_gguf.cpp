@@ -190,9 +190,20 @@ struct GgMins {
 #if ISV_GG_AVX2
 // The K-quants' scale vector for 32 inputs on AVX2: int16 lanes 0-7 all `scales`' lane lo (the scale of
 // inputs 0-15), lanes 8-15 all lane hi (inputs 16-31); `scales` holds the same 8 int16 in both halves.
+// The shuffle controls come from a table (a memory operand of vpshufb): built in registers, the
+// compiler rebuilt the ones it could not keep every super-block (4 instructions each, Zen 3's 1-row
+// loops are bound by their instruction count, not by memory).
+struct PickControls {
+  alignas(32) uint8_t c[8][8][32];  // [lo][hi]: bytes 2l, 2l + 1 of lane l in every int16 lane of a half
+  constexpr PickControls() : c{} {
+    for (int lo = 0; lo < 8; ++lo)
+      for (int hi = 0; hi < 8; ++hi)
+        for (int i = 0; i < 32; ++i) c[lo][hi][i] = static_cast<uint8_t>(2 * (i < 16 ? lo : hi) + (i & 1));
+  }
+};
+inline constexpr PickControls kPickControls{};
 inline __m256i pick_scales(__m256i scales, int lo, int hi) {
-  const auto ctl = [](int l) { return static_cast<int16_t>(((2 * l + 1) << 8) | (2 * l)); };
-  return _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(ctl(hi)), _mm_set1_epi16(ctl(lo))));
+  return _mm256_shuffle_epi8(scales, _mm256_load_si256(reinterpret_cast<const __m256i*>(kPickControls.c[lo][hi])));
 }
 #endif
 

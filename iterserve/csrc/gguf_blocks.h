@@ -31,8 +31,8 @@ inline float f16_at(const uint8_t* p) {
 // Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins from their 12 packed bytes, a byte each in
 // two words (llama.cpp's get_scale_min_k4, on whole words: no byte stores for a vector load to wait on)
 inline void k4_scales(const uint8_t* q, uint64_t& sc, uint64_t& mn) {
-  uint32_t u[3];
-  std::memcpy(u, q, 12);
+  uint32_t u[3];  // three loads into registers (one 12-byte copy went through the stack: ~6 more
+  std::memcpy(&u[0], q, 4), std::memcpy(&u[1], q + 4, 4), std::memcpy(&u[2], q + 8, 4);  // instructions a super-block)
   constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
   sc = (u[0] & k1) | static_cast<uint64_t>((u[2] & k2) | (((u[0] >> 6) & k3) << 4)) << 32;
   mn = (u[1] & k1) | static_cast<uint64_t>(((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)) << 32;
