@@ -32,6 +32,7 @@ from machine import figures_line, machine_figures, read_bandwidth_gbs  # noqa: E
 from peers.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
 
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
+from iterserve.config import GGUF_ACTIVATIONS  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
 
@@ -75,8 +76,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=0,
                     help="also time prompt processing of this many tokens each round (llama-bench -p N)")
     ap.add_argument("--kv-cache-memory", default="512MiB")
-    ap.add_argument("--gguf-activations", choices=["int16", "int8"], default="int16",
-                    help="iterserve's --gguf-activations (int8: llama.cpp's activation quantisation for K-quants)")
+    ap.add_argument("--gguf-activations", choices=list(GGUF_ACTIVATIONS), default="int16",
+                    help="iterserve's --gguf-activations (int8: llama.cpp's activation quantisation for K-quants; "
+                         "int8-except-down: not for the MLP's down projections)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.llama_bench is None:

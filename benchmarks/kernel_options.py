@@ -367,9 +367,9 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
     moves by 0.004 a position, not the 0.02 of the first prompt's 48 alone, also printed): where bf16
     is the default dtype, bf16 with no twin (a float copy), with the file's blocks as the weights
     (quantization auto, the default: gguf_gemm for decode steps), the same on int8 activations
-    (--gguf-activations int8) and with the min-max 4-bit / Q8_0 twins rebuilt from the float weights
-    (quantization int4); elsewhere (AVX2) the default float32 run on the blocks, int16 and int8
-    activations: top-1 agreement and |logprob difference| of float32's token; with `llamacpp_url`,
+    (--gguf-activations int8, then int8-except-down) and with the min-max 4-bit / Q8_0 twins rebuilt
+    from the float weights (quantization int4); elsewhere (AVX2) the default float32 run on the blocks,
+    int16, int8 and int8-except-down activations: top-1 agreement and |logprob difference| of float32's token; with `llamacpp_url`,
     llama-server on the same file and positions."""
     import sys
 
@@ -421,10 +421,12 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
         runs = [("bf16, no twin", dict(dtype="bfloat16", quantization="none")),
                 ("bf16, the file's blocks (default)", dict(dtype="bfloat16")),
                 ("bf16, the blocks, int8 activations", dict(dtype="bfloat16", gguf_activations="int8")),
+                ("bf16, the blocks, int8 but down", dict(dtype="bfloat16", gguf_activations="int8-except-down")),
                 ("bf16 + min-max int4 / Q8_0 twins", dict(dtype="bfloat16", quantization="int4"))]
     else:  # float32 is (AVX2): the blocks on gguf_gemm in decode steps
         runs = [("float32 auto, the blocks (default)", dict(dtype="auto")),
-                ("float32 auto, the blocks, int8 activations", dict(dtype="auto", gguf_activations="int8"))]
+                ("float32 auto, the blocks, int8 activations", dict(dtype="auto", gguf_activations="int8")),
+                ("float32 auto, the blocks, int8 but down", dict(dtype="auto", gguf_activations="int8-except-down"))]
     for label, kw in runs:
         eng = LLMEngine(EngineConfig(**base, **kw))
         got = torch.cat([logits(eng, ids[:-1], n_prompt) for ids, n_prompt, _ in seqs])

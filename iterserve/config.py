@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 DECODE_ATTENTION_CHOICES = ("auto", "torch", "cpu", "triton")  # attention/selector.py's backends
 BF16_GEMM_CHOICES = ("auto", "tiled", "onednn", "float32", "bf16w")  # platform/cpu_linear.py's layouts
+GGUF_ACTIVATIONS = ("int16", "int8", "int8-except-down")  # gguf_gemm's activation levels (EngineConfig)
 ENV_DEFAULTS = {  # EngineConfig field -> the environment variable its default comes from
     "cpu_kernels": "ITERSERVE_CPU_KERNELS",
     "bf16_gemm": "ITERSERVE_BF16_GEMM",
@@ -249,9 +250,12 @@ class EngineConfig:
     # run takes the projections' twin (our Q4_1 kernel) with int4 only, never under auto
     quantization: Literal["auto", "none", "int4"] = "auto"
     # CPU: how gguf_gemm quantises the activations its K-quant blocks (Q4_K, Q5_K, Q6_K) multiply in steps of
-    # few rows: int16 (one scale a row: within ~1e-4 of float32) or int8 (a scale per 256 inputs, llama.cpp's
-    # Q8_K: ~1.3x faster a decode step on AVX2, llama.cpp's accuracy; docs/profile.md has both measured)
-    gguf_activations: Literal["int16", "int8"] = field(default_factory=lambda: _env("gguf_activations", "int16"))
+    # few rows: int16 (one scale a row: within ~1e-4 of float32), int8 (a scale per 256 inputs, llama.cpp's
+    # Q8_K: ~1.3x faster a decode step on AVX2, llama.cpp's accuracy), or int8-except-down: int8 but for the
+    # MLP's down projection, whose input (the gated activation) carries the outliers a scale per 256 loses
+    # (most of int8's error on Gemma 3); docs/profile.md has all three measured
+    gguf_activations: Literal["int16", "int8", "int8-except-down"] = field(
+        default_factory=lambda: _env("gguf_activations", "int16"))
     # torch.compile the decoder stack (inductor): faster steps after a one-off compilation at startup
     compile: bool = False
     # kernels (defaults from the environment: ENV_DEFAULTS). cpu_kernels: load iterserve's C++ CPU
@@ -339,14 +343,14 @@ class EngineConfig:
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be 'auto', 'none' or 'int4', got {self.quantization!r}")
-        if self.gguf_activations not in ("int16", "int8"):
-            raise ValueError(f"gguf_activations must be 'int16' or 'int8' (--gguf-activations, default from "
-                             f"{ENV_DEFAULTS['gguf_activations']}), got {self.gguf_activations!r}")
-        if self.gguf_activations == "int8" and self.batch_invariant:
-            raise ValueError("gguf_activations=int8 is not batch-invariant: from 16 rows a step (32 for Q6_K) its "
-                             "kernel sums 8 weight rows at once, in another order than a few rows' (the last bits of "
-                             "a row's logits follow the step's size); drop --gguf-activations int8 with "
-                             "--batch-invariant")
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)} (--gguf-activations, "
+                             f"default from {ENV_DEFAULTS['gguf_activations']}), got {self.gguf_activations!r}")
+        if self.gguf_activations != "int16" and self.batch_invariant:
+            raise ValueError(f"gguf_activations={self.gguf_activations} is not batch-invariant: from 16 rows a step "
+                             "(32 for Q6_K) its int8 kernel sums 8 weight rows at once, in another order than a few "
+                             "rows' (the last bits of a row's logits follow the step's size); keep "
+                             "--gguf-activations int16 with --batch-invariant")
         for name, choices in (("bf16_gemm", BF16_GEMM_CHOICES), ("decode_attention", DECODE_ATTENTION_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} (--{name.replace('_', '-')}, default from "

@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import fields
 
-from iterserve.config import BF16_GEMM_CHOICES, DECODE_ATTENTION_CHOICES, EngineConfig
+from iterserve.config import BF16_GEMM_CHOICES, DECODE_ATTENTION_CHOICES, GGUF_ACTIVATIONS, EngineConfig
 
 # --omp-wait: the environment libgomp reads when torch loads (so it is applied before any torch import)
 OMP_WAIT = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -80,12 +80,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="use iterserve's C++ CPU kernels (decode attention, bf16 / 4-bit / Q8_0 GEMMs; built on "
                         "first use); --no-cpu-kernels keeps to the torch and oneDNN paths, to compare or to step "
                         "around a broken compiler (default: on unless ITERSERVE_CPU_KERNELS=0)")
-    g.add_argument("--gguf-activations", choices=["int16", "int8"], default=d.gguf_activations,
-                   help="CPU, GGUF K-quant weights (Q4_K, Q5_K, Q6_K) in steps of few rows: int16 quantises each "
-                        "activation row with one scale (closest to float32: the default), int8 with a scale per "
-                        "256 inputs as llama.cpp does (about 1.3x faster decode on AVX2 hosts, 1.3-1.7x faster "
-                        "prompt chunks, llama.cpp's accuracy; not with --batch-invariant) "
-                        "(default: $ITERSERVE_GGUF_ACTIVATIONS, else int16)")
+    g.add_argument("--gguf-activations", choices=list(GGUF_ACTIVATIONS), default=d.gguf_activations,
+                   help="CPU, GGUF K-quant weights (Q4_K, Q5_K, Q6_K): int16 quantises each activation row with "
+                        "one scale (closest to float32: the default), int8 with a scale per 256 inputs as llama.cpp "
+                        "does (about 1.3x faster decode on AVX2 hosts, 1.3-1.7x faster prompt chunks, llama.cpp's "
+                        "accuracy), int8-except-down int8 but for the MLP's down projection, whose input carries the "
+                        "outliers int8 loses most on (most of int8's speed, close to int16's accuracy); the int8 "
+                        "choices not with --batch-invariant (default: $ITERSERVE_GGUF_ACTIVATIONS, else int16)")
     g.add_argument("--bf16-gemm", choices=list(BF16_GEMM_CHOICES), default=d.bf16_gemm,
                    help="the GEMM of the CPU bf16 projections: tiled (ours, where AVX512-BF16 exists), onednn "
                         "(on AMX tiles where the CPU has them), float32 (a float32 copy of each weight), or auto: "

@@ -233,7 +233,33 @@ def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_fil
         assert len(x8.token_ids) == 4 and x8.prompt_logprobs[1:] != x16.prompt_logprobs[1:]
     with pytest.raises(ValueError, match="gguf_activations=int8 applies to a GGUF's K-quant blocks"):
         _llm(q4_k_only_file, gguf_activations="int8", dtype="float32")  # float32 by name: no gguf_gemm
-    with pytest.raises(ValueError, match="gguf_activations must be 'int16' or 'int8'"):
+    with pytest.raises(ValueError, match="gguf_activations must be one of int16, int8, int8-except-down"):
         _llm(q4_k_only_file, gguf_activations="int4")
     with pytest.raises(ValueError, match="gguf_activations=int8 is not batch-invariant"):
         _llm(q4_k_only_file, gguf_activations="int8", batch_invariant=True)
+
+
+@pytest.mark.skipif(not (load_cpu_kernels() and load_cpu_kernels().gguf_gemm_int8_supported()),
+                    reason="gguf_gemm's int8 activations need the AVX2 build")
+def test_int8_except_down_keeps_the_down_projections_on_int16(q4_k_only_file, monkeypatch, tmp_path):
+    """--gguf-activations int8-except-down: every K-quant module on int8 but the MLP's down projections,
+    which compute as the int16 run's do (same bits), a run takes both paths, the resolved config says
+    so; refused with --batch-invariant like int8."""
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    mixed, int16 = _llm(q4_k_only_file, gguf_activations="int8-except-down"), _llm(q4_k_only_file)
+    mods = {n: m for n, m in mixed.engine.model.named_modules() if isinstance(m, CpuLinear)}
+    plain = {n: m for n, m in int16.engine.model.named_modules() if isinstance(m, CpuLinear)}
+    down = [n for n in mods if n.endswith("mlp.down_proj")]
+    assert down and len(down) < len(mods)
+    assert all((m.op_twin == "gguf") == (n in down) for n, m in mods.items())
+    assert all((m.op_twin == GGUF_INT8) == (n not in down) for n, m in mods.items())
+    assert mixed.engine.platform.resolved()["gguf_activations"] == "int8-except-down"
+    x = torch.randn(3, 256)
+    for n in down:
+        assert torch.equal(mods[n](x), plain[n](x))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    out = mixed.generate([list(range(300, 303))], params, use_tqdm=False)[0]
+    ref = int16.generate([list(range(300, 303))], params, use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and out.prompt_logprobs[1:] != ref.prompt_logprobs[1:]
+    with pytest.raises(ValueError, match="gguf_activations=int8-except-down is not batch-invariant"):
+        _llm(q4_k_only_file, gguf_activations="int8-except-down", batch_invariant=True)

@@ -144,3 +144,35 @@ def test_int8_twins_are_timed_at_a_prompt_chunk_and_may_run_every_step(monkeypat
     assert int16.source == "measured" and ran == [True, False]
     assert kc.INT8_PREFILL_ROWS not in int16.linears[kc.linear_key("proj", 64, 256, "q4_k:64")].ms["q4_k"]
     assert int16.linears[kc.linear_key("proj", 64, 256, "q4_k:64")].twin_max_tokens < kc.EVERY_ROW
+
+
+@pytest.mark.skipif(not (load_cpu_kernels() and load_cpu_kernels().gguf_gemm_int8_supported()),
+                    reason="gguf_gemm's int8 activations need the AVX2 build")
+def test_int8_except_down_times_the_down_shapes_on_int16(monkeypatch, tmp_path):
+    """gguf_activations=int8-except-down: the shapes only down projections have (down_only_shapes) are
+    timed on int16 activations, as they run; the others on int8; cached apart from plain int8."""
+    kernels = load_cpu_kernels()
+    down, other = ("proj", 64, 512, "q4_k:64"), ("proj", 64, 256, "q4_k:64")
+    req = dict(shapes=[other, down], buckets=[1, 2], dtype=torch.float32, blocks=True, int8=True)
+    ran = []
+    real = kc.linear_candidates
+
+    def spying(lins, layouts, twin, spec="", blocks=False, int8=False):
+        ran.append((lins[0].in_features, int8))
+        return real(lins, layouts, twin, spec, blocks, int8)
+
+    monkeypatch.setattr(kc, "linear_candidates", spying)
+    mixed = kc.choose_kernels(kc.ChoiceRequest(**req, int16_shapes=[down]), kernels, folder=tmp_path)
+    assert ran == [(256, True), (512, False)]
+    assert kc.INT8_PREFILL_ROWS not in mixed.linears[kc.linear_key(*down)].ms["q4_k"]
+    assert kc.choose_kernels(kc.ChoiceRequest(**req), kernels, folder=tmp_path).source == "measured"
+    assert ran[2:] == [(256, True), (512, True)]
+
+    model = torch.nn.Module()  # down_only_shapes goes by module name; a shape shared with another module is not one
+    model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+    for layer in model.layers:
+        layer.mlp = torch.nn.Module()
+        layer.mlp.down_proj, layer.mlp.up_proj = torch.nn.Linear(512, 64), torch.nn.Linear(256, 64)
+    assert kc.down_only_shapes(model, torch.float32) == [("proj", 64, 512)]
+    model.layers[1].mlp.other = torch.nn.Linear(512, 64)  # the down shape, not a down projection
+    assert kc.down_only_shapes(model, torch.float32) == []

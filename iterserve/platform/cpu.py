@@ -29,8 +29,8 @@ from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOC
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
                                            tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
-                                              choose_kernels, kernel_choice_dir, linears_by_shape, parse_linear_key,
-                                              shapes_of)
+                                              choose_kernels, down_only_shapes, kernel_choice_dir, linears_by_shape,
+                                              parse_linear_key, shapes_of)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -118,20 +118,22 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """The projections and the LM head laid out and given their twins (`_prepare_linears`), then,
-        with gguf_activations int8, those reading K-quant blocks put on int8 activations."""
-        int8 = self.config.gguf_activations == "int8"
+        with gguf_activations int8, those reading K-quant blocks put on int8 activations (int8-except-down:
+        all but the MLP's down projections)."""
+        mode = self.config.gguf_activations
+        int8 = mode != "int16"
         if int8 and (self.kernels is None or not self.kernels.gguf_gemm_int8_supported()):
-            raise ValueError("gguf_activations=int8 needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
+            raise ValueError(f"gguf_activations={mode} needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
         self._prepare_linears(model, source)
         if not int8:
             return
-        n = use_int8_activations(model)
+        n = use_int8_activations(model, except_down=mode == "int8-except-down")
         if not n:
-            raise ValueError("gguf_activations=int8 applies to a GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) that steps "
+            raise ValueError(f"gguf_activations={mode} applies to a GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) that steps "
                              "of few rows read (gguf_gemm); this run has none (not a K-quant GGUF, or float32 asked "
                              "for by name: every step computes in float32 then)")
         log.info("CPU: %d projections (head included) read their K-quant blocks on int8 activations (a scale per 256 "
-                 "inputs, llama.cpp's Q8_K) in steps of few rows", n)
+                 "inputs, llama.cpp's Q8_K)%s", n, "; the MLP's down projections on int16" if mode != "int8" else "")
 
     def _prepare_linears(self, model: nn.Module, source: ModelSource) -> None:
         """In bf16: weights laid out once for a bf16 GEMM (ours, oneDNN's, or a float32 copy) and
@@ -344,7 +346,9 @@ class CpuPlatform(Platform):
                             dtype=self.dtype,
                             layout=None if auto else self.layout, four_bit=use_int4,
                             q8_head=use_q8_head, amx=self.amx, blocks=bool(getattr(model, "block_modules", None)),
-                            int8=cfg.gguf_activations == "int8",
+                            int8=cfg.gguf_activations != "int16",
+                            int16_shapes=down_only_shapes(model, self.dtype, self.gguf_twins)
+                            if cfg.gguf_activations == "int8-except-down" else [],
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
                             if measure_attention else None,
                             bf16_exact=bf16_exact_shapes(model) if self.dtype == torch.float32 and auto else [])

@@ -616,14 +616,21 @@ class CpuLinear(nn.Module):
 KQUANT_NAMES = ("q4_k", "q5_k", "q6_k")  # gguf_twin_spec's names of the block types int8 activations apply to
 
 
-def use_int8_activations(model: nn.Module) -> int:
+def is_down_projection(name: str) -> bool:
+    """The MLP's down projection (gguf_activations=int8-except-down keeps it on int16): its input, the
+    gated activation, carries the outliers that one int8 scale per 256 inputs loses most on."""
+    return name.endswith("mlp.down_proj")
+
+
+def use_int8_activations(model: nn.Module, except_down: bool = False) -> int:
     """Puts each CpuLinear whose GGUF twin holds K-quant blocks on gguf_gemm's int8 activations (a scale
     per 256 inputs, llama.cpp's Q8_K) for its steps of few rows (gguf_activations=int8): about half the
-    instructions a weight of the int16 path, at llama.cpp's accuracy. Returns how many."""
+    instructions a weight of the int16 path, at llama.cpp's accuracy; except_down: not the MLP's down
+    projections (int8-except-down). Returns how many."""
     n = 0
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         if (isinstance(mod, CpuLinear) and mod.twin == "gguf" and mod.twin_max_tokens
-                and any(t in mod.twin_spec for t in KQUANT_NAMES)):
+                and any(t in mod.twin_spec for t in KQUANT_NAMES) and not (except_down and is_down_projection(name))):
             mod.op_twin = GGUF_INT8
             n += 1
     return n

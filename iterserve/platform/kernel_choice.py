@@ -55,8 +55,9 @@ from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
 from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_INT8, KQUANT_NAMES, LAYOUTS, CpuLinear, bf16_exact,
-                                           bf16w_gemm_vectorised, four_bit_twin, gguf_twin_name, pack_gguf_twin,
-                                           prepack_available, random_shards, tiled_gemm_amx, tiled_gemm_vectorised)
+                                           bf16w_gemm_vectorised, four_bit_twin, gguf_twin_name, is_down_projection,
+                                           pack_gguf_twin, prepack_available, random_shards, tiled_gemm_amx,
+                                           tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -393,8 +394,10 @@ class ChoiceRequest:
     # only ones that may get bf16w unforced: it gives float32's numbers for those weights alone
     bf16_exact: list[tuple] = field(default_factory=list)
     # the GGUF twins of K-quant blocks are timed on int8 activations (gguf_activations=int8), also at a
-    # prompt chunk's INT8_PREFILL_ROWS: one faster than the layout there too runs every step
+    # prompt chunk's INT8_PREFILL_ROWS: one faster than the layout there too runs every step; but those
+    # of int16_shapes (as in `shapes`) on int16, as they run (int8-except-down: down_only_shapes)
     int8: bool = False
+    int16_shapes: list[tuple] = field(default_factory=list)
 
 
 def linears_by_shape(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
@@ -418,6 +421,16 @@ def shapes_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
     return list(linears_by_shape(model, dtype, specs))
 
 
+def down_only_shapes(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                     specs: Mapping[str, str] | None = None) -> list[tuple]:
+    """The shapes (as shapes_of) whose every linear is an MLP down projection: those
+    gguf_activations=int8-except-down keeps on int16 activations, so timed on them. (A shape shared
+    with another projection is timed on int8, as that one runs.)"""
+    down = {id(mod) for name, mod in model.named_modules() if is_down_projection(name)}
+    return [shape for shape, lins in linears_by_shape(model, dtype, specs).items()
+            if all(id(lin) in down for lin in lins)]
+
+
 def bf16_exact_shapes(model: nn.Module) -> list[tuple]:
     """The float32 shapes (as shapes_of) whose every weight is bf16-exact (cpu_linear.bf16_exact):
     those the bf16w layout computes with float32's own numbers. (A module whose only copy is its
@@ -433,7 +446,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     described = {"layout": req.layout, "four_bit": req.four_bit, "q8_head": req.q8_head,
                  "attention": list(req.attention or ()), "attention_candidates": attn_names,
                  "kernels": kernels is not None, "amx": req.amx, "bf16_exact": [list(s) for s in req.bf16_exact],
-                 **({"blocks": True} if req.blocks else {}), **({"int8": True} if req.int8 else {})}
+                 **({"blocks": True} if req.blocks else {}), **({"int8": True} if req.int8 else {}),
+                 **({"int16_shapes": [list(s) for s in req.int16_shapes]} if req.int8 and req.int16_shapes else {})}
     key = choice_key(req.shapes, req.buckets, req.dtype, described)
     if not remeasure:
         cached = load_cached(key, folder)
@@ -460,7 +474,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             twin = (gguf_twin_name(spec) if spec else
                     four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
-            int8 = req.int8 and any(t in spec for t in KQUANT_NAMES)
+            int8 = (req.int8 and any(t in spec for t in KQUANT_NAMES)
+                    and (role, n, k, *rest) not in {tuple(s) for s in req.int16_shapes})
             buckets = proj_buckets if role == "proj" else req.buckets
             if int8 and role == "proj":
                 buckets = sorted({*buckets, INT8_PREFILL_ROWS})
