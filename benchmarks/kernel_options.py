@@ -369,8 +369,8 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
     (quantization auto, the default: gguf_gemm for decode steps), the same on int8 activations
     (--gguf-activations int8, then int8-except-down) and with the min-max 4-bit / Q8_0 twins rebuilt
     from the float weights (quantization int4); elsewhere (AVX2) the default float32 run on the blocks,
-    int16, int8 and int8-except-down activations: top-1 agreement and |logprob difference| of float32's token; with `llamacpp_url`,
-    llama-server on the same file and positions."""
+    int16, int8 and int8-except-down activations: top-1 agreement and |logprob difference| of float32's
+    token; with `llamacpp_url`, llama-server on the same file and positions."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))

@@ -69,8 +69,8 @@ struct GgRows {  // the quantised activation rows
   const int16_t* xq;   // [M, K] (K-quant blocks): in input order, or even / odd per 32 (kXqEvenOdd)
   const int16_t* xq4;  // [M, K4], each 128 inputs in the x4 order (32-input blocks; then even / odd per 32
                        // positions where kXqEvenOdd); null when unused
-  const float* dx;     // [M]: one scale a row
-  const float* sx;     // [M, K4 / 32]: float32 sum of x over each 32 inputs (not quantised), zero past K
+  const float* dx;     // [M]: one scale a row (null with xq)
+  const float* sx;     // [M, K4 / 32]: float32 sum of x over each 32 inputs (not quantised), zero past K (null with xq)
   int64_t K, K4;
   // row strides of xq, xq4 and x8 (elements): a row and 64 bytes, so that the rows of a tile do not
   // all fall in the same L1 sets (a 4 KiB multiple apart, as K 2048 int16 or K 8192 int8 rows would be,
@@ -82,8 +82,9 @@ struct GgRows {  // the quantised activation rows
   const float* d8 = nullptr;   // [M, K / 256]
   const int16_t* bs = nullptr;  // [M, K / 16]
   GgRows at(int64_t m) const {
-    return {xq ? xq + m * lq : nullptr, xq4 ? xq4 + m * lq4 : nullptr, dx + m, sx + m * (K4 / 32), K, K4, lq, lq4,
-            l8, x8 ? x8 + m * l8 : nullptr, x8 ? d8 + m * (K / 256) : nullptr, x8 ? bs + m * (K / 16) : nullptr};
+    return {xq ? xq + m * lq : nullptr, xq4 ? xq4 + m * lq4 : nullptr, xq ? dx + m : nullptr,
+            xq ? sx + m * (K4 / 32) : nullptr, K, K4, lq, lq4, l8, x8 ? x8 + m * l8 : nullptr,
+            x8 ? d8 + m * (K / 256) : nullptr, x8 ? bs + m * (K / 16) : nullptr};
   }
 };
 
@@ -1049,8 +1050,7 @@ struct GgQuantised {
       : K(xc.size(1)), K4((xc.size(1) + 127) / 128 * 128), lq(K + 32), lq4(K4 + 32), l8(K + 64) {
     if (M < 0) M = xc.size(0);
     const int64_t B4 = K4 / 32;
-    if (levels16) xq.resize(M * lq);
-    xq4.assign(x4 ? M * lq4 : 0, 0), dx.resize(M), sx.assign(M * B4, 0.f);
+    if (levels16) xq.resize(M * lq), xq4.assign(x4 ? M * lq4 : 0, 0), dx.resize(M), sx.assign(M * B4, 0.f);
     if (int8) x8.resize(M * l8), d8.resize(M * (K / 256)), bs.resize(M * (K / 16));
     const bool f32 = xc.scalar_type() == at::kFloat;
     const float* xf = f32 ? xc.const_data_ptr<float>() : nullptr;
@@ -1086,7 +1086,8 @@ struct GgQuantised {
     }
   }
   GgRows rows() const {
-    return {xq.empty() ? nullptr : xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.data(), sx.data(), K, K4, lq, lq4,
+    return {xq.empty() ? nullptr : xq.data(), xq4.empty() ? nullptr : xq4.data(), dx.empty() ? nullptr : dx.data(),
+            sx.empty() ? nullptr : sx.data(), K, K4, lq, lq4,
             l8, x8.empty() ? nullptr : x8.data(), d8.empty() ? nullptr : d8.data(), bs.empty() ? nullptr : bs.data()};
   }
 };

@@ -458,6 +458,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     proj_buckets = sorted({*req.buckets, max(PREFILL_ROWS, *req.buckets)})
     linears: dict[str, LinearChoice] = {}
     exact = {tuple(s) for s in req.bf16_exact}
+    on_int16 = {tuple(s) for s in req.int16_shapes}
     with torch.inference_mode():
         for role, n, k, *rest in req.shapes:
             spec = rest[0] if rest else ""
@@ -475,7 +476,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                     four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
             int8 = (req.int8 and any(t in spec for t in KQUANT_NAMES)
-                    and (role, n, k, *rest) not in {tuple(s) for s in req.int16_shapes})
+                    and (role, n, k, *rest) not in on_int16)
             buckets = proj_buckets if role == "proj" else req.buckets
             if int8 and role == "proj":
                 buckets = sorted({*buckets, INT8_PREFILL_ROWS})
