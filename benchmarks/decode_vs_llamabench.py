@@ -33,6 +33,7 @@ from peers.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
 
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
 from iterserve.config import GGUF_ACTIVATIONS  # noqa: E402
+from iterserve.model.gguf_file import large_mapped_bytes  # noqa: E402
 from iterserve.llm import LLM  # noqa: E402
 from iterserve.sampling import SamplingParams  # noqa: E402
 
@@ -76,7 +77,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=0,
                     help="also time prompt processing of this many tokens each round (llama-bench -p N)")
     ap.add_argument("--kv-cache-memory", default="512MiB")
-    ap.add_argument("--gguf-activations", choices=list(GGUF_ACTIVATIONS), default="int16",
+    ap.add_argument("--gguf-activations", choices=list(GGUF_ACTIVATIONS), default="auto",
                     help="iterserve's --gguf-activations (int8: llama.cpp's activation quantisation for K-quants; "
                          "int8-except-down: not for the MLP's down projections)")
     ap.add_argument("--json", type=Path)
@@ -86,14 +87,17 @@ def main() -> int:
     host = machine_figures()
     read = read_bandwidth_gbs()
     print(f"{figures_line(host)}; read (sum) {read:.1f} GB/s")
-    tensors = gguf.GGUFReader(str(args.gguf)).tensors
-    per_token = sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight")
+    per_token = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(args.gguf)).tensors if t.name != "token_embd.weight")
     bound = read * 1e9 / per_token
     print(f"{args.gguf.name}: {per_token / 1e9:.3f} GB read a token -> bound {bound:.1f} tok/s at {read:.1f} GB/s")
     llm = LLM(str(args.gguf), kv_cache_memory=args.kv_cache_memory, gguf_activations=args.gguf_activations)
     iterserve_decode(llm, 8)  # warm-up
     if args.prompt:
         iterserve_prefill(llm, args.prompt, 1000)
+    activations = llm.engine.platform.resolved().get("gguf_activations")
+    print(f"iterserve: --gguf-activations {args.gguf_activations} -> {activations}")
+    large = large_mapped_bytes(path=args.gguf)  # llama.cpp maps the same page cache (gguf_file.map_file)
+    print(f"iterserve maps {large / 2**20:.0f} of the file's {args.gguf.stat().st_size / 2**20:.0f} MiB with 2 MiB pages")
     rounds = []
     for r in range(args.rounds):
         lc = llama_bench_rate(args.llama_bench, args.gguf, args.threads, tokens=args.tokens)
@@ -118,7 +122,7 @@ def main() -> int:
               f"{med['iterserve_pp_tok_s']:.1f} tok/s, ratio x{med['pp_ratio']:.2f}")
     if args.json:
         write_json(args.json, {"model": args.gguf.name, "host": host, "host_line": figures_line(host),
-                               "read_gb_s": read, "bytes_a_token": per_token, "bound_tok_s": bound,
+                               "read_gb_s": read, "bytes_a_token": per_token, "large_mapped_bytes": large, "gguf_activations": activations, "bound_tok_s": bound,
                                "rounds": rounds, "median": med, "commit": git_commit(),
                                "command": " ".join(["python", "benchmarks/decode_vs_llamabench.py", *sys.argv[1:]])})
     return 0

@@ -419,14 +419,15 @@ def gguf_numerics(path: str, steps: int = 48, llamacpp_url: str | None = None) -
 
     if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():  # bf16 is the default dtype here
         runs = [("bf16, no twin", dict(dtype="bfloat16", quantization="none")),
-                ("bf16, the file's blocks (default)", dict(dtype="bfloat16")),
+                ("bf16, the file's blocks (default: int16)", dict(dtype="bfloat16", gguf_activations="int16")),
                 ("bf16, the blocks, int8 activations", dict(dtype="bfloat16", gguf_activations="int8")),
                 ("bf16, the blocks, int8 but down", dict(dtype="bfloat16", gguf_activations="int8-except-down")),
                 ("bf16 + min-max int4 / Q8_0 twins", dict(dtype="bfloat16", quantization="int4"))]
     else:  # float32 is (AVX2): the blocks on gguf_gemm in decode steps
-        runs = [("float32 auto, the blocks (default)", dict(dtype="auto")),
+        runs = [("float32 auto, the blocks, int16 activations", dict(dtype="auto", gguf_activations="int16")),
                 ("float32 auto, the blocks, int8 activations", dict(dtype="auto", gguf_activations="int8")),
-                ("float32 auto, the blocks, int8 but down", dict(dtype="auto", gguf_activations="int8-except-down"))]
+                ("float32 auto, the blocks, int8 but down (default)",
+                 dict(dtype="auto", gguf_activations="int8-except-down"))]
     for label, kw in runs:
         eng = LLMEngine(EngineConfig(**base, **kw))
         got = torch.cat([logits(eng, ids[:-1], n_prompt) for ids, n_prompt, _ in seqs])

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 DECODE_ATTENTION_CHOICES = ("auto", "torch", "cpu", "triton")  # attention/selector.py's backends
 BF16_GEMM_CHOICES = ("auto", "tiled", "onednn", "float32", "bf16w")  # platform/cpu_linear.py's layouts
-GGUF_ACTIVATIONS = ("int16", "int8", "int8-except-down")  # gguf_gemm's activation levels (EngineConfig)
+GGUF_ACTIVATIONS = ("auto", "int16", "int8", "int8-except-down")  # gguf_gemm's activation levels (EngineConfig)
 ENV_DEFAULTS = {  # EngineConfig field -> the environment variable its default comes from
     "cpu_kernels": "ITERSERVE_CPU_KERNELS",
     "bf16_gemm": "ITERSERVE_BF16_GEMM",
@@ -253,9 +253,11 @@ class EngineConfig:
     # few rows: int16 (one scale a row: within ~1e-4 of float32), int8 (a scale per 256 inputs, llama.cpp's
     # Q8_K: ~1.3x faster a decode step on AVX2, llama.cpp's accuracy), or int8-except-down: int8 but for the
     # MLP's down projection, whose input (the gated activation) carries the outliers a scale per 256 loses
-    # (most of int8's error on Gemma 3); docs/profile.md has all three measured
-    gguf_activations: Literal["int16", "int8", "int8-except-down"] = field(
-        default_factory=lambda: _env("gguf_activations", "int16"))
+    # (most of int8's error on Gemma 3); docs/profile.md has all three measured. auto: int8-except-down on
+    # hosts without AVX-512 (measured there: llama.cpp's prompt speed, top-1 0.988 against float32 on Gemma 3),
+    # int16 on AVX-512 hosts and wherever the int8 choices do not apply (CpuPlatform.gguf_activations)
+    gguf_activations: Literal["auto", "int16", "int8", "int8-except-down"] = field(
+        default_factory=lambda: _env("gguf_activations", "auto"))
     # torch.compile the decoder stack (inductor): faster steps after a one-off compilation at startup
     compile: bool = False
     # kernels (defaults from the environment: ENV_DEFAULTS). cpu_kernels: load iterserve's C++ CPU
@@ -346,7 +348,7 @@ class EngineConfig:
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)} (--gguf-activations, "
                              f"default from {ENV_DEFAULTS['gguf_activations']}), got {self.gguf_activations!r}")
-        if self.gguf_activations != "int16" and self.batch_invariant:
+        if self.gguf_activations not in ("auto", "int16") and self.batch_invariant:
             raise ValueError(f"gguf_activations={self.gguf_activations} is not batch-invariant: from 16 rows a step "
                              "(32 for Q6_K) its int8 kernel sums 8 weight rows at once, in another order than a few "
                              "rows' (the last bits of a row's logits follow the step's size); keep "

@@ -82,11 +82,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "around a broken compiler (default: on unless ITERSERVE_CPU_KERNELS=0)")
     g.add_argument("--gguf-activations", choices=list(GGUF_ACTIVATIONS), default=d.gguf_activations,
                    help="CPU, GGUF K-quant weights (Q4_K, Q5_K, Q6_K): int16 quantises each activation row with "
-                        "one scale (closest to float32: the default), int8 with a scale per 256 inputs as llama.cpp "
+                        "one scale (closest to float32), int8 with a scale per 256 inputs as llama.cpp "
                         "does (about 1.3x faster decode on AVX2 hosts, 1.3-1.7x faster prompt chunks, llama.cpp's "
                         "accuracy), int8-except-down int8 but for the MLP's down projection, whose input carries the "
-                        "outliers int8 loses most on (most of int8's speed, close to int16's accuracy); the int8 "
-                        "choices not with --batch-invariant (default: $ITERSERVE_GGUF_ACTIVATIONS, else int16)")
+                        "outliers int8 loses most on (most of int8's speed, close to int16's accuracy); auto: "
+                        "int8-except-down on CPUs without AVX-512 (where it was measured to reach llama.cpp's "
+                        "prompt speed), int16 elsewhere, under --batch-invariant and with --dtype float32 (no int8 "
+                        "then); the int8 choices not with --batch-invariant (default: $ITERSERVE_GGUF_ACTIVATIONS, "
+                        "else auto)")
     g.add_argument("--bf16-gemm", choices=list(BF16_GEMM_CHOICES), default=d.bf16_gemm,
                    help="the GEMM of the CPU bf16 projections: tiled (ours, where AVX512-BF16 exists), onednn "
                         "(on AMX tiles where the CPU has them), float32 (a float32 copy of each weight), or auto: "

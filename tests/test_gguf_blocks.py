@@ -216,7 +216,7 @@ def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_fil
     that path, the resolved config says so; refused with the reason where no step would read K-quant
     blocks on gguf_gemm."""
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
-    int8, int16 = _llm(q4_k_only_file, gguf_activations="int8"), _llm(q4_k_only_file)
+    int8, int16 = _llm(q4_k_only_file, gguf_activations="int8"), _llm(q4_k_only_file, gguf_activations="int16")
     mods = [m for m in int8.engine.model.modules() if isinstance(m, CpuLinear)]
     assert mods and all(m.op_twin == GGUF_INT8 for m in mods)
     assert all(m.op_twin == "gguf" for m in int16.engine.model.modules() if isinstance(m, CpuLinear))
@@ -233,7 +233,7 @@ def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_fil
         assert len(x8.token_ids) == 4 and x8.prompt_logprobs[1:] != x16.prompt_logprobs[1:]
     with pytest.raises(ValueError, match="gguf_activations=int8 applies to a GGUF's K-quant blocks"):
         _llm(q4_k_only_file, gguf_activations="int8", dtype="float32")  # float32 by name: no gguf_gemm
-    with pytest.raises(ValueError, match="gguf_activations must be one of int16, int8, int8-except-down"):
+    with pytest.raises(ValueError, match="gguf_activations must be one of auto, int16, int8, int8-except-down"):
         _llm(q4_k_only_file, gguf_activations="int4")
     with pytest.raises(ValueError, match="gguf_activations=int8 is not batch-invariant"):
         _llm(q4_k_only_file, gguf_activations="int8", batch_invariant=True)
@@ -246,7 +246,7 @@ def test_int8_except_down_keeps_the_down_projections_on_int16(q4_k_only_file, mo
     which compute as the int16 run's do (same bits), a run takes both paths, the resolved config says
     so; refused with --batch-invariant like int8."""
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
-    mixed, int16 = _llm(q4_k_only_file, gguf_activations="int8-except-down"), _llm(q4_k_only_file)
+    mixed, int16 = _llm(q4_k_only_file, gguf_activations="int8-except-down"), _llm(q4_k_only_file, gguf_activations="int16")
     mods = {n: m for n, m in mixed.engine.model.named_modules() if isinstance(m, CpuLinear)}
     plain = {n: m for n, m in int16.engine.model.named_modules() if isinstance(m, CpuLinear)}
     down = [n for n in mods if n.endswith("mlp.down_proj")]
@@ -263,3 +263,33 @@ def test_int8_except_down_keeps_the_down_projections_on_int16(q4_k_only_file, mo
     assert len(out.token_ids) == 4 and out.prompt_logprobs[1:] != ref.prompt_logprobs[1:]
     with pytest.raises(ValueError, match="gguf_activations=int8-except-down is not batch-invariant"):
         _llm(q4_k_only_file, gguf_activations="int8-except-down", batch_invariant=True)
+
+
+def test_auto_activations_are_int8_except_down_on_hosts_without_avx512(q4_k_only_file, monkeypatch, tmp_path):
+    """--gguf-activations auto (the default): int8-except-down where it was measured to win (a host
+    without AVX-512, the int8 kernel built, K-quant blocks on gguf_gemm), int16 on AVX-512 hosts, under
+    --batch-invariant, and with --dtype float32 asked for by name; the resolved config names the choice.
+    The host is faked both ways, so both rules run on any x86 host the int8 kernel builds on."""
+    kernels = load_cpu_kernels()
+    if not (kernels and kernels.gguf_gemm_int8_supported()):
+        pytest.skip("gguf_gemm's int8 activations need the AVX2 build")
+    monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("ITERSERVE_GGUF_ACTIVATIONS", raising=False)
+    from iterserve.platform import cpu as cpu_platform
+    flags = cpu_platform.cpu_flags() - {"avx512f"}
+    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: flags)  # a Zen 3 / Intel desktop host
+    auto = _llm(q4_k_only_file)
+    assert auto.engine.config.gguf_activations == "auto"
+    assert auto.engine.platform.resolved()["gguf_activations"] == "int8-except-down"
+    mods = {n: m for n, m in auto.engine.model.named_modules() if isinstance(m, CpuLinear)}
+    assert all((m.op_twin == "gguf") == n.endswith("mlp.down_proj") for n, m in mods.items())
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:  # (float32 batch-invariant runs from the blocks)
+        invariant = _llm(q4_k_only_file, batch_invariant=True)
+        assert invariant.engine.platform.resolved()["gguf_activations"] in ("int16", None)
+        assert all(m.op_twin != GGUF_INT8 for m in invariant.engine.model.modules() if isinstance(m, CpuLinear))
+    exact = _llm(q4_k_only_file, dtype="float32")  # float32 by name: gguf-py's numbers, no int8
+    assert all(m.op_twin != GGUF_INT8 for m in exact.engine.model.modules() if isinstance(m, CpuLinear))
+    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: flags | {"avx512f"})  # an AVX-512 host
+    wide = _llm(q4_k_only_file)
+    assert wide.engine.platform.resolved()["gguf_activations"] == "int16"
+    assert all(m.op_twin == "gguf" for m in wide.engine.model.modules() if isinstance(m, CpuLinear))

@@ -104,6 +104,7 @@ class CpuPlatform(Platform):
         self.int4_max_tokens = 0  # set by prepare_model when the projections get a 4-bit (or GGUF) twin
         self.q8_head_max_tokens = 0  # ... and the LM head a Q8_0 (or GGUF) twin
         self.gguf_twins: dict[str, str] = {}  # module -> its GGUF twin's spec, when built from the file's blocks
+        self.gguf_activations = config.gguf_activations  # auto resolved by prepare_model (gguf_activations_for)
         self.kernel_choice: KernelChoice | None = None  # the measured table, when measured
         # our tiled GEMM's AMX path (never under batch_invariant: its rows would round by step size)
         self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
@@ -116,11 +117,28 @@ class CpuPlatform(Platform):
             return frozenset()
         return frozenset(GGUF_BLOCKS)
 
+    def gguf_activations_for(self, model: nn.Module) -> str:
+        """gguf_activations, auto resolved: int8-except-down where it was measured to win and applies (a
+        host without AVX-512, the int8 kernel built, K-quant blocks that steps of few rows read on
+        gguf_gemm: not under batch_invariant nor in a float32 run asked for by name), else int16. On Zen 3
+        it processes prompts 1.1-1.4x as fast as int16 and at 16 streams gives 1.6x llama.cpp's output, at
+        top-1 0.988 against float32 on Gemma 3 (docs/profile.md); the AVX-512 int8 loops are not yet
+        measured against int16 on their hosts."""
+        cfg = self.config
+        if cfg.gguf_activations != "auto":
+            return cfg.gguf_activations
+        kquants = {"Q4_K", "Q5_K", "Q6_K"}
+        has_kquants = any(str(shard.qtype) in kquants
+                          for shards in (getattr(model, "gguf_sources", None) or {}).values() for shard in shards)
+        applies = (has_kquants and self.kernels is not None and self.kernels.gguf_gemm_int8_supported()
+                   and not cfg.batch_invariant and not (self.dtype == torch.float32 and cfg.dtype == "float32"))
+        return "int8-except-down" if applies and "avx512f" not in cpu_flags() else "int16"
+
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """The projections and the LM head laid out and given their twins (`_prepare_linears`), then,
         with gguf_activations int8, those reading K-quant blocks put on int8 activations (int8-except-down:
         all but the MLP's down projections)."""
-        mode = self.config.gguf_activations
+        mode = self.gguf_activations = self.gguf_activations_for(model)
         int8 = mode != "int16"
         if int8 and (self.kernels is None or not self.kernels.gguf_gemm_int8_supported()):
             raise ValueError(f"gguf_activations={mode} needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
@@ -128,12 +146,18 @@ class CpuPlatform(Platform):
         if not int8:
             return
         n = use_int8_activations(model, except_down=mode == "int8-except-down")
+        if not n and self.config.gguf_activations == "auto":  # no K-quant module reads gguf_gemm after all
+            self.gguf_activations = "int16"
+            return
         if not n:
             raise ValueError(f"gguf_activations={mode} applies to a GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K) that steps "
                              "of few rows read (gguf_gemm); this run has none (not a K-quant GGUF, or float32 asked "
                              "for by name: every step computes in float32 then)")
         log.info("CPU: %d projections (head included) read their K-quant blocks on int8 activations (a scale per 256 "
-                 "inputs, llama.cpp's Q8_K)%s", n, "; the MLP's down projections on int16" if mode != "int8" else "")
+                 "inputs, llama.cpp's Q8_K)%s (gguf_activations=%s%s)", n,
+                 "; the MLP's down projections on int16" if mode != "int8" else "", mode,
+                 ", chosen by auto: --gguf-activations int16 for the numbers closest to float32"
+                 if self.config.gguf_activations == "auto" else "")
 
     def _prepare_linears(self, model: nn.Module, source: ModelSource) -> None:
         """In bf16: weights laid out once for a bf16 GEMM (ours, oneDNN's, or a float32 copy) and
@@ -346,9 +370,9 @@ class CpuPlatform(Platform):
                             dtype=self.dtype,
                             layout=None if auto else self.layout, four_bit=use_int4,
                             q8_head=use_q8_head, amx=self.amx, blocks=bool(getattr(model, "block_modules", None)),
-                            int8=cfg.gguf_activations != "int16",
+                            int8=self.gguf_activations != "int16",
                             int16_shapes=down_only_shapes(model, self.dtype, self.gguf_twins)
-                            if cfg.gguf_activations == "int8-except-down" else [],
+                            if self.gguf_activations == "int8-except-down" else [],
                             attention=(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, cfg.block_size)
                             if measure_attention else None,
                             bf16_exact=bf16_exact_shapes(model) if self.dtype == torch.float32 and auto else [])
@@ -374,7 +398,7 @@ class CpuPlatform(Platform):
                 "bf16_gemm": "/".join(layouts) if layouts else self.layout,
                 "quantization": "gguf" if self.gguf_twins else "int4" if self.int4_max_tokens else "none",
                 "gguf_twins": sorted({gguf_twin_name(s) for s in self.gguf_twins.values()}),
-                "gguf_activations": self.config.gguf_activations if self.gguf_twins else None,
+                "gguf_activations": self.gguf_activations if self.gguf_twins else None,
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
                 "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else
