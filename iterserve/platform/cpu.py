@@ -24,8 +24,9 @@ from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_invariant_moe, use_moe_blocks
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
-from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, bf16_gemm_layout,
-                                           bf16_linears_available, four_bit_max_tokens, gguf_twin_name, gguf_twins_of,
+from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, KQUANTS,
+                                           bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
+                                           gguf_twin_name, gguf_twins_of,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
                                            tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
@@ -127,8 +128,7 @@ class CpuPlatform(Platform):
         cfg = self.config
         if cfg.gguf_activations != "auto":
             return cfg.gguf_activations
-        kquants = {"Q4_K", "Q5_K", "Q6_K"}
-        has_kquants = any(str(shard.qtype) in kquants
+        has_kquants = any(str(shard.qtype) in KQUANTS
                           for shards in (getattr(model, "gguf_sources", None) or {}).values() for shard in shards)
         applies = (has_kquants and self.kernels is not None and self.kernels.gguf_gemm_int8_supported()
                    and not cfg.batch_invariant and not (self.dtype == torch.float32 and cfg.dtype == "float32"))
