@@ -418,6 +418,34 @@ def test_a_file_cached_in_small_pages_is_read_again_into_large_ones(tmp_path, mo
     assert caplog.text == "" and large_mapped_bytes(path=moved) >= 28 * LARGE_PAGE  # both maps' entries
 
 
+def test_a_file_cached_partly_in_small_pages_is_read_again(tmp_path, caplog):
+    """map_file probes the page cache at several places: a file held in 2 MiB folios only in the middle
+    (read there through a large-page map, elsewhere by a reader that asked for none) is read again too."""
+    if not _large_pages_reachable(tmp_path):
+        pytest.skip("this kernel or filesystem maps no file with 2 MiB pages (transparent huge pages off, "
+                    "or a filesystem without large folios)")
+    import mmap
+    path = tmp_path / "mixed.gguf"
+    _cached_in_small_pages(path, 16 * LARGE_PAGE + 12345)
+    middle = 8 * LARGE_PAGE
+    with open(path, "rb") as f:  # the middle 2 MiB dropped and read again through a large-page map
+        os.posix_fadvise(f.fileno(), middle, LARGE_PAGE, os.POSIX_FADV_DONTNEED)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    view = np.frombuffer(mm, dtype=np.uint8)
+    int(view[middle])
+    assert large_mapped_bytes(view.ctypes.data) == LARGE_PAGE  # the middle large, the rest small
+    del view
+    mm.close()
+
+    with caplog.at_level("INFO", logger="iterserve.loader"):
+        mapped = map_file(path)
+    view = np.frombuffer(mapped, dtype=np.uint8)
+    int(view[::4096].sum())
+    assert "reading it once from the disk into 2 MiB pages" in caplog.text
+    assert large_mapped_bytes(view.ctypes.data) >= 14 * LARGE_PAGE
+
+
 def test_large_mapped_bytes_reads_the_mapping_of_an_address_or_a_file(tmp_path):
     smaps = tmp_path / "smaps"
     smaps.write_text(

@@ -242,6 +242,7 @@ def iter_tensors(path: Path, index: GGUFIndex) -> Iterator[GGUFTensor]:
 
 LARGE_PAGE = 2 << 20  # x86-64's PMD page: what the kernel maps a 2 MiB page-cache folio with
 LARGE_PAGES_ENV = "ITERSERVE_GGUF_LARGE_PAGES"  # "0": map the file as the page cache holds it, re-read nothing
+PROBES = 8  # 2 MiB pages of the file map_file checks the page cache's folios with
 
 
 def map_file(path: Path) -> mmap.mmap:
@@ -252,9 +253,9 @@ def map_file(path: Path) -> mmap.mmap:
     10-12 % faster from a file the page cache held in 2 MiB folios, mapped with 2 MiB entries, than
     from the same bytes in 4 KiB ones (2-core Zen 3, docs/profile.md). The map asks for large pages
     (MADV_HUGEPAGE), so what it reads from the disk arrives in 2 MiB folios. A file the page cache
-    already holds in small folios (written by a copy or a download, or read by another program) stays
-    small whatever the map asks; then, if a 2 MiB probe range dropped from the cache comes back in one
-    large page, the file's cached pages are dropped (posix_fadvise DONTNEED: pages another process
+    already holds in small folios (written by a copy or a download, or read by another program), in
+    whole or in part, stays small whatever the map asks; then, if PROBES 2 MiB ranges spread over the
+    file, dropped from the cache, come back in large pages, the file's cached pages are dropped (posix_fadvise DONTNEED: pages another process
     maps stay, and are shared) and the load reads it once from the disk. Later loads, and replicas,
     find it cached in large pages. ITERSERVE_GGUF_LARGE_PAGES=0 keeps the page cache as it is."""
     with open(path, "rb") as f:
@@ -277,22 +278,33 @@ def _ask_for_large_pages(mm: mmap.mmap, fd: int, path: Path) -> None:
     address = view.ctypes.data
     if address % LARGE_PAGE:
         return  # a 2 MiB entry maps a 2 MiB-aligned file offset at a 2 MiB-aligned address: none would fit
-    # a 2 MiB page from the middle of the file: tensor data, which a reader of the header (the index, the
-    # tokenizer, gguf.GGUFReader in another map) never touched, so that its pages are free to be dropped
-    probe = len(mm) // 2 // LARGE_PAGE * LARGE_PAGE
-    int(view[probe])
-    if large_mapped_bytes(address) >= LARGE_PAGE:
+    # 2 MiB pages spread over the file's last 80 %: tensor data, which a reader of the header (the index,
+    # the tokenizer, gguf.GGUFReader in another map) never touched, so that their pages are free to be
+    # dropped; several, because a cache can hold a file partly in large folios and partly in small ones
+    # (read in part by a program that asked for none, then evicted in part under memory pressure)
+    # (at least one page apart: the read-ahead of one probe's fault reads the next 2 MiB too, and a
+    # dropped neighbour read that way came back in small folios: 6 of 8 adjacent probes were large)
+    probes: list[int] = []
+    for i in range(PROBES):
+        p = len(mm) * (i + 2) // 10 // LARGE_PAGE * LARGE_PAGE
+        if p + LARGE_PAGE <= len(mm) and (not probes or p >= probes[-1] + 2 * LARGE_PAGE):
+            probes.append(p)
+    for p in probes:
+        int(view[p])
+    if large_mapped_bytes(address) >= len(probes) * LARGE_PAGE:
         return  # cached in large folios, or just read from the disk in them
-    mm.madvise(mmap.MADV_DONTNEED, probe, LARGE_PAGE)
-    os.posix_fadvise(fd, probe, LARGE_PAGE, os.POSIX_FADV_DONTNEED)
-    int(view[probe])
-    if large_mapped_bytes(address) < LARGE_PAGE:
+    for p in probes:
+        mm.madvise(mmap.MADV_DONTNEED, p, LARGE_PAGE)
+        os.posix_fadvise(fd, p, LARGE_PAGE, os.POSIX_FADV_DONTNEED)
+    for p in probes:
+        int(view[p])
+    if large_mapped_bytes(address) < len(probes) * LARGE_PAGE:
         log.info("%s: mapped in 4 KiB pages (this kernel or filesystem gives it no 2 MiB pages, or another "
                  "process holds them small)", path.name)
         return
     mm.madvise(mmap.MADV_DONTNEED)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    log.info("%s: the page cache held it in 4 KiB pages; reading it once from the disk into 2 MiB pages "
+    log.info("%s: the page cache held it (or part of it) in 4 KiB pages; reading it once from the disk into 2 MiB pages "
              "(decode reads the weights ~10%% faster; %s=0 keeps the cache as it is)", path.name, LARGE_PAGES_ENV)
 
 
