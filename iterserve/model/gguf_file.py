@@ -255,9 +255,10 @@ def map_file(path: Path) -> mmap.mmap:
     (MADV_HUGEPAGE), so what it reads from the disk arrives in 2 MiB folios. A file the page cache
     already holds in small folios (written by a copy or a download, or read by another program), in
     whole or in part, stays small whatever the map asks; then, if PROBES 2 MiB ranges spread over the
-    file, dropped from the cache, come back in large pages, the file's cached pages are dropped (posix_fadvise DONTNEED: pages another process
-    maps stay, and are shared) and the load reads it once from the disk. Later loads, and replicas,
-    find it cached in large pages. ITERSERVE_GGUF_LARGE_PAGES=0 keeps the page cache as it is."""
+    file come back in large pages once dropped from the cache, all the file's cached pages are dropped
+    (posix_fadvise DONTNEED: pages another process maps stay, and are shared) and the load reads it
+    once from the disk. Later loads, and replicas, find it cached in large pages.
+    ITERSERVE_GGUF_LARGE_PAGES=0 keeps the page cache as it is."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if os.environ.get(LARGE_PAGES_ENV, "1") != "0":
@@ -280,10 +281,10 @@ def _ask_for_large_pages(mm: mmap.mmap, fd: int, path: Path) -> None:
         return  # a 2 MiB entry maps a 2 MiB-aligned file offset at a 2 MiB-aligned address: none would fit
     # 2 MiB pages spread over the file's last 80 %: tensor data, which a reader of the header (the index,
     # the tokenizer, gguf.GGUFReader in another map) never touched, so that their pages are free to be
-    # dropped; several, because a cache can hold a file partly in large folios and partly in small ones
-    # (read in part by a program that asked for none, then evicted in part under memory pressure)
-    # (at least one page apart: the read-ahead of one probe's fault reads the next 2 MiB too, and a
-    # dropped neighbour read that way came back in small folios: 6 of 8 adjacent probes were large)
+    # dropped. Several, because a cache can hold a file partly in large folios and partly in small ones
+    # (read in part by a program that asked for none, then evicted in part under memory pressure); at
+    # least one page apart, because the read-ahead of one probe's fault reads the next 2 MiB too, and a
+    # dropped neighbour read that way came back in small folios (6 of 8 adjacent probes were large).
     probes: list[int] = []
     for i in range(PROBES):
         p = len(mm) * (i + 2) // 10 // LARGE_PAGE * LARGE_PAGE
@@ -304,8 +305,9 @@ def _ask_for_large_pages(mm: mmap.mmap, fd: int, path: Path) -> None:
         return
     mm.madvise(mmap.MADV_DONTNEED)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    log.info("%s: the page cache held it (or part of it) in 4 KiB pages; reading it once from the disk into 2 MiB pages "
-             "(decode reads the weights ~10%% faster; %s=0 keeps the cache as it is)", path.name, LARGE_PAGES_ENV)
+    log.info("%s: the page cache held it (or part of it) in 4 KiB pages; reading it once from the disk into "
+             "2 MiB pages (decode reads the weights ~10%% faster; %s=0 keeps the cache as it is)",
+             path.name, LARGE_PAGES_ENV)
 
 
 def large_mapped_bytes(address: int | None = None, path: Path | None = None,
