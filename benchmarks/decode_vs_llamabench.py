@@ -97,7 +97,8 @@ def main() -> int:
     activations = llm.engine.platform.resolved().get("gguf_activations")
     print(f"iterserve: --gguf-activations {args.gguf_activations} -> {activations}")
     large = large_mapped_bytes(path=args.gguf)  # llama.cpp maps the same page cache (gguf_file.map_file)
-    print(f"iterserve maps {large / 2**20:.0f} of the file's {args.gguf.stat().st_size / 2**20:.0f} MiB with 2 MiB pages")
+    size = args.gguf.stat().st_size
+    print(f"iterserve maps {large / 2**20:.0f} of the file's {size / 2**20:.0f} MiB with 2 MiB pages")
     rounds = []
     for r in range(args.rounds):
         lc = llama_bench_rate(args.llama_bench, args.gguf, args.threads, tokens=args.tokens)
@@ -122,7 +123,8 @@ def main() -> int:
               f"{med['iterserve_pp_tok_s']:.1f} tok/s, ratio x{med['pp_ratio']:.2f}")
     if args.json:
         write_json(args.json, {"model": args.gguf.name, "host": host, "host_line": figures_line(host),
-                               "read_gb_s": read, "bytes_a_token": per_token, "large_mapped_bytes": large, "gguf_activations": activations, "bound_tok_s": bound,
+                               "read_gb_s": read, "bytes_a_token": per_token, "large_mapped_bytes": large,
+                               "gguf_activations": activations, "bound_tok_s": bound,
                                "rounds": rounds, "median": med, "commit": git_commit(),
                                "command": " ".join(["python", "benchmarks/decode_vs_llamabench.py", *sys.argv[1:]])})
     return 0

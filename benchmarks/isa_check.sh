@@ -77,7 +77,7 @@ XDIST=()
 step "kernel tests" 200 env OMP_NUM_THREADS=2 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
     tests/test_kquant.py tests/test_cpu_kernels.py tests/test_cpu_amx.py tests/test_cpu_elementwise.py \
     tests/test_cpu_norm.py tests/test_cpu_prefill_attention.py tests/test_moe_blocks.py tests/test_gguf_blocks.py \
-    -k "not smollm2" -rfE
+    -rfE
 
 for threads in 0 4; do
     label=all; env=()

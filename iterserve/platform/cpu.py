@@ -122,9 +122,9 @@ class CpuPlatform(Platform):
         """gguf_activations, auto resolved: int8-except-down where it was measured to win and applies (a
         host without AVX-512, the int8 kernel built, K-quant blocks that steps of few rows read on
         gguf_gemm: not under batch_invariant nor in a float32 run asked for by name), else int16. On Zen 3
-        it processes prompts 1.1-1.4x as fast as int16 and at 16 streams gives 1.6x llama.cpp's output, at
-        top-1 0.988 against float32 on Gemma 3 (docs/profile.md); the AVX-512 int8 loops are not yet
-        measured against int16 on their hosts."""
+        it processes prompts 1.1-1.4x as fast as int16 and at 16 streams gives 1.26-1.61x llama.cpp's output
+        (two sittings), at top-1 0.988 against float32 on Gemma 3 (docs/profile.md). On the one AVX-512 host
+        measured (a 16-core AMX Xeon) it led int16 at one row and trailed it at 16, so int16 stays there."""
         cfg = self.config
         if cfg.gguf_activations != "auto":
             return cfg.gguf_activations
