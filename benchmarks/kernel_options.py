@@ -288,6 +288,9 @@ def gguf_twins(args) -> None:
     print(f"CPU: {cpu_model_name()}; {os.cpu_count()} cores; flags: {' '.join(flags)}")
     print(f"gguf_gemm path: {kernels.gguf_gemm_isa()}; torch threads {torch.get_num_threads()}", flush=True)
     tiled = tiled_gemm_vectorised(kernels)
+    avx2 = load_cpu_kernels("avx2") if args.avx2 and kernels.gguf_gemm_isa() == "avx512-vnni" else None
+    if args.avx2 and avx2 is None:
+        print("--avx2: no AVX2 build to compare here (it needs an AVX-512 VNNI native build)")
     for spec in args.shapes:
         n, k = (int(v) for v in spec.lower().split("x"))
         # enough distinct copies that even the smallest twin's bytes stream from memory (64 MiB)
@@ -314,6 +317,9 @@ def gguf_twins(args) -> None:
             cands[qtype.lower()] = lambda x, ws=twins: [kernels.gguf_gemm(x, b, m, n) for b, m in ws]
             if qtype in KQUANTS and kernels.gguf_gemm_int8_supported():
                 cands[qtype.lower() + " int8 x"] = lambda x, ws=twins: [kernels.gguf_gemm(x, b, m, n, True) for b, m in ws]
+                if avx2 is not None:  # the same sums on the AVX2 build's 256-bit loop
+                    cands[qtype.lower() + " int8 x, avx2"] = lambda x, ws=twins: [
+                        avx2.gguf_gemm(x, b, m, n, True) for b, m in ws]
         skipped = [q for q in args.types if k % GGUF_BLOCKS[q][1]]
         print(f"\n{n} x {k}, {copies} cop{'y' if copies == 1 else 'ies'}: ms per call"
               + (f" ({', '.join(skipped)}: K is not a multiple of 256)" if skipped else ""))
@@ -483,6 +489,7 @@ def main() -> None:
                    choices=sorted(GGUF_BLOCKS))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--max-copies", type=int, default=128)
+    p.add_argument("--avx2", action="store_true", help="on an AVX-512 VNNI host, also the AVX2 build's int8 loop")
     p.add_argument("--head-rows", type=int, default=32768,
                    help="shapes with this many outputs are LM heads: also time the Q8_0 twin rebuilt from floats")
     p.add_argument("--sampler", action="store_true", help="also the sampler over that many logits")

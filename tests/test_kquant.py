@@ -26,8 +26,10 @@ from torch import nn
 
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import (GGUF_BLOCKS, KQUANTS, CpuLinear, dequantize_gguf_twin, gguf_twin_blocks,
-                                           gguf_twin_name, gguf_twin_spec, gguf_twins_of, optimize_cpu_linears,
-                                           pack_gguf_twin, prepack_available)
+                                           four_bit_max_tokens, gguf_twin_name, gguf_twin_spec, gguf_twins_of,
+                                           optimize_cpu_linears, pack_gguf_twin, prepack_available)
+from conftest import variant_skip_reason
+from iterserve.platform.cpu import Q8_HEAD_MAX_TOKENS
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the CPU kernels did not build here")
@@ -320,11 +322,15 @@ def test_engine_runs_twins_of_the_files_blocks(kquant_model_dir, monkeypatch, tm
             assert mod.twin == ("gguf" if plan.twin_max_tokens else "") and mod.twin_spec in ("", specs[name])
     assert "q4_k+q6_k" in choice.table() and "of the GGUF's own blocks" in caplog.text
     assert eng.model.gguf_sources == {}  # the twins hold the blocks: the loader's copies were let go
-    # unmeasured: the twins at the fixed cut-overs
-    fixed = LLMEngine(EngineConfig(**cfg, measure_kernels=False))
-    assert {m.twin_max_tokens for m in fixed.model.modules() if isinstance(m, CpuLinear)} == {4}
+    # unmeasured: the twins at the fixed cut-overs of the layout, pinned to tiled on every CPU (auto
+    # takes oneDNN's where AMX is, whose cut-over of 8 rows puts the 6-token prompt on the twins too:
+    # on a 2-core AMX Xeon that run's logits were 0.49 from float32's against the bf16 run's 0.41, where
+    # both are mostly the bf16 rounding of every output; tiled falls back to oneDNN's unvectorised)
+    fixed = LLMEngine(EngineConfig(**cfg, measure_kernels=False, bf16_gemm="tiled"))
+    want_max = {four_bit_max_tokens(fixed.platform.layout), Q8_HEAD_MAX_TOKENS}
+    assert {m.twin_max_tokens for m in fixed.model.modules() if isinstance(m, CpuLinear)} == want_max
     assert all(m.twin == "gguf" for m in fixed.model.modules() if isinstance(m, CpuLinear))
-    plain = LLMEngine(EngineConfig(**cfg, measure_kernels=False, quantization="none"))
+    plain = LLMEngine(EngineConfig(**cfg, measure_kernels=False, quantization="none", bf16_gemm="tiled"))
     assert all(m.twin == "" for m in plain.model.modules() if isinstance(m, CpuLinear))
     ref = LLMEngine(EngineConfig(**{**cfg, "dtype": "float32"}, measure_kernels=False, quantization="none"))
     ids = fixed.tokenizer("The capital of France is a city on the river Seine, and")["input_ids"]
@@ -418,6 +424,28 @@ def test_int8_activations_on_many_rows_interleave_eight_weight_rows(qtype, kerne
     xb = x[:19].bfloat16()
     ref, bound = _int8_reference(xb, w, c)
     assert ((kernels.gguf_gemm(xb, buf, meta, n, int8=True).double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(KQUANTS))
+def test_int8_activations_on_avx512_are_the_avx2_paths_bits(qtype):
+    """The AVX-512 build's int8 K-quant loop (64 inputs a vpmaddubsw and a vpdpwssd) adds the same
+    integers as the AVX2 build's (32 a vpmaddubsw and a vpmaddwd) and folds its wide sums to the AVX2
+    lanes before any float: its outputs are the AVX2 build's bit for bit, rows 1..8 (every row block
+    of gg_rows_i8), float32 and bf16, K over one chunk too."""
+    reason = variant_skip_reason("avx2")
+    if reason:
+        pytest.skip(reason)
+    native, avx2 = load_cpu_kernels(), load_cpu_kernels("avx2")
+    if avx2 is None or native.gguf_gemm_isa() != "avx512-vnni":
+        pytest.skip("needs the AVX-512 VNNI build and the AVX2 one")
+    for k in (256, 2304, 16896):
+        data = random_blocks(qtype, 37, k, seed=k)
+        buf, meta = pack_gguf_twin([Shard(0, qtype, data, k)], k)
+        x = torch.randn(9, k, generator=torch.Generator().manual_seed(k)) * torch.rand(1, k) * 3
+        for rows in range(1, 10):
+            for xs in (x[:rows], x[:rows].bfloat16()):
+                got, want = native.gguf_gemm(xs, buf, meta, 37, int8=True), avx2.gguf_gemm(xs, buf, meta, 37, int8=True)
+                assert torch.equal(got, want), (qtype, k, rows, xs.dtype)
 
 
 def test_int8_activations_leave_32_input_shards_and_long_rows_alone(kernel_variant, variant_kernels):

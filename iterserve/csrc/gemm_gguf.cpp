@@ -598,6 +598,31 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
 // dot part's rounding errors then cancel against the mins' instead of adding to them (from the float
 // sums of x, Gemma 3's o_proj outputs were 1.4-4x further from float32 than both terms on the levels);
 // Q6_K's offset of 32 comes off the same way, as 32 * sc * bs.
+#if ISV_GG_AVX512
+// On AVX-512 (VNNI), blocks of 4 and 8 rows run two of those 32-input pieces (64 inputs in order) as
+// one 512-bit vpmaddubsw and one vpdpwssd a row, a third of the AVX2 loop's instructions a row; Q4_K's
+// two nibbles of a byte split in one 512-bit shift. Measured on a 2-core AMX Xeon (docs/profile.md):
+// 1.03-1.5x the AVX2 loop at 4 and 8 rows; at 1 and 2 rows, where unpacking the levels is most of the
+// work, no faster (0.8-1.1x: 512-bit operations have half the vector ports), so those keep the AVX2
+// loop. The int32 sums are the same integers, lane 8 + i of the wide sum added onto lane i (inputs
+// 4i .. 4i + 3 of a piece) before they reach float, so the results are the AVX2 path's bit for bit
+// (tests/test_kquant.py). The scale vector of a pair of pieces: int16 lanes 8c .. 8c + 7 hold scale
+// kScales512[v][8c] of `scales`.
+struct Scales512 {
+  alignas(64) int16_t c[6][32];  // 0-3: Q4_K/Q5_K sub-blocks 2j, 2j + 1; 4, 5: Q6_K's scales 0-3, 4-7
+  constexpr Scales512() : c{} {
+    for (int i = 0; i < 32; ++i) {
+      for (int j = 0; j < 4; ++j) c[j][i] = static_cast<int16_t>(2 * j + (i >= 16));
+      c[4][i] = static_cast<int16_t>(i / 8), c[5][i] = static_cast<int16_t>(4 + i / 8);
+    }
+  }
+};
+inline constexpr Scales512 kScales512{};
+inline __m512i scales512(__m256i scales, int v) {  // `scales`: 8 int16 in its low 128 bits
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kScales512.c[v]), _mm512_castsi256_si512(scales));
+}
+#endif
+
 template <int64_t TYPE, int MB, bool CH, typename T>
 void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0, int64_t n1,
                 int64_t last, int64_t k0, int64_t k1, GgCarry<MB>* carry) {
@@ -625,6 +650,27 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
           is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sv));
         }
       };
+#if ISV_GG_AVX512
+      constexpr bool kWide = MB >= 4;  // the 512-bit loop (see there)
+      [[maybe_unused]] __m512i iz[MB];  // the piece pairs' sums, lanes 8 + i to go onto lanes i (halves_to_is)
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) iz[m] = _mm512_setzero_si512();
+      // two pieces: 64 levels q (u8, input order) at input offset off, times the pair's scale vector sv
+      [[maybe_unused]] auto pieces = [&](__m512i q, __m512i sv, int64_t off) {
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)
+          iz[m] = _mm512_dpwssd_epi32(
+              iz[m], _mm512_maddubs_epi16(q, _mm512_loadu_si512(a.x8 + m * a.l8 + sb * 256 + off)), sv);
+      };
+      [[maybe_unused]] auto join = [](__m256i q0, __m256i q1) {
+        return _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+      };
+      [[maybe_unused]] auto halves_to_is = [&] {
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m)
+          is[m] = _mm256_add_epi32(_mm512_castsi512_si256(iz[m]), _mm512_extracti64x4_epi64(iz[m], 1));
+      };
+#endif
       float d, dmin = 0.f;
       [[maybe_unused]] __m256i ms[MB];  // Q4_K, Q5_K: the mins' integer sums
       if constexpr (TYPE == kQ6_K) {
@@ -634,8 +680,18 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
               _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h))));
           __m256i q[4];
           q6k_levels(b, h, q);
+#if ISV_GG_AVX512
+          if constexpr (kWide) {
+            pieces(join(q[0], q[1]), scales512(scales, 4), 128 * h);
+            pieces(join(q[2], q[3]), scales512(scales, 5), 128 * h + 64);
+            continue;
+          }
+#endif
           for (int s = 0; s < 4; ++s) piece(q[s], pick_scales(scales, 2 * s, 2 * s + 1), 128 * h + 32 * s);
         }
+#if ISV_GG_AVX512
+        if constexpr (kWide) halves_to_is();
+#endif
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {  // the levels' offset: 32 * sum over the 16 sub-blocks of sc * bs
@@ -656,12 +712,31 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
         const uint8_t* qs = k4_nibbles<TYPE>(b);
         const __m256i qh = k4_fifth_bits<TYPE>(b);
         for (int j = 0; j < 4; ++j) {
+#if ISV_GG_AVX512
+          if constexpr (kWide && TYPE == kQ4_K) {  // the 32 bytes in both halves, the high half's shifted by 4
+            const __m512i bytes =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
+            const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+            pieces(_mm512_and_si512(_mm512_srlv_epi16(bytes, shift), _mm512_set1_epi8(0x0F)), scales512(scales, j),
+                   64 * j);
+            continue;
+          }
+#endif
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
           __m256i lo, hi;
           k4_levels<TYPE == kQ5_K>(bytes, qh, j, lo, hi);
+#if ISV_GG_AVX512
+          if constexpr (kWide) {
+            pieces(join(lo, hi), scales512(scales, j), 64 * j);
+            continue;
+          }
+#endif
           piece(lo, pick_scales(scales, 2 * j, 2 * j), 64 * j);
           piece(hi, pick_scales(scales, 2 * j + 1, 2 * j + 1), 64 * j + 32);
         }
+#if ISV_GG_AVX512
+        if constexpr (kWide) halves_to_is();
+#endif
       }
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
