@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import gguf  # noqa: E402
 
 from machine import figures_line, machine_figures, read_bandwidth_gbs  # noqa: E402  (sibling scripts)
+from peers.systems import peer_environ  # noqa: E402
 from peers.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
 
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
@@ -48,7 +49,8 @@ def default_llama_bench() -> Path | None:
 def llama_bench_rate(binary: Path, model: Path, threads: int, tokens: int = 0, prompt: int = 0) -> float:
     """llama-bench's tok/s of one run: tg`tokens` (prompt 0) or pp`prompt` (tokens 0)."""
     out = subprocess.run([str(binary), "-m", str(model), "-p", str(prompt), "-n", str(tokens), "-r", "1",
-                          "-t", str(threads), "-o", "json"], capture_output=True, text=True, check=True).stdout
+                          "-t", str(threads), "-o", "json"], capture_output=True, text=True, check=True,
+                         env=peer_environ()).stdout  # not our OMP_WAIT_POLICY (peers.systems.OURS_ONLY)
     return float(json.loads(out)[0]["avg_ts"])
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from peers import vs_peers as vp
 from iterserve.bench.client import RequestRecord
-from peers.systems import PeerInstall
+from peers.systems import PeerInstall, peer_environ
 
 
 def test_variant_labels():
@@ -344,3 +344,12 @@ def test_iterserve_settings_record_the_iterserve_defaults_it_inherits(tiny_model
         assert httpx.get(started.base_url + "/v1/models", timeout=30).status_code == 200
     assert started.settings["args"] == "--max-model-len 256 --num-kv-blocks 32"
     assert started.settings["ITERSERVE_DECODE_ATTENTION"] == "torch"
+
+
+def test_peers_run_without_our_omp_wait_policy(monkeypatch):
+    """OMP_WAIT_POLICY=PASSIVE is for iterserve's process: llama.cpp's OpenMP threads slept between a
+    token's ops under it (SmolLM2 at a third of its speed), so peers never inherit it."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("THREADS", "2")
+    env = peer_environ({"GGUF": "x.gguf"})
+    assert "OMP_WAIT_POLICY" not in env and env["THREADS"] == "2" and env["GGUF"] == "x.gguf"

@@ -32,6 +32,18 @@ KINDS = ("iterserve", *PEER_KINDS)
 # Settings of ours a peer's start script inherits; a variable already in the environment wins.
 PEER_ENV_DEFAULTS: dict[str, dict[str, str]] = {"llamacpp": {"LLAMA_ARG_REPACK": "0"} if "amx_tile" in cpu_flags() else {},
                                                 "vllm": {}}
+# Settings of ours a peer must not inherit: OMP_WAIT_POLICY=PASSIVE, which our benchmarks set for
+# iterserve's process, puts llama.cpp's OpenMP threads to sleep between a token's ops (llama-bench
+# tg64 on SmolLM2, 2-core AMX Xeon: 29 tok/s with it, 95-99 without) and would do the same to vLLM's.
+# A peer runs with its own defaults, as its users run it.
+OURS_ONLY = ("OMP_WAIT_POLICY",)
+
+
+def peer_environ(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a peer's process gets: ours without OURS_ONLY, then `extra`."""
+    return {**{k: v for k, v in os.environ.items() if k not in OURS_ONLY}, **(extra or {})}
+
+
 # The start scripts' settings (see each script), recorded with the results when set.
 PEER_SETTINGS = {"llamacpp": ("NP", "CTX", "THREADS"),
                  "vllm": ("MAX_NUM_SEQS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
@@ -134,8 +146,7 @@ def _script_peer(kind: str, install: PeerInstall, timeout_s: float,
         raise Unavailable(f"a {kind} started from the same $PEERS is running (pid {other}); "
                           f"stop it (stop.sh {kind}) or set PEERS")
     port = free_port()
-    env = {**PEER_ENV_DEFAULTS[kind], **os.environ, **(extra_env or {}), "PEERS": str(install.home),
-           "PORT": str(port)}
+    env = {**PEER_ENV_DEFAULTS[kind], **peer_environ(extra_env), "PEERS": str(install.home), "PORT": str(port)}
     settings = {k: env[k] for k in (*PEER_ENV_DEFAULTS[kind], *PEER_SETTINGS[kind], *(extra_env or {})) if k in env}
     before = pid_file.read_text() if pid_file.exists() else None
     t0 = time.perf_counter()
