@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import httpx
 
 from iterserve.bench.launcher import ServerProcess, free_port
 from machine import figures_line, machine_figures
+from peers.systems import peer_environ
 from iterserve.bench.summary import git_commit
 
 PROMPTS = [
@@ -90,7 +90,7 @@ def main() -> None:
     figures = machine_figures()
     print(figures_line(figures))
     port = free_port()
-    env = {**os.environ, "GGUF": str(args.gguf.resolve()), "PORT": str(port), "ALIAS": "peer"}
+    env = peer_environ({"GGUF": str(args.gguf.resolve()), "PORT": str(port), "ALIAS": "peer"})
     subprocess.run(["bash", str(PEERS / "start_llamacpp.sh")], check=True, env=env)
     try:
         theirs = [c["text"] for c in completions(f"http://127.0.0.1:{port}", "peer", args.max_tokens, None)]

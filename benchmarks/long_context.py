@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from machine import figures_line, machine_figures
+from peers.systems import peer_environ
 
 CHILD = r"""
 import json, sys
@@ -55,7 +56,7 @@ def llama_tg(bench: str, path: str, context: int, tokens: int, q8: bool) -> floa
     cmd = [bench, "-m", path, "-p", "0", "-n", str(tokens), "-d", str(context), "-t", "2", "-r", "2", "-o", "json"]
     if q8:
         cmd += ["-ctk", "q8_0", "-ctv", "q8_0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=peer_environ()).stdout
     rows = json.loads(out[out.index("["):])
     return float(rows[0]["avg_ts"])
 

@@ -45,7 +45,7 @@ from iterserve.bench.common import markdown_table, one_line  # noqa: E402
 from iterserve.bench.launcher import ServerProcess, free_port, wait_healthy  # noqa: E402
 from iterserve.bench.summary import git_commit, write_json  # noqa: E402
 from machine import figures_line, machine_figures  # noqa: E402
-from peers.systems import PEER_ENV_DEFAULTS  # noqa: E402
+from peers.systems import PEER_ENV_DEFAULTS, peer_environ  # noqa: E402
 from peers.vs_peers import DEFAULT_PEERS_HOME  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -278,7 +278,7 @@ def llama_server(binary: Path, gguf: Path, extra: list[str], log_path: Path, thr
                  timeout_s: float) -> Iterator[str]:
     """A llama-server this process starts and stops (one slot: single stream), on a free port."""
     port = free_port()
-    env = {**PEER_ENV_DEFAULTS["llamacpp"], **os.environ}
+    env = {**PEER_ENV_DEFAULTS["llamacpp"], **peer_environ()}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
