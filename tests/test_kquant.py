@@ -328,6 +328,7 @@ def test_engine_runs_twins_of_the_files_blocks(kquant_model_dir, monkeypatch, tm
     # both are mostly the bf16 rounding of every output; tiled falls back to oneDNN's unvectorised)
     fixed = LLMEngine(EngineConfig(**cfg, measure_kernels=False, bf16_gemm="tiled"))
     want_max = {four_bit_max_tokens(fixed.platform.layout), Q8_HEAD_MAX_TOKENS}
+    assert want_max == ({4} if fixed.platform.layout == "tiled" else {8, 4})  # the cut-overs as before
     assert {m.twin_max_tokens for m in fixed.model.modules() if isinstance(m, CpuLinear)} == want_max
     assert all(m.twin == "gguf" for m in fixed.model.modules() if isinstance(m, CpuLinear))
     plain = LLMEngine(EngineConfig(**cfg, measure_kernels=False, quantization="none", bf16_gemm="tiled"))
