@@ -11,6 +11,9 @@ The start-up log, /v1/scheduler and /metrics all show this one report.
 from __future__ import annotations
 
 import bisect
+import ctypes
+import functools
+import mmap
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -129,6 +132,56 @@ def _file_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]
     return sorted(ranges)
 
 
+def _read_only_file_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
+    """(start, end) of this process's read-only mappings of regular files (a GGUF's map, code)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith("/dev/") and "w" not in parts[1]:
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def release_mapped_pages(tensors: Iterable[torch.Tensor], maps: Path = Path("/proc/self/maps")) -> int:
+    """Unmaps from this process the whole pages of `tensors` that lie in a read-only file mapping
+    (madvise MADV_DONTNEED), and returns their bytes; tensors anywhere else are left alone (on memory
+    of its own DONTNEED would zero it). For a GGUF's blocks that the platform has copied into a
+    kernel's layout (the 32-input types, repacked four blocks to a group): the file's copy is never
+    read again, yet each page the repacking read stayed in the process's RSS, a second copy of those
+    weights (Gemma 3 270M: 0.22 GiB). The pages stay in the page cache, shared with any replica; a
+    later read (an embedding row of a tied head's blocks) maps the page it touches again."""
+    ranges = _read_only_file_mappings(maps)
+    madvise = _libc_madvise()
+    if not ranges or madvise is None:
+        return 0
+    page = mmap.PAGESIZE
+    released = 0
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if not any(a <= start and end <= b for a, b in ranges):
+            continue
+        first, last = -(-start // page) * page, end // page * page
+        if last > first and madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED) == 0:
+            released += last - first
+    return released
+
+
+@functools.cache
+def _libc_madvise():
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+
+
 def weight_bytes(tensors: Iterable[torch.Tensor], maps: Path = Path("/proc/self/maps")) -> tuple[int, int]:
     """(resident, mapped) bytes of the storages behind `tensors`, each storage once: a tied head
     and its embedding, a twin that views its weight, count one. Opaque tensors (oneDNN's packed
@@ -231,3 +284,25 @@ def skip_reason(device: torch.device) -> str | None:
     device holds weights and KV blocks in its own memory, which its platform sizes itself."""
     return None if device.type == "cpu" else f"weights and KV cache live on {device}, not in host memory"
 
+
+
+# ---- freed memory, handed back -------------------------------------------------------------------
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's; musl and macOS have none
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_heap() -> bool:
+    """Hands the C heap's free pages back to the OS (glibc's malloc_trim); False where the C library
+    has no such call. A prompt chunk's activations are freed after its step, but glibc keeps most of
+    what it freed in its arenas, resident: a served 1B held ~100 MiB more after a few prompts than
+    before them (docs/profile.md). The server calls this when its engine goes idle, where re-faulting
+    the pages at the next prompt costs nothing anyone waits for; between steps it would."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -17,6 +17,7 @@ from iterserve.config import ModelConfig
 from iterserve.model.layers import MLP, Attention, RMSNorm, apply_rope
 from iterserve.platform.cpu_elementwise import CpuAttention, CpuMLP, use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_linear import tiled_gemm_vectorised
 from iterserve.platform.cpu_norm import CpuRMSNorm
 
 kernels = load_cpu_kernels()
@@ -131,11 +132,13 @@ def test_modules_fall_back_to_torch_where_the_kernels_do_not_apply():
     assert torch.equal(attn.rope(qk, cos, sin), apply_rope(qk, cos, sin))
 
 
-def test_use_cpu_elementwise_swaps_silu_mlps_and_attention_only():
+def test_use_cpu_elementwise_swaps_dense_mlps_and_attention():
     model = torch.nn.ModuleDict({"silu": MLP(tiny_config()), "gelu": MLP(tiny_config(hidden_act="gelu_pytorch_tanh")),
-                                 "attn": Attention(tiny_config(), 0)})
-    assert use_cpu_elementwise(model) == 2
-    assert type(model["silu"]) is CpuMLP and type(model["gelu"]) is MLP and type(model["attn"]) is CpuAttention
+                                 "attn": Attention(tiny_config(), 0), "norm": torch.nn.LayerNorm(4)})
+    assert use_cpu_elementwise(model) == 3
+    assert type(model["silu"]) is CpuMLP and type(model["gelu"]) is CpuMLP and type(model["attn"]) is CpuAttention
+    x = torch.randn(5, 192).bfloat16()  # GELU keeps torch's act_and_mul; SiLU's is the kernel's
+    assert torch.equal(model["gelu"].act_and_mul(x), MLP.act_and_mul(model["gelu"], x))
     assert model["silu"].gate_up_proj is not None and dict(model["silu"].named_parameters()).keys() == \
         dict(MLP(tiny_config()).named_parameters()).keys()
 
@@ -161,3 +164,31 @@ def test_engine_output_unchanged(dtype, monkeypatch):
     plain = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not tiled_gemm_vectorised(kernels), reason="runs our tiled bf16 GEMM (AVX512-BF16), whose rows "
+                    "round alike at every row count; oneDNN's and MKL's round a row by the call's row count")
+def test_a_long_prompt_runs_its_mlp_in_slices_with_the_same_bits(monkeypatch):
+    """A prompt chunk over MLP_SLICE_ROWS rows runs the MLP a slice at a time (the step's largest
+    buffers, a slice's size), and every prompt position's logprob and the tokens stay the same bits
+    as with the chunk's MLP in one piece, on GEMMs whose rows do not depend on the row count."""
+    from iterserve.llm import LLM
+    from iterserve.platform import cpu_elementwise
+    from iterserve.sampling import SamplingParams
+
+    llm = LLM("smollm2-135m", dtype="bfloat16", bf16_gemm="tiled", kv_cache_memory="64MiB", max_model_len=2048,
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    prompt = list(range(100, 100 + 1200))  # 1200 tokens: one chunk of 2 full slices and a part
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0)
+    rows: list[int] = []
+    forward = MLP.forward
+    monkeypatch.setattr(MLP, "forward", lambda self, x: rows.append(x.shape[0]) or forward(self, x))
+    sliced = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert max(rows) == cpu_elementwise.MLP_SLICE_ROWS and 1200 - 2 * cpu_elementwise.MLP_SLICE_ROWS in rows
+    rows.clear()
+    monkeypatch.setattr(cpu_elementwise, "MLP_SLICE_ROWS", 4096)
+    whole = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert max(rows) == 1200
+    assert sliced.token_ids == whole.token_ids and sliced.logprobs == whole.logprobs
+    assert sliced.prompt_logprobs == whole.prompt_logprobs

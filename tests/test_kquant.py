@@ -466,3 +466,18 @@ def test_int8_activations_leave_32_input_shards_and_long_rows_alone(kernel_varia
         assert ((y[:, cols].double() - ref).abs() <= bound).all(), s.qtype
     for m in (1, 4, 8):
         assert torch.equal(kernels.gguf_gemm(x[:m], buf, meta, 21, int8=True), y[:m])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_a_large_head_packs_in_slices_into_one_buffer(qtype):
+    """More than 8,192 rows pack a slice at a time straight into the output: the bytes are those of
+    packing every row at once, and unpack to the stored blocks."""
+    from iterserve.platform.cpu_linear import GGUF_BLOCKS, pack_gguf_x4, unpack_gguf_x4
+
+    k = 640  # Gemma 3's hidden size: 20 blocks, 5 groups
+    size = GGUF_BLOCKS[qtype][2]
+    data = torch.randint(0, 256, (8192 + 300, k // 32 * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_gguf_x4(data, qtype)
+    assert torch.equal(packed[8192:], pack_gguf_x4(data[8192:], qtype))
+    assert torch.equal(packed[:8192], pack_gguf_x4(data[:8192], qtype))
+    assert torch.equal(unpack_gguf_x4(packed, qtype, k), data)

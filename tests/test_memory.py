@@ -87,6 +87,21 @@ def test_quantised_gguf_weights_count_as_blocks_where_the_platform_keeps_them():
     assert blocks < dense / 4  # Q4_1 blocks: 5 bits a weight, against float32's 32
 
 
+def test_loading_a_gguf_leaves_torch_symbolic_machinery_unimported():
+    """Materialising a model's small tensors through empty_like of meta tensors ran torch's Python
+    reference of the op, which imports sympy: ~400 modules and ~35 MiB resident for a server's life
+    (docs/profile.md). In a fresh process, since the rest of the suite may import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from iterserve.llm import LLM; from iterserve.sampling import SamplingParams; "
+            "llm = LLM('smollm2-135m', kv_cache_memory='16MiB', max_model_len=256); "
+            "llm.generate(['Hi'], SamplingParams(max_tokens=2), use_tqdm=False); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sympy', 'mpmath')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
 # ---- available memory ---------------------------------------------------------------------------------
 def fake_host(tmp_path, cgroup_line: str, files: dict[str, str]):
     proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
@@ -191,3 +206,41 @@ def test_scheduler_and_metrics_carry_the_memory(tiny_model_dir, tiny_loaded):
     assert metric(text, "iterserve:memory_kv_cache_bytes", model_name="tiny") == memory["kv_cache"]
     assert metric(text, "iterserve:memory_workspace_bytes") == memory["workspace_estimate"]
     assert metric(text, "iterserve:memory_available_bytes") > 0
+
+
+def test_release_mapped_pages_unmaps_a_files_pages_and_nothing_else(tmp_path):
+    """A read-only file map's whole pages leave the process's RSS (they stay in the page cache and
+    read back the same); memory of the process's own is never touched."""
+    import mmap
+    import warnings
+
+    from iterserve.memory import release_mapped_pages
+
+    path = tmp_path / "blocks.bin"
+    payload = np.random.default_rng(0).integers(0, 256, 64 * mmap.PAGESIZE, dtype=np.uint8)
+    path.write_bytes(payload.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffer: the test only reads it
+        mapped = torch.frombuffer(mm, dtype=torch.uint8)
+
+    def rss_of_map() -> int:
+        start = mapped.data_ptr()
+        inside = False
+        for line in open("/proc/self/smaps"):
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a <= start < b
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+        return -1
+
+    assert int(mapped.sum()) == int(payload.sum())  # every page read: resident
+    assert rss_of_map() == 64 * mmap.PAGESIZE
+    part = mapped[100:100 + 40 * mmap.PAGESIZE]  # not page-aligned: its 39 whole pages go
+    own = torch.from_numpy(payload.copy())
+    assert release_mapped_pages([part, own]) == 39 * mmap.PAGESIZE
+    assert rss_of_map() == 25 * mmap.PAGESIZE
+    assert torch.equal(own, torch.from_numpy(payload)) and torch.equal(mapped, torch.from_numpy(payload))

@@ -146,6 +146,36 @@ def test_busy_window():
     assert w2.fraction(now=4.0) == pytest.approx(0.25)  # young server: divide by its age
 
 
+def test_freed_heap_goes_back_when_the_engine_goes_idle(make_engine, monkeypatch):
+    """glibc keeps what a step freed resident; the engine thread hands it back (malloc_trim) after
+    warming up and each time its last request finishes, never while requests run."""
+    import iterserve.server.async_engine as async_engine
+    from iterserve.memory import release_free_heap
+
+    calls = []
+    monkeypatch.setattr(async_engine, "release_free_heap", lambda: calls.append(engine.engine.has_unfinished_requests()))
+
+    async def main():
+        nonlocal engine
+        engine = AsyncEngine(make_engine())
+        engine.start()
+        assert await asyncio.to_thread(engine.ready.wait, 30)
+        assert calls == [False]  # after warming up
+        for n in (2, 3):
+            stream = await engine.add_request(f"r{n}", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            assert [o async for o in stream][-1].finish_reason == "length"
+            deadline = time.monotonic() + 5
+            while len(calls) < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert len(calls) == n
+        assert calls == [False, False, False]  # once per idle spell, none with a request in flight
+        await engine.stop()
+
+    engine = None
+    run(main())
+    assert release_free_heap() is True  # glibc (Linux): the real call
+
+
 def test_warm_up_runs_before_ready_and_leaves_no_trace(make_engine):
     async def main():
         llm = make_engine()

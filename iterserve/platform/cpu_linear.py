@@ -57,6 +57,7 @@ from torch import nn
 
 from iterserve.cpu_info import cpu_flags
 from iterserve.custom_ops import call_directly
+from iterserve.memory import release_mapped_pages
 from iterserve.model.gguf_file import unpermute_qk
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
@@ -201,8 +202,12 @@ def pack_gguf_x4(data: torch.Tensor, qtype: str) -> torch.Tensor:
     group. A permutation of the stored bytes: `unpack_gguf_x4` inverts it."""
     _, block, size = GGUF_BLOCKS[qtype]
     rows = data.shape[0]
-    if rows > 8192:  # a large LM head: in slices of rows, so its temporaries stay small
-        return torch.cat([pack_gguf_x4(data[r:r + 8192], qtype) for r in range(0, rows, 8192)])
+    if rows > 8192:  # a large LM head: in slices of rows, so its temporaries stay small (written in
+        # place: a torch.cat of the slices held the head twice, Gemma 3's 170 MiB, at start-up's peak)
+        out = torch.empty(rows, -(-(data.shape[1] // size) // 4) * X4_BYTES[qtype], dtype=torch.uint8)
+        for r in range(0, rows, 8192):
+            out[r:r + 8192] = pack_gguf_x4(data[r:r + 8192], qtype)
+        return out
     nb = data.shape[1] // size
     groups = -(-nb // 4)
     blocks = torch.zeros(rows, groups * 4, size, dtype=torch.uint8)
@@ -371,18 +376,22 @@ def pack_gguf_twin(shards: Sequence[Any], in_features: int) -> tuple[torch.Tenso
         meta = [[GGUF_BLOCKS[shard_fields(s)[3]][0], shard_fields(s)[1], gguf_row_bytes(shard_fields(s)[3], in_features),
                  shard_fields(s)[4].data_ptr() - base.data_ptr()] for s in ordered]
         return buf, torch.tensor(meta, dtype=torch.int64)
-    parts, meta, offset = [], [], 0
+    parts, meta, offset, read = [], [], 0, []
     for s in ordered:
         _, rows, _, qtype, data = shard_fields(s)
-        data = _shard_bytes(data)
+        data = stored = _shard_bytes(data)
         heads = int(getattr(s, "permuted_heads", 0))
         if heads:
             data = unpermute_qk(data, heads)
         packed = data.contiguous() if qtype in KQUANTS else pack_gguf_x4(data, qtype)
+        if packed.data_ptr() != stored.data_ptr():
+            read.append(stored)
         parts.append(packed.reshape(-1))
         meta.append([GGUF_BLOCKS[qtype][0], rows, gguf_row_bytes(qtype, in_features), offset])
         offset += packed.numel()
-    return parts[0] if len(parts) == 1 else torch.cat(parts), torch.tensor(meta, dtype=torch.int64)
+    buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+    release_mapped_pages(read)  # the file's copy of what is now in buf (memory.release_mapped_pages)
+    return buf, torch.tensor(meta, dtype=torch.int64)
 
 
 def output_order(shards: Sequence[Any]) -> torch.Tensor | None:

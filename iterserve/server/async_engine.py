@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from iterserve.core.block_pool import BlockUsage
 from iterserve.engine import LLMEngine, StepRecord
+from iterserve.memory import release_free_heap
 from iterserve.request import RequestOutput, RequestRejected, RequestStatus, RequestTimes
 from iterserve.sampling import SamplingParams
 
@@ -442,11 +443,16 @@ class AsyncEngine:
             finally:
                 self.engine.step_listeners.append(self._on_step)
             log.info("warmed up in %.2f s", time.perf_counter() - t0)
+        release_free_heap()  # what loading and warming up freed
         self.state = self._take_state()
         self.ready.set()
         log.info("engine loop started (%s batching)", self.engine.config.batching)
         stop = False
+        stepped = False  # since the engine was last idle
         while not stop:
+            if stepped and not self.engine.has_unfinished_requests():
+                stepped = False
+                release_free_heap()  # idle: the steps' freed activations go back to the OS
             with self._cond:
                 timeout = self._idle_timeout()
                 if not self._commands and not self._stop and timeout != 0:
@@ -468,6 +474,7 @@ class AsyncEngine:
                     finally:
                         self.step_started = None
                     self._progressed = self.engine.step_count != before
+                    stepped = True
                     self.consecutive_failures = 0
             except Exception:  # a bug or a device fault: fail the requests in flight, and go on
                 self.consecutive_failures += 1
@@ -588,8 +595,11 @@ class AsyncEngine:
 def warm_up(engine: LLMEngine) -> None:
     """One short generation (a prefill and a decode step) and one tokenisation of each kind before
     serving, so that the first client does not pay one-time set-up costs (lazy kernel and
-    tokenizer initialisation, hundreds of ms on CPU) in its TTFT. Runs before the engine thread."""
-    engine.structured.warm_up()  # in the background, on the grammar thread
+    tokenizer initialisation, hundreds of ms on CPU) in its TTFT. Runs before the engine thread.
+    Not the structured outputs' llguidance tokenizer: a copy of the vocabulary's tables, 30-55 MiB
+    for 49,152 tokens (docs/profile.md), that a server which never sees a constraint should not
+    hold; the first constrained request builds it (about a second), as vLLM builds its grammar
+    backend at its first."""
     ids = engine.encode_prompt("Warm up.")
     if getattr(engine.tokenizer, "chat_template", None):
         engine.encode_prompt(messages=[{"role": "user", "content": "Warm up."}])
