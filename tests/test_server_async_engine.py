@@ -146,14 +146,16 @@ def test_busy_window():
     assert w2.fraction(now=4.0) == pytest.approx(0.25)  # young server: divide by its age
 
 
-def test_freed_heap_goes_back_when_the_engine_goes_idle(make_engine, monkeypatch):
+def test_freed_heap_goes_back_once_the_engine_has_been_idle(make_engine, monkeypatch):
     """glibc keeps what a step freed resident; the engine thread hands it back (malloc_trim) after
-    warming up and each time its last request finishes, never while requests run."""
+    warming up and once it has been idle for IDLE_RELEASE_S, never while requests run, and not
+    between requests that follow each other closely (the next prompt would re-fault the pages)."""
     import iterserve.server.async_engine as async_engine
     from iterserve.memory import release_free_heap
 
     calls = []
     monkeypatch.setattr(async_engine, "release_free_heap", lambda: calls.append(engine.engine.has_unfinished_requests()))
+    monkeypatch.setattr(async_engine, "IDLE_RELEASE_S", 0.3)
 
     async def main():
         nonlocal engine
@@ -161,14 +163,16 @@ def test_freed_heap_goes_back_when_the_engine_goes_idle(make_engine, monkeypatch
         engine.start()
         assert await asyncio.to_thread(engine.ready.wait, 30)
         assert calls == [False]  # after warming up
-        for n in (2, 3):
+        for n in range(3):  # back to back
             stream = await engine.add_request(f"r{n}", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
             assert [o async for o in stream][-1].finish_reason == "length"
-            deadline = time.monotonic() + 5
-            while len(calls) < n and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            assert len(calls) == n
-        assert calls == [False, False, False]  # once per idle spell, none with a request in flight
+        assert calls == [False]
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert calls == [False, False]  # idle for 0.3 s: once, with no request in flight
+        await asyncio.sleep(0.7)
+        assert len(calls) == 2  # once per idle spell
         await engine.stop()
 
     engine = None

@@ -39,6 +39,10 @@ T = TypeVar("T")
 
 log = logging.getLogger("iterserve.server")
 
+# An engine idle this long hands the C heap's freed pages back (memory.release_free_heap). Not at
+# once: the next prompt re-faults them, which made a 512-token 1B prompt right after a trim 1.31 s
+# against 1.25 s (docs/profile.md), a cost that back-to-back requests should not pay.
+IDLE_RELEASE_S = 1.0
 NO_PROGRESS_POLL_S = 0.01  # unfinished work but nothing schedulable (should not happen; never spin)
 WATCHDOG_PERIOD_S = 0.25
 STEP_FAILED = "internal error in the engine step; the request was aborted"
@@ -448,17 +452,21 @@ class AsyncEngine:
         self.ready.set()
         log.info("engine loop started (%s batching)", self.engine.config.batching)
         stop = False
-        stepped = False  # since the engine was last idle
+        stepped = False  # since the engine last handed freed memory back
         while not stop:
-            if stepped and not self.engine.has_unfinished_requests():
-                stepped = False
-                release_free_heap()  # idle: the steps' freed activations go back to the OS
             with self._cond:
                 timeout = self._idle_timeout()
+                release = stepped and timeout is None  # idle: wake once more, to give memory back
+                if release:
+                    timeout = IDLE_RELEASE_S
                 if not self._commands and not self._stop and timeout != 0:
                     self._cond.wait(timeout)
                 commands, self._commands = self._commands, []
                 stop = self._stop
+            if release and not commands and not stop:
+                stepped = False
+                release_free_heap()  # the steps' freed activations go back to the OS
+                continue
             outputs: list[RequestOutput] = []
             self._progressed = False
             try:
