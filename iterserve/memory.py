@@ -156,8 +156,8 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], maps: Path = Path("/pr
     weights (Gemma 3 270M: 0.22 GiB). The pages stay in the page cache, shared with any replica; a
     later read (an embedding row of a tied head's blocks) maps the page it touches again."""
     ranges = _read_only_file_mappings(maps)
-    madvise = _libc_madvise()
-    if not ranges or madvise is None:
+    madvise, dontneed = _libc_madvise(), getattr(mmap, "MADV_DONTNEED", None)
+    if not ranges or madvise is None or dontneed is None:
         return 0
     page = mmap.PAGESIZE
     released = 0
@@ -169,7 +169,7 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], maps: Path = Path("/pr
         if not any(a <= start and end <= b for a, b in ranges):
             continue
         first, last = -(-start // page) * page, end // page * page
-        if last > first and madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED) == 0:
+        if last > first and madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), dontneed) == 0:
             released += last - first
     return released
 
