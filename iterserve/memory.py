@@ -114,9 +114,10 @@ def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
                 yield shard.data
 
 
-def _file_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
-    """Sorted (start, end) address ranges of this process's mappings of regular files; empty where
-    /proc is not there (every storage then counts as resident)."""
+def _file_mappings(maps: Path = Path("/proc/self/maps"), read_only: bool = False) -> list[tuple[int, int]]:
+    """Sorted (start, end) address ranges of this process's mappings of regular files (with
+    `read_only`, only those it cannot write: a GGUF's map, code); empty where /proc is not there
+    (every storage then counts as resident)."""
     ranges = []
     try:
         lines = maps.read_text().splitlines()
@@ -127,24 +128,11 @@ def _file_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]
         path = parts[5] if len(parts) == 6 else ""
         if not path.startswith("/") or path.startswith("/dev/") or path.endswith("(deleted)"):
             continue  # anonymous, [heap], shared memory, or a file gone from the disk
+        if read_only and "w" in parts[1]:
+            continue
         start, end = (int(x, 16) for x in parts[0].split("-"))
         ranges.append((start, end))
     return sorted(ranges)
-
-
-def _read_only_file_mappings(maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]]:
-    """(start, end) of this process's read-only mappings of regular files (a GGUF's map, code)."""
-    try:
-        lines = maps.read_text().splitlines()
-    except OSError:
-        return []
-    ranges = []
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith("/dev/") and "w" not in parts[1]:
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            ranges.append((start, end))
-    return ranges
 
 
 def release_mapped_pages(tensors: Iterable[torch.Tensor], maps: Path = Path("/proc/self/maps")) -> int:
@@ -155,15 +143,14 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], maps: Path = Path("/pr
     read again, yet each page the repacking read stayed in the process's RSS, a second copy of those
     weights (Gemma 3 270M: 0.22 GiB). The pages stay in the page cache, shared with any replica; a
     later read (an embedding row of a tied head's blocks) maps the page it touches again."""
-    ranges = _read_only_file_mappings(maps)
-    madvise, dontneed = _libc_madvise(), getattr(mmap, "MADV_DONTNEED", None)
-    if not ranges or madvise is None or dontneed is None:
+    tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
+    madvise, dontneed = _libc("madvise"), getattr(mmap, "MADV_DONTNEED", None)
+    if not tensors or madvise is None or dontneed is None:
         return 0
+    ranges = _file_mappings(maps, read_only=True)
     page = mmap.PAGESIZE
     released = 0
     for t in tensors:
-        if t.device.type != "cpu" or t.numel() == 0:
-            continue
         start = t.data_ptr()
         end = start + t.numel() * t.element_size()
         if not any(a <= start and end <= b for a, b in ranges):
@@ -175,9 +162,11 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], maps: Path = Path("/pr
 
 
 @functools.cache
-def _libc_madvise():
+def _libc(name: str):
+    """The C library's function `name` (ctypes), or None where it has none (malloc_trim is glibc's:
+    musl and macOS lack it)."""
     try:
-        return ctypes.CDLL(None, use_errno=True).madvise
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
 
@@ -285,23 +274,15 @@ def skip_reason(device: torch.device) -> str | None:
     return None if device.type == "cpu" else f"weights and KV cache live on {device}, not in host memory"
 
 
-
 # ---- freed memory, handed back -------------------------------------------------------------------
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc's; musl and macOS have none
-    except (OSError, AttributeError):
-        return None
-
-
 def release_free_heap() -> bool:
     """Hands the C heap's free pages back to the OS (glibc's malloc_trim); False where the C library
     has no such call. A prompt chunk's activations are freed after its step, but glibc keeps most of
     what it freed in its arenas, resident: a served 1B held ~100 MiB more after a few prompts than
-    before them (docs/profile.md). The server calls this when its engine goes idle, where re-faulting
-    the pages at the next prompt costs nothing anyone waits for; between steps it would."""
-    trim = _malloc_trim()
+    before them (docs/profile.md). The server calls this once its engine has been idle a while
+    (async_engine.IDLE_RELEASE_S): the next prompt re-faults the pages, which between steps or
+    between back-to-back requests would cost prefill time."""
+    trim = _libc("malloc_trim")
     if trim is None:
         return False
     trim(0)
