@@ -481,3 +481,55 @@ def test_a_large_head_packs_in_slices_into_one_buffer(qtype):
     assert torch.equal(packed[8192:], pack_gguf_x4(data[8192:], qtype))
     assert torch.equal(packed[:8192], pack_gguf_x4(data[:8192], qtype))
     assert torch.equal(unpack_gguf_x4(packed, qtype, k), data)
+
+
+def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_model_dir, monkeypatch, tmp_path):
+    """chain_read_ahead: each projection with a twin names the next one's blocks in the order a step
+    runs them (q/k/v, o, gate/up, down, the next layer's, ..., the head, then layer 0's for the next
+    step); decoding, the pool's idle worker reads them (read_ahead_bytes grows where the pool has a
+    worker), and the logits are the same bits as with read-ahead off (it only reads)."""
+    import iterserve.engine as engine_mod
+    import iterserve.platform.cpu_linear as cpu_linear
+    from iterserve.config import EngineConfig
+    from iterserve.engine import LLMEngine
+
+    monkeypatch.setattr(engine_mod, "load_model", _SourcesAdded(engine_mod.load_model))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = EngineConfig(model=str(kquant_model_dir), dtype="bfloat16", kv_cache_memory="16MiB", max_num_seqs=4,
+                       measure_kernels=False, bf16_gemm="tiled")
+    eng = LLMEngine(cfg)
+    chain = [(name, m) for name, m in eng.model.named_modules() if isinstance(m, CpuLinear) and m.twin_max_tokens]
+    names = [name for name, _ in chain]
+    assert names[:5] == ["layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
+                         "layers.0.mlp.down_proj", "layers.1.self_attn.qkv_proj"] and names[-1] == "lm_head"
+    for (_, mod), (_, nxt) in zip(chain, chain[1:] + chain[:1]):
+        assert mod.read_next is nxt._buffers["twin_weight"]
+    kernels = load_cpu_kernels()
+    before = kernels.read_ahead_bytes()
+    ids = eng.tokenizer("The capital of France is a city on the river Seine, and")["input_ids"]
+    on = _decode_logits(eng, ids)
+    if kernels.pool_threads() > 1:
+        assert kernels.read_ahead_bytes() > before
+    monkeypatch.setattr(cpu_linear, "READ_AHEAD_BYTES", 0)
+    off_eng = LLMEngine(cfg)
+    assert all(m.read_next is None for m in off_eng.model.modules() if isinstance(m, CpuLinear))
+    assert torch.equal(on, _decode_logits(off_eng, ids))
+
+
+def test_read_ahead_outlives_the_tensor_it_names():
+    """The pool keeps what it was asked to read ahead alive: a tensor dropped by Python right after
+    read_ahead, and replaced by the next one, is never read after it is freed (the pool holds a
+    reference until the next read_ahead, and waits for a worker still reading it before letting go)."""
+    kernels = load_cpu_kernels()
+    x, w = torch.randn(1, 256).bfloat16(), torch.from_numpy(random_blocks("Q4_K", 64, 256))
+    buf, meta = pack_gguf_twin([Shard(0, "Q4_K", w.numpy(), 256)], 256)
+    before = kernels.read_ahead_bytes()
+    for i in range(50):
+        kernels.gguf_gemm(x, buf, meta, 64, False)  # a job: the worker spins after it, and takes the next read
+        t = torch.full((1 << 20,), i, dtype=torch.uint8)
+        kernels.read_ahead(t, 1 << 20)
+        del t
+    kernels.read_ahead(torch.empty(0, dtype=torch.uint8), 1 << 20)  # nothing to read: ignored
+    kernels.gguf_gemm(x, buf, meta, 64, False)
+    if kernels.pool_threads() > 1:
+        assert kernels.read_ahead_bytes() > before  # the worker read some of them

@@ -15,6 +15,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the vector lanes this build's kernels run on (lanes.h): avx512, avx2 or scalar; what a test of a "
         "variant build (load_cpu_kernels(variant=...)) checks it really runs");
   m.def("pool_threads", [] { return WorkPool::instance().num_threads(); }, "threads of the kernels' work pool");
+  m.def("read_ahead", [](const at::Tensor& t, int64_t bytes) { WorkPool::instance().read_ahead(t, bytes); },
+        "the first `bytes` of t's data for an idle pool worker to read into cache before the next kernel "
+        "reads them (work_pool.h)", py::arg("t"), py::arg("bytes"));
+  m.def("read_ahead_bytes", [] { return WorkPool::instance().read_ahead_bytes(); },
+        "bytes the pool's workers have read ahead so far");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence against its paged K/V, read in place; window and softcap 0: off (see attention_decode.cpp)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),

@@ -10,9 +10,17 @@
 //     them too: it never waits for a worker that has not started (asleep, or its core taken by
 //     another process), only for chunks a worker already holds.
 // The chunk functions touch raw memory only (no torch calls), so they may run on any thread.
+//
+// Read-ahead: between a decode step's kernels the calling thread runs the model's Python (norms,
+// RoPE, attention, sampling: ~12 % of a 1B's step at one row) while memory sits idle and the
+// workers spin. read_ahead(t, bytes) names the bytes the next kernel will read (the next
+// projection's weights); an idle worker reads them into cache then, line by line, and stops at the
+// next job. A one-row GEMM is bound by reading its weights, so what is read ahead comes from cache
+// instead of memory when the kernel gets there (docs/profile.md).
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -49,6 +57,33 @@ class WorkPool {
   }
 
   int num_threads() const { return static_cast<int>(workers_) + 1; }
+
+  // The first `bytes` of t's data (all of it when bytes exceeds it) for an idle worker to read into
+  // cache (see the top of this file); replaces a read-ahead no worker has taken yet. Called with the
+  // GIL held (from Python): the pool keeps a reference to t, taken and dropped on this thread only,
+  // so t's memory outlives any read of it; a worker never touches the tensor itself (a tensor that
+  // Python has seen takes the GIL when a second thread adds or drops a reference: a worker blocked on
+  // it for a switch interval left the whole step's kernels on one thread). Without workers: nothing.
+  void read_ahead(const at::Tensor& t, int64_t bytes) {
+    if (workers_ == 0 || forked_child() || !t.defined()) return;
+    const int64_t n = std::min<int64_t>(bytes, t.numel() * t.element_size());
+    if (n <= 0) return;
+    at::Tensor old;
+    {
+      std::lock_guard<std::mutex> lock(ahead_mu_);
+      old = std::move(ahead_);
+      ahead_ = t;
+      ahead_ptr_ = static_cast<const uint8_t*>(t.const_data_ptr());
+      ahead_bytes_ = n;
+      ahead_posted_.fetch_add(1);
+    }
+    // the last reference to the old bytes (their model is gone): no worker may be reading them
+    if (old.defined() && old.use_count() == 1)
+      while (ahead_reading_.load() > 0) ISV_PAUSE();
+  }
+
+  // bytes read ahead so far by this pool's workers (tests, benchmarks)
+  int64_t read_ahead_bytes() const { return ahead_done_.load(); }
 
   // Calls fn(c) for every c in [0, n), spread over the pool; returns when all are done.
   void run(int64_t n, const Fn& fn) {
@@ -111,9 +146,14 @@ class WorkPool {
   void work() {
     uint64_t seen = ticket_.load() >> kGenShift;
     for (;;) {
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
       uint64_t gen;
       while ((gen = ticket_.load() >> kGenShift) == seen && std::chrono::steady_clock::now() < deadline) {
+        if (ahead_posted_.load(std::memory_order_relaxed) != ahead_taken_.load(std::memory_order_relaxed) &&
+            read_ahead_once(seen)) {
+          deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);  // a step is under way
+          continue;  // read ahead until done or a job came; then spin on
+        }
         ISV_PAUSE();
         sched_yield();
       }
@@ -139,8 +179,41 @@ class WorkPool {
     }
   }
 
+  // Takes the posted read-ahead (if another worker has not) and reads it a piece at a time while no
+  // job is published past `seen`; true when it took one.
+  bool read_ahead_once(uint64_t seen) {
+    const uint8_t* p;
+    int64_t n;
+    {
+      std::lock_guard<std::mutex> lock(ahead_mu_);
+      if (ahead_taken_.load() == ahead_posted_.load()) return false;
+      ahead_taken_.store(ahead_posted_.load());
+      p = ahead_ptr_;
+      n = ahead_bytes_;
+      ahead_reading_.fetch_add(1);
+    }
+    constexpr int64_t kPiece = 16 << 10;  // between checks for a job: ~1 us from memory
+    uint64_t sink = 0;
+    int64_t off = 0;
+    for (; off < n && (ticket_.load(std::memory_order_relaxed) >> kGenShift) == seen; off += kPiece) {
+      const int64_t end = std::min(n, off + kPiece);
+      for (int64_t i = off; i < end; i += 64) sink += p[i];  // one load a line: the line comes into cache
+    }
+    ahead_reading_.fetch_sub(1);
+    ahead_sink_.store(sink, std::memory_order_relaxed);  // the loads are kept
+    ahead_done_.fetch_add(std::min(off, n));
+    return true;
+  }
+
   const int workers_;
   int spin_us_;
+  std::mutex ahead_mu_;
+  at::Tensor ahead_;  // the last read-ahead posted (under ahead_mu_, and only ever on the posting thread)
+  const uint8_t* ahead_ptr_ = nullptr;
+  int64_t ahead_bytes_ = 0;
+  std::atomic<uint64_t> ahead_posted_{0}, ahead_taken_{0}, ahead_sink_{0};
+  std::atomic<int> ahead_reading_{0};
+  std::atomic<int64_t> ahead_done_{0};
   std::atomic<uint64_t> ticket_{0};
   std::atomic<const Fn*> fn_{nullptr};
   std::atomic<int64_t> done_{0};

@@ -28,7 +28,8 @@ from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOC
                                            bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
                                            gguf_twin_name, gguf_twins_of,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
-                                           tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations)
+                                           tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations,
+                                           chain_read_ahead)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
                                               choose_kernels, down_only_shapes, kernel_choice_dir, linears_by_shape,
                                               parse_linear_key, shapes_of)
@@ -143,6 +144,7 @@ class CpuPlatform(Platform):
         if int8 and (self.kernels is None or not self.kernels.gguf_gemm_int8_supported()):
             raise ValueError(f"gguf_activations={mode} needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
         self._prepare_linears(model, source)
+        chain_read_ahead(model, self.kernels)
         if not int8:
             return
         n = use_int8_activations(model, except_down=mode == "int8-except-down")

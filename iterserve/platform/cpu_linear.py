@@ -46,6 +46,7 @@ rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebu
 """
 from __future__ import annotations
 
+import os
 import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -579,6 +580,7 @@ class CpuLinear(nn.Module):
         self.twin_max_tokens = twin_max_tokens if twin else 0
         self.twin_spec = ""  # gguf: the shards' block types and rows (gguf_twin_spec)
         self.from_blocks = blocks is not None
+        self.read_next: torch.Tensor | None = None  # chain_read_ahead: the next projection's weight bytes
         if blocks is not None:
             self.twin_spec = gguf_meta_spec(blocks[1])
             self.register_buffer("twin_weight", blocks[0], persistent=False)
@@ -616,10 +618,35 @@ class CpuLinear(nn.Module):
         y = op(x, self.packed_weight, self.layout, self.out_features, buffers.get("twin_weight"),
                buffers.get("twin_scales"), buffers.get("twin_mins"),
                self.bias if in_order else None, self.twin_max_tokens, self.op_twin, self.amx_min_rows, self.from_blocks)
+        # not in a compiled graph: dynamo took read_next (another module's buffer) for an input of
+        # this one's and handed the kernel the wrong blocks
+        if not torch.compiler.is_compiling() and self.read_next is not None and x.shape[0] <= self.twin_max_tokens:
+            self.read_ahead(self.read_next, READ_AHEAD_BYTES)
         if in_order:
             return y
         y = y.index_select(-1, out_order)
         return y if self.bias is None else y + self.bias
+
+
+READ_AHEAD_BYTES = int(os.environ.get("ITERSERVE_READ_AHEAD_BYTES", 8 << 20))
+
+
+def chain_read_ahead(model: nn.Module, kernels: Any) -> int:
+    """Gives each CpuLinear with a twin the next one's twin weight, in the model's module order (a
+    decoder's order of execution: q/k/v, o, gate/up, down, the next layer's, ..., the head, then the
+    first layer's for the next step): after a step of few rows it asks the kernels' pool to read that
+    many bytes of it into cache while the Python between the two runs (work_pool.h's read-ahead), so
+    the next one-row kernel, bound by reading its weights, finds them there. A wrong next (a family
+    whose forward runs in another order) costs bandwidth nobody else is using, not numbers. Returns how
+    many are chained; none without the kernels' pool (`kernels` None) or with READ_AHEAD_BYTES 0."""
+    chain = [m for m in model.modules() if isinstance(m, CpuLinear) and m.twin_max_tokens
+             and m._buffers.get("twin_weight") is not None]
+    if kernels is None or not hasattr(kernels, "read_ahead") or READ_AHEAD_BYTES <= 0 or len(chain) < 2:
+        return 0
+    for mod, nxt in zip(chain, chain[1:] + chain[:1]):
+        mod.read_next = nxt._buffers["twin_weight"]
+        mod.read_ahead = kernels.read_ahead
+    return len(chain)
 
 
 KQUANT_NAMES = ("q4_k", "q5_k", "q6_k")  # gguf_twin_spec's names of the block types int8 activations apply to
