@@ -253,9 +253,10 @@ class EngineConfig:
     # few rows: int16 (one scale a row: within ~1e-4 of float32), int8 (a scale per 256 inputs, llama.cpp's
     # Q8_K: ~1.3x faster a decode step on AVX2, llama.cpp's accuracy), or int8-except-down: int8 but for the
     # MLP's down projection, whose input (the gated activation) carries the outliers a scale per 256 loses
-    # (most of int8's error on Gemma 3); docs/profile.md has all three measured. auto: int8-except-down on
-    # hosts without AVX-512 (measured there: llama.cpp's prompt speed, top-1 0.988 against float32 on Gemma 3),
-    # int16 on AVX-512 hosts and wherever the int8 choices do not apply (CpuPlatform.gguf_activations)
+    # (most of int8's error on Gemma 3); docs/profile.md has all three measured. auto: int8-except-down
+    # wherever the int8 kernel is built (AVX2 and AVX-512 hosts; measured: llama.cpp's prompt speed on Zen 3,
+    # 1.12x int16's one-row decode on an AMX Xeon, top-1 0.979-0.988 against float32 on Gemma 3), int16
+    # where the int8 choices do not apply (CpuPlatform.gguf_activations_for)
     gguf_activations: Literal["auto", "int16", "int8", "int8-except-down"] = field(
         default_factory=lambda: _env("gguf_activations", "auto"))
     # torch.compile the decoder stack (inductor): faster steps after a one-off compilation at startup

@@ -86,9 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "does (about 1.3x faster decode on AVX2 hosts, 1.3-1.7x faster prompt chunks, llama.cpp's "
                         "accuracy), int8-except-down int8 but for the MLP's down projection, whose input carries the "
                         "outliers int8 loses most on (most of int8's speed, close to int16's accuracy); auto: "
-                        "int8-except-down on CPUs without AVX-512 (where it was measured to reach llama.cpp's "
-                        "prompt speed), int16 elsewhere, under --batch-invariant and with --dtype float32 (no int8 "
-                        "then); the int8 choices not with --batch-invariant (default: $ITERSERVE_GGUF_ACTIVATIONS, "
+                        "int8-except-down wherever the int8 kernel is built (AVX2 + FMA + F16C), int16 under "
+                        "--batch-invariant and with --dtype float32 (no int8 then); int16 for the numbers closest to "
+                        "float32; the int8 choices not with --batch-invariant (default: $ITERSERVE_GGUF_ACTIVATIONS, "
                         "else auto)")
     g.add_argument("--bf16-gemm", choices=list(BF16_GEMM_CHOICES), default=d.bf16_gemm,
                    help="the GEMM of the CPU bf16 projections: tiled (ours, where AVX512-BF16 exists), onednn "

@@ -193,11 +193,13 @@ class WorkPool {
       ahead_reading_.fetch_add(1);
     }
     constexpr int64_t kPiece = 16 << 10;  // between checks for a job: ~1 us from memory
+    constexpr int64_t kYieldEvery = 256 << 10;  // ~20 us
     uint64_t sink = 0;
     int64_t off = 0;
     for (; off < n && (ticket_.load(std::memory_order_relaxed) >> kGenShift) == seen; off += kPiece) {
       const int64_t end = std::min(n, off + kPiece);
       for (int64_t i = off; i < end; i += 64) sink += p[i];  // one load a line: the line comes into cache
+      if (off % kYieldEvery == kYieldEvery - kPiece) sched_yield();  // as the spin does: a server's other threads run
     }
     ahead_reading_.fetch_sub(1);
     ahead_sink_.store(sink, std::memory_order_relaxed);  // the loads are kept

@@ -120,12 +120,13 @@ class CpuPlatform(Platform):
         return frozenset(GGUF_BLOCKS)
 
     def gguf_activations_for(self, model: nn.Module) -> str:
-        """gguf_activations, auto resolved: int8-except-down where it was measured to win and applies (a
-        host without AVX-512, the int8 kernel built, K-quant blocks that steps of few rows read on
-        gguf_gemm: not under batch_invariant nor in a float32 run asked for by name), else int16. On Zen 3
-        it processes prompts 1.1-1.4x as fast as int16 and at 16 streams gives 1.26-1.61x llama.cpp's output
-        (two sittings), at top-1 0.988 against float32 on Gemma 3 (docs/profile.md). On the one AVX-512 host
-        measured (a 16-core AMX Xeon) it led int16 at one row and trailed it at 16, so int16 stays there."""
+        """gguf_activations, auto resolved: int8-except-down where it applies (the int8 kernel built,
+        K-quant blocks that steps of few rows read on gguf_gemm: not under batch_invariant nor in a float32
+        run asked for by name), else int16. On Zen 3 it processes prompts 1.1-1.4x as fast as int16 and
+        at 16 streams gives 1.26-1.61x llama.cpp's output (two sittings); on a 2-core AMX Xeon, with the
+        pool's read-ahead, it decodes a 1B at one row 1.05-1.12x as fast as int16 (level at 16 rows), and
+        Gemma 3's top-1 against float32 is 0.979-0.988 (int16 0.988, llama.cpp 0.971; docs/profile.md).
+        A 16-core AMX Xeon, before the read-ahead, had it 6-10 % behind int16 at 16 rows."""
         cfg = self.config
         if cfg.gguf_activations != "auto":
             return cfg.gguf_activations
@@ -133,7 +134,7 @@ class CpuPlatform(Platform):
                           for shards in (getattr(model, "gguf_sources", None) or {}).values() for shard in shards)
         applies = (has_kquants and self.kernels is not None and self.kernels.gguf_gemm_int8_supported()
                    and not cfg.batch_invariant and not (self.dtype == torch.float32 and cfg.dtype == "float32"))
-        return "int8-except-down" if applies and "avx512f" not in cpu_flags() else "int16"
+        return "int8-except-down" if applies else "int16"
 
     def prepare_model(self, model: nn.Module, source: ModelSource) -> None:
         """The projections and the LM head laid out and given their twins (`_prepare_linears`), then,
