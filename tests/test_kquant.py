@@ -510,10 +510,15 @@ def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_
     on = _decode_logits(eng, ids)
     if kernels.pool_threads() > 1:
         assert kernels.read_ahead_bytes() > before
-    monkeypatch.setattr(cpu_linear, "READ_AHEAD_BYTES", 0)
+    monkeypatch.setenv("ITERSERVE_READ_AHEAD_BYTES", "0")
     off_eng = LLMEngine(cfg)
     assert all(m.read_next is None for m in off_eng.model.modules() if isinstance(m, CpuLinear))
     assert torch.equal(on, _decode_logits(off_eng, ids))
+    monkeypatch.setenv("ITERSERVE_READ_AHEAD_BYTES", "8 megs")
+    with pytest.raises(ValueError, match="ITERSERVE_READ_AHEAD_BYTES: cannot read size '8 megs'"):
+        cpu_linear.read_ahead_bytes()
+    monkeypatch.setenv("ITERSERVE_READ_AHEAD_BYTES", "2MiB")
+    assert cpu_linear.read_ahead_bytes() == 2 << 20
 
 
 def test_read_ahead_outlives_the_tensor_it_names():

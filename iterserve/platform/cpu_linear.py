@@ -46,8 +46,8 @@ rounding of the scales (bf16 for torch's kernel, float16 for ours). Q8_0 is rebu
 """
 from __future__ import annotations
 
-import os
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from iterserve.config import parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.custom_ops import call_directly
 from iterserve.memory import release_mapped_pages
@@ -621,14 +622,25 @@ class CpuLinear(nn.Module):
         # not in a compiled graph: dynamo took read_next (another module's buffer) for an input of
         # this one's and handed the kernel the wrong blocks
         if not torch.compiler.is_compiling() and self.read_next is not None and x.shape[0] <= self.twin_max_tokens:
-            self.read_ahead(self.read_next, READ_AHEAD_BYTES)
+            self.read_ahead(self.read_next, self.read_bytes)
         if in_order:
             return y
         y = y.index_select(-1, out_order)
         return y if self.bias is None else y + self.bias
 
 
-READ_AHEAD_BYTES = int(os.environ.get("ITERSERVE_READ_AHEAD_BYTES", 8 << 20))
+READ_AHEAD_BYTES = 8 << 20  # of the next projection's blocks (chain_read_ahead); ITERSERVE_READ_AHEAD_BYTES sets it
+
+
+def read_ahead_bytes() -> int:
+    """READ_AHEAD_BYTES, or ITERSERVE_READ_AHEAD_BYTES where set (a size: 8MiB, 0 for none)."""
+    raw = os.environ.get("ITERSERVE_READ_AHEAD_BYTES")
+    if raw is None:
+        return READ_AHEAD_BYTES
+    try:
+        return parse_size(raw)
+    except ValueError as e:
+        raise ValueError(f"ITERSERVE_READ_AHEAD_BYTES: {e} (0: no read-ahead)") from None
 
 
 def chain_read_ahead(model: nn.Module, kernels: Any) -> int:
@@ -638,14 +650,14 @@ def chain_read_ahead(model: nn.Module, kernels: Any) -> int:
     many bytes of it into cache while the Python between the two runs (work_pool.h's read-ahead), so
     the next one-row kernel, bound by reading its weights, finds them there. A wrong next (a family
     whose forward runs in another order) costs bandwidth nobody else is using, not numbers. Returns how
-    many are chained; none without the kernels' pool (`kernels` None) or with READ_AHEAD_BYTES 0."""
+    many are chained; none without the kernels' pool (`kernels` None) or with read_ahead_bytes() 0."""
+    nbytes = read_ahead_bytes()
     chain = [m for m in model.modules() if isinstance(m, CpuLinear) and m.twin_max_tokens
              and m._buffers.get("twin_weight") is not None]
-    if kernels is None or not hasattr(kernels, "read_ahead") or READ_AHEAD_BYTES <= 0 or len(chain) < 2:
+    if kernels is None or not hasattr(kernels, "read_ahead") or nbytes <= 0 or len(chain) < 2:
         return 0
     for mod, nxt in zip(chain, chain[1:] + chain[:1]):
-        mod.read_next = nxt._buffers["twin_weight"]
-        mod.read_ahead = kernels.read_ahead
+        mod.read_next, mod.read_bytes, mod.read_ahead = nxt._buffers["twin_weight"], nbytes, kernels.read_ahead
     return len(chain)
 
 
