@@ -25,11 +25,11 @@ from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_invariant_moe, use_moe_blocks
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, KQUANTS,
-                                           bf16_gemm_layout, bf16_linears_available, four_bit_max_tokens,
+                                           bf16_gemm_layout, bf16_linears_available, chain_read_ahead,
+                                           four_bit_max_tokens,
                                            gguf_twin_name, gguf_twins_of,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
-                                           tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations,
-                                           chain_read_ahead)
+                                           tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
                                               choose_kernels, down_only_shapes, kernel_choice_dir, linears_by_shape,
                                               parse_linear_key, shapes_of)

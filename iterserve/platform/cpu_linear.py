@@ -581,7 +581,11 @@ class CpuLinear(nn.Module):
         self.twin_max_tokens = twin_max_tokens if twin else 0
         self.twin_spec = ""  # gguf: the shards' block types and rows (gguf_twin_spec)
         self.from_blocks = blocks is not None
-        self.read_next: torch.Tensor | None = None  # chain_read_ahead: the next projection's weight bytes
+        # chain_read_ahead: the next projection's weight bytes, how many of them to read ahead, and the
+        # kernels' read_ahead that asks for it (none: no read-ahead)
+        self.read_next: torch.Tensor | None = None
+        self.read_bytes = 0
+        self.read_ahead: Callable[[torch.Tensor, int], None] | None = None
         if blocks is not None:
             self.twin_spec = gguf_meta_spec(blocks[1])
             self.register_buffer("twin_weight", blocks[0], persistent=False)
@@ -654,7 +658,7 @@ def chain_read_ahead(model: nn.Module, kernels: Any) -> int:
     nbytes = read_ahead_bytes()
     chain = [m for m in model.modules() if isinstance(m, CpuLinear) and m.twin_max_tokens
              and m._buffers.get("twin_weight") is not None]
-    if kernels is None or not hasattr(kernels, "read_ahead") or nbytes <= 0 or len(chain) < 2:
+    if kernels is None or nbytes <= 0 or len(chain) < 2:
         return 0
     for mod, nxt in zip(chain, chain[1:] + chain[:1]):
         mod.read_next, mod.read_bytes, mod.read_ahead = nxt._buffers["twin_weight"], nbytes, kernels.read_ahead

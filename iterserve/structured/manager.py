@@ -86,8 +86,9 @@ class StructuredOutputManager:
         return fut
 
     def warm_up(self) -> concurrent.futures.Future:
-        """Builds the llguidance tokenizer on the compile thread now, so that a server's first
-        constrained request does not wait for it."""
+        """Builds the llguidance tokenizer on the compile thread now. The server does not (its first
+        constrained request builds it: a server that never sees a constraint should not hold it);
+        benchmarks/structured_overhead.py does, so that its timings leave the one-off build out."""
         return self._executor.submit(lambda: self.ll_tokenizer)
 
     def new_grammar(self, prototype: llguidance.LLMatcher) -> RequestGrammar:
