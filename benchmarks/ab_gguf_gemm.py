@@ -9,7 +9,8 @@ same bits; prints the best ms of the rounds per row count and old / new.
 
 A shape is TYPE:NxK, TYPE Q4_K, Q5_K or Q6_K (N output rows, K inputs; random_gguf.py's random blocks).
 --int8 runs both builds on int8 activations (--gguf-activations int8); with --other-sums where the
-new build sums in another order (e.g. the interleaved many-row path against a build without it).
+new build sums in another order (e.g. the interleaved many-row path against a build without it);
+--amx runs the new build's int8 K-quant shards of 16+ rows on AMX-INT8 tiles.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def main() -> int:
                          "scale instead of refusing different bits")
     ap.add_argument("--int8", action="store_true",
                     help="int8 activations for the K-quants (--gguf-activations int8), in both builds")
+    ap.add_argument("--amx", action="store_true",
+                    help="the new build's int8 K-quant shards of 16+ rows on AMX-INT8 tiles (gguf_gemm amx=True)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     print(figures_line(machine_figures()))
@@ -77,7 +80,9 @@ def main() -> int:
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
-            a, b = old.gguf_gemm(x, buf, meta, n, args.int8).float(), new.gguf_gemm(x, buf, meta, n, args.int8).float()
+            new_call = (lambda w: new.gguf_gemm(x, w, meta, n, args.int8, True)) if args.amx else (
+                lambda w: new.gguf_gemm(x, w, meta, n, args.int8))
+            a, b = old.gguf_gemm(x, buf, meta, n, args.int8).float(), new_call(buf).float()
             if args.other_sums:
                 print(f"{spec} at {rows} rows: largest difference {((a - b).abs().max() / a.abs().max()).item():.2e}"
                       " of the largest output", file=sys.stderr)
@@ -85,10 +90,10 @@ def main() -> int:
                 raise SystemExit(f"{spec} at {rows} rows: the two builds differ")
             best = {"old": float("inf"), "new": float("inf")}
             for _ in range(args.rounds):
-                for name, kernels in (("old", old), ("new", new)):
+                for name, call in (("old", lambda w: old.gguf_gemm(x, w, meta, n, args.int8)), ("new", new_call)):
                     t0 = time.perf_counter()
                     for b in copies:
-                        kernels.gguf_gemm(x, b, meta, n, args.int8)
+                        call(b)
                     best[name] = min(best[name], (time.perf_counter() - t0) / len(copies))
             cells.append(f"{best['old'] * 1e3:.2f} / {best['new'] * 1e3:.2f} (x{best['old'] / best['new']:.2f})")
         print(f"| {spec} | " + " | ".join(cells) + " |", flush=True)

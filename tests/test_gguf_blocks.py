@@ -23,7 +23,7 @@ from torch import nn
 from iterserve.llm import LLM
 from iterserve.memory import model_tensors, weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import (GGUF_INT8, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
+from iterserve.platform.cpu_linear import (GGUF_INT8, GGUF_INT8_AMX, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
                                            pack_bf16, pack_gguf_twin, prepack_available, random_shards,
                                            tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
@@ -219,7 +219,8 @@ def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_fil
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
     int8, int16 = _llm(q4_k_only_file, gguf_activations="int8"), _llm(q4_k_only_file, gguf_activations="int16")
     mods = [m for m in int8.engine.model.modules() if isinstance(m, CpuLinear)]
-    assert mods and all(m.op_twin == GGUF_INT8 for m in mods)
+    amx = int8.engine.platform.int8_amx  # steps of 16+ rows on AMX-INT8 tiles where lent (test_kquant.py)
+    assert mods and all(m.op_twin == (GGUF_INT8_AMX if amx else GGUF_INT8) for m in mods)
     assert all(m.op_twin == "gguf" for m in int16.engine.model.modules() if isinstance(m, CpuLinear))
     assert int8.engine.platform.resolved()["gguf_activations"] == "int8"
     x = torch.randn(3, 256)
@@ -253,7 +254,8 @@ def test_int8_except_down_keeps_the_down_projections_on_int16(q4_k_only_file, mo
     down = [n for n in mods if n.endswith("mlp.down_proj")]
     assert down and len(down) < len(mods)
     assert all((m.op_twin == "gguf") == (n in down) for n, m in mods.items())
-    assert all((m.op_twin == GGUF_INT8) == (n not in down) for n, m in mods.items())
+    int8_op = GGUF_INT8_AMX if mixed.engine.platform.int8_amx else GGUF_INT8
+    assert all((m.op_twin == int8_op) == (n not in down) for n, m in mods.items())
     assert mixed.engine.platform.resolved()["gguf_activations"] == "int8-except-down"
     x = torch.randn(3, 256)
     for n in down:
@@ -288,9 +290,9 @@ def test_auto_activations_are_int8_except_down_where_the_int8_kernel_is_built(q4
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:  # (float32 batch-invariant runs from the blocks)
         invariant = _llm(q4_k_only_file, batch_invariant=True)
         assert invariant.engine.platform.resolved()["gguf_activations"] in ("int16", None)
-        assert all(m.op_twin != GGUF_INT8 for m in invariant.engine.model.modules() if isinstance(m, CpuLinear))
+        assert all(m.op_twin not in (GGUF_INT8, GGUF_INT8_AMX) for m in invariant.engine.model.modules() if isinstance(m, CpuLinear))
     exact = _llm(q4_k_only_file, dtype="float32")  # float32 by name: gguf-py's numbers, no int8
-    assert all(m.op_twin != GGUF_INT8 for m in exact.engine.model.modules() if isinstance(m, CpuLinear))
+    assert all(m.op_twin not in (GGUF_INT8, GGUF_INT8_AMX) for m in exact.engine.model.modules() if isinstance(m, CpuLinear))
     monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: flags | {"avx512f"})  # an AVX-512 host
     wide = _llm(q4_k_only_file)
     assert wide.engine.platform.resolved()["gguf_activations"] == "int8-except-down"

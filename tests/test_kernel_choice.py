@@ -11,7 +11,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine import LLMEngine
 from iterserve.platform import kernel_choice as kc
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import CpuLinear, prepack_available, tiled_gemm_vectorised
+from iterserve.platform.cpu_linear import CpuLinear, gguf_int8_amx, prepack_available, tiled_gemm_vectorised
 
 
 def _sleepy(seconds: float):
@@ -128,9 +128,9 @@ def test_int8_twins_are_timed_at_a_prompt_chunk_and_may_run_every_step(monkeypat
     ran = []
     real = kc.linear_candidates
 
-    def spying(lins, layouts, twin, spec="", blocks=False, int8=False):
-        out = real(lins, layouts, twin, spec, blocks, int8)
-        ran.append(int8)
+    def spying(lins, layouts, twin, spec="", blocks=False, int8=False, int8_amx=False):
+        out = real(lins, layouts, twin, spec, blocks, int8, int8_amx)
+        ran.append(int8 + int8_amx)
         make = out["float32"]
         out["float32"] = lambda rows: (lambda f: (lambda: (time.sleep(0.004), f())))(make(rows))
         return out
@@ -144,6 +144,9 @@ def test_int8_twins_are_timed_at_a_prompt_chunk_and_may_run_every_step(monkeypat
     assert int16.source == "measured" and ran == [True, False]
     assert kc.INT8_PREFILL_ROWS not in int16.linears[kc.linear_key("proj", 64, 256, "q4_k:64")].ms["q4_k"]
     assert int16.linears[kc.linear_key("proj", 64, 256, "q4_k:64")].twin_max_tokens < kc.EVERY_ROW
+    # with AMX allowed, the int8 twin is timed as it will run: its steps of 16+ rows on AMX-INT8 tiles
+    kc.choose_kernels(kc.ChoiceRequest(**req, int8=True, amx=True), kernels, folder=tmp_path)
+    assert ran[2] == 1 + gguf_int8_amx(kernels)
 
 
 @pytest.mark.skipif(not (load_cpu_kernels() and load_cpu_kernels().gguf_gemm_int8_supported()),
@@ -157,9 +160,9 @@ def test_int8_except_down_times_the_down_shapes_on_int16(monkeypatch, tmp_path):
     ran = []
     real = kc.linear_candidates
 
-    def spying(lins, layouts, twin, spec="", blocks=False, int8=False):
+    def spying(lins, layouts, twin, spec="", blocks=False, int8=False, int8_amx=False):
         ran.append((lins[0].in_features, int8))
-        return real(lins, layouts, twin, spec, blocks, int8)
+        return real(lins, layouts, twin, spec, blocks, int8, int8_amx)
 
     monkeypatch.setattr(kc, "linear_candidates", spying)
     mixed = kc.choose_kernels(kc.ChoiceRequest(**req, int16_shapes=[down]), kernels, folder=tmp_path)

@@ -428,6 +428,67 @@ def test_int8_activations_on_many_rows_interleave_eight_weight_rows(qtype, kerne
 
 
 @pytest.mark.parametrize("qtype", sorted(KQUANTS))
+def test_int8_activations_on_amx_tiles_are_the_interleaved_kernels_bits(qtype):
+    """gguf_gemm(int8=True, amx=True) runs K-quant shards of 16+ rows on AMX-INT8 tiles (gemm_gguf_amx.cpp):
+    the same integer sums and float operations as the interleaved kernel, so where that kernel ran
+    (Q4_K / Q5_K from 16 rows, Q6_K from 32) every output is its bit for bit: float32 and bf16 rows,
+    one and several tiles of 16 rows, more than the 4 tiles one pass holds (80 rows), K of one and of
+    nine super-blocks. 256 outputs: the pool's ranges hold 16, all of them interleaved without AMX.
+    Then the rows and columns AMX leaves to the other loops (261 outputs, 16 to 19 rows; Q6_K's 16-31
+    rows, rounded in the interleaved order instead of gg_rows_i8's): within float32's bound of the
+    reference; and amx=False leaves the build's path alone."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.gguf_gemm_amx_available():
+        pytest.skip("needs a build with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
+    for k in (256, 2304):
+        data = random_blocks(qtype, 256, k, seed=k)
+        buf, meta = pack_gguf_twin([Shard(0, qtype, data, k)], k)
+        x = torch.randn(80, k, generator=torch.Generator().manual_seed(k)) * torch.rand(1, k) * 3
+        for rows in (32, 33, 47, 80) + ((16, 17) if qtype != "Q6_K" else ()):
+            for xs in (x[:rows], x[:rows].bfloat16()):
+                got = kernels.gguf_gemm(xs, buf, meta, 256, int8=True, amx=True)
+                want = kernels.gguf_gemm(xs, buf, meta, 256, int8=True, amx=False)
+                assert torch.equal(got, want), (k, rows, xs.dtype)
+    k, n = 1024, 261
+    data = random_blocks(qtype, n, k, seed=7)
+    w, c = dequant(qtype, data), dot_part(qtype, data)
+    buf, meta = pack_gguf_twin([Shard(0, qtype, data, k)], k)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(2)) * torch.rand(1, k) * 3
+    for xs in (x, x.bfloat16()):
+        got = {rows: kernels.gguf_gemm(xs[:rows], buf, meta, n, int8=True, amx=True) for rows in (16, 19)}
+        for rows, y in got.items():
+            ref, bound = _int8_reference(xs[:rows], w, c)
+            assert ((y.double() - ref).abs() <= bound).all(), (rows, xs.dtype)
+        # a row's outputs do not depend on the other rows of its tile (zero rows pad the last one)
+        assert torch.equal(got[16], got[19][:16])
+
+
+def test_int8_amx_runs_fused_shards_and_only_where_asked():
+    """One call over a fused projection's shards (Q4_K rows, then Q6_K, then a 32-input type, as a
+    Q4_K_M's attention q/k/v): each K-quant shard on AMX within the reference's bound, the 32-input
+    shard's outputs the int16 path's bits; a call of fewer than 16 rows, or with amx=False, gives the
+    non-AMX build's bits."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.gguf_gemm_amx_available():
+        pytest.skip("needs a build with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
+    k, types, rows_of = 2048, ("Q4_K", "Q6_K", "Q8_0"), (48, 32, 16)
+    shards, first = [], 0
+    for i, (t, r) in enumerate(zip(types, rows_of)):
+        shards.append(Shard(first, t, random_blocks(t, r, k, seed=i), k))
+        first += r
+    buf, meta = pack_gguf_twin(shards, k)
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(4)) * 2
+    y, y16 = kernels.gguf_gemm(x, buf, meta, first, int8=True, amx=True), kernels.gguf_gemm(x, buf, meta, first)
+    assert torch.equal(y[:, 80:], y16[:, 80:])
+    for s, cols in ((shards[0], slice(0, 48)), (shards[1], slice(48, 80))):
+        ref, bound = _int8_reference(x, dequant(s.qtype, s.data), dot_part(s.qtype, s.data))
+        assert ((y[:, cols].double() - ref).abs() <= bound).all(), s.qtype
+    for m in (1, 8, 15):
+        assert torch.equal(kernels.gguf_gemm(x[:m], buf, meta, first, int8=True, amx=True),
+                           kernels.gguf_gemm(x[:m], buf, meta, first, int8=True))
+
+
+@pytest.mark.parametrize("qtype", sorted(KQUANTS))
 def test_int8_activations_on_avx512_are_the_avx2_paths_bits(qtype):
     """The AVX-512 build's int8 K-quant loop (64 inputs a vpmaddubsw and a vpdpwssd) adds the same
     integers as the AVX2 build's (32 a vpmaddubsw and a vpmaddwd) and folds its wide sums to the AVX2
@@ -519,6 +580,39 @@ def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_
         cpu_linear.read_ahead_bytes()
     monkeypatch.setenv("ITERSERVE_READ_AHEAD_BYTES", "2MiB")
     assert cpu_linear.read_ahead_bytes() == 2 << 20
+
+
+def test_engine_runs_steps_of_many_rows_on_amx_tiles_with_the_same_numbers(kquant_model_dir, monkeypatch, tmp_path):
+    """gguf_activations=int8-except-down where AMX-INT8 is lent: the int8 projections' op runs gguf_gemm
+    with amx (q/k/v, o, gate/up; down and this model's Q8_0 head stay on int16), a 40-token prompt chunk through the twins runs
+    them on AMX tiles (its Q6_K v rows too: from 32 rows, where the interleaved kernel runs without
+    AMX), and the logits are --no-cpu-amx's bits."""
+    import iterserve.engine as engine_mod
+    from iterserve.config import EngineConfig
+    from iterserve.engine import LLMEngine
+    from iterserve.platform.cpu_linear import GGUF_INT8, GGUF_INT8_AMX
+
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.gguf_gemm_amx_available():
+        pytest.skip("needs a build with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
+    monkeypatch.setattr(engine_mod, "load_model", _SourcesAdded(engine_mod.load_model))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    got = {}
+    for amx in (True, False):
+        cfg = EngineConfig(model=str(kquant_model_dir), dtype="bfloat16", kv_cache_memory="16MiB", max_num_seqs=4,
+                           measure_kernels=False, bf16_gemm="tiled", gguf_activations="int8-except-down", cpu_amx=amx)
+        eng = LLMEngine(cfg)
+        twins = {name: m for name, m in eng.model.named_modules() if isinstance(m, CpuLinear) and m.twin_max_tokens}
+        for name, m in twins.items():
+            int16 = name.endswith("down_proj") or name == "lm_head"  # down: except-down; the head: Q8_0 here
+            want = "gguf" if int16 else GGUF_INT8_AMX if amx else GGUF_INT8
+            assert m.op_twin == want, (name, m.op_twin)
+            m.twin_max_tokens = 64  # the prompt chunk through the twins, as a measured choice can have it
+        ids = eng.tokenizer("The capital of France is a city on the river Seine, and " * 4)["input_ids"][:42]
+        before = kernels.gguf_gemm_amx_calls()
+        got[amx] = _decode_logits(eng, ids, prompt=40)
+        assert (kernels.gguf_gemm_amx_calls() > before) == amx
+    assert torch.equal(got[True], got[False])
 
 
 def test_read_ahead_outlives_the_tensor_it_names():

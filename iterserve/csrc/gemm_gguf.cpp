@@ -3,6 +3,7 @@
 // compute with the values the file stores, not a re-quantisation of them.
 #include "kernel_common.h"
 #include "kernels.h"
+#include "gemm_gguf_amx.h"
 #include "gguf_blocks.h"
 #include "lanes.h"
 #include "work_pool.h"
@@ -10,8 +11,10 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -81,6 +84,8 @@ struct GgRows {  // the quantised activation rows
   const int8_t* x8 = nullptr;  // [M, K]
   const float* d8 = nullptr;   // [M, K / 256]
   const int16_t* bs = nullptr;  // [M, K / 16]
+  // the same int8 rows laid out for AMX (gemm_gguf_amx.h), where the call runs its K-quant shards there
+  const AmxActivations* amx = nullptr;
   GgRows at(int64_t m) const {
     return {xq ? xq + m * lq : nullptr, xq4 ? xq4 + m * lq4 : nullptr, xq ? dx + m : nullptr,
             xq ? sx + m * (K4 / 32) : nullptr, K, K4, lq, lq4, l8, x8 ? x8 + m * l8 : nullptr,
@@ -959,8 +964,10 @@ template <int64_t TYPE, typename T>
 void gg_shard(const GgRows& rows, int64_t M, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0,
               int64_t n1, int64_t last) {
 #if ISV_GG_AVX2
-  if constexpr (is_kquant(TYPE))
+  if constexpr (is_kquant(TYPE)) {
+    if (rows.amx) n0 = amx_kquant_columns(TYPE, *rows.amx, w, row_bytes, out, ldo, n0, n1);
     if (rows.x8 && M >= kInterleaveRows<TYPE>) n0 = il_shard<TYPE>(rows, M, w, row_bytes, out, ldo, n0, n1);
+  }
 #endif
   for (int64_t t0 = n0; t0 < n1; t0 += 32) {  // a tile of weight rows stays in cache for every row group
     const int64_t t1 = std::min(n1, t0 + 32);
@@ -1189,8 +1196,13 @@ void gg_check_x(const at::Tensor& x, const at::Tensor& buf) {
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> g_amx_calls{0};  // gguf_gemm calls that ran K-quant shards on AMX tiles (gguf_gemm_amx_calls)
+}  // namespace
+
 // x [M, K] float32 or bfloat16; buf uint8 (every shard's rows, see above); meta [S, 4] int64 -> [M, N].
-at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N, bool int8) {
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N, bool int8,
+                     bool amx) {
   gg_check_x(x, buf);
   TORCH_CHECK(!int8 || ISV_GG_AVX2, "gguf_gemm: int8 activations need a build with AVX2 + FMA + F16C");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == 4 && meta.is_contiguous(),
@@ -1205,10 +1217,21 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tenso
   bool kq = false;  // int8 rows only where a K-quant shard reads them
   for (int64_t s = 0; s < S; ++s) kq = kq || is_kquant(mt[4 * s]);
   const GgQuantised q(x.contiguous(), x4, nullptr, -1, int8 && kq, !(int8 && kq) || x4);
-  const GgRows rows = q.rows();
+  GgRows rows = q.rows();
+  // K-quant shards on AMX tiles from kAmxMinRows int8 rows (gemm_gguf_amx.cpp), the work split in
+  // whole groups of 16 columns, the AMX kernel's unit
+  std::unique_ptr<AmxActivations> xa;
+  if (amx && int8 && kq && M >= kAmxMinRows && amx_int8_available()) {
+    xa = std::make_unique<AmxActivations>(q.x8.data(), q.l8, q.d8.data(), q.bs.data(), M, K);
+    g_amx_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  rows.amx = xa.get();
+  const int64_t unit = xa ? 16 : 1;
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   auto run = [&](auto* op) {
-    iterserve::parallel_ranges(N, kRanges, [&](int64_t lo, int64_t hi) { gg_columns(rows, M, bp, mt, S, op, N, lo, hi); });
+    iterserve::parallel_ranges((N + unit - 1) / unit, kRanges, [&](int64_t lo, int64_t hi) {
+      gg_columns(rows, M, bp, mt, S, op, N, lo * unit, std::min(N, hi * unit));
+    });
   };
   if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
   else run(reinterpret_cast<uint16_t*>(out.data_ptr()));
@@ -1280,5 +1303,11 @@ bool gguf_gemm_int8_supported() { return ISV_GG_AVX2; }
 
 // which gguf_gemm path this build runs: "avx512-vnni", "avx2" or "scalar"
 std::string gguf_gemm_isa() { return ISV_GG_AVX512 ? "avx512-vnni" : ISV_GG_AVX2 ? "avx2" : "scalar"; }
+
+// gguf_gemm(int8=True, amx=True) runs K-quant shards of kAmxMinRows+ rows on AMX-INT8 tiles here
+bool gguf_gemm_amx_available() { return ISV_GG_AVX2 && amx_int8_available(); }
+
+// how many gguf_gemm calls so far ran their K-quant shards on AMX tiles (tests: the path ran)
+int64_t gguf_gemm_amx_calls() { return g_amx_calls.load(std::memory_order_relaxed); }
 
 }  // namespace iterserve

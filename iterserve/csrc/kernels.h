@@ -31,7 +31,10 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 bool q4_gemm_is_vectorised();
 
 // gemm_gguf.cpp
-at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N, bool int8);
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, int64_t N, bool int8,
+                     bool amx);
+bool gguf_gemm_amx_available();
+int64_t gguf_gemm_amx_calls();
 bool gguf_gemm_int8_supported();
 at::Tensor gguf_moe_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tensor& meta, const at::Tensor& experts,
                          const at::Tensor& offsets, int64_t N, const c10::optional<at::Tensor>& rows_in);

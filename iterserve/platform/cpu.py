@@ -26,7 +26,7 @@ from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, KQUANTS,
                                            bf16_gemm_layout, bf16_linears_available, chain_read_ahead,
-                                           four_bit_max_tokens,
+                                           four_bit_max_tokens, gguf_int8_amx,
                                            gguf_twin_name, gguf_twins_of,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
                                            tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations)
@@ -110,6 +110,8 @@ class CpuPlatform(Platform):
         self.kernel_choice: KernelChoice | None = None  # the measured table, when measured
         # our tiled GEMM's AMX path (never under batch_invariant: its rows would round by step size)
         self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
+        # gguf_gemm's int8 K-quant shards of 16+ rows on AMX-INT8 tiles (int8 is refused under batch_invariant)
+        self.int8_amx = config.cpu_amx and gguf_int8_amx(self.kernels)
 
     def gguf_block_types(self) -> frozenset[str]:
         """Every block type gguf_gemm and gguf_dequant read, where the C++ kernels built and
@@ -148,7 +150,7 @@ class CpuPlatform(Platform):
         chain_read_ahead(model, self.kernels)
         if not int8:
             return
-        n = use_int8_activations(model, except_down=mode == "int8-except-down")
+        n = use_int8_activations(model, except_down=mode == "int8-except-down", amx=self.int8_amx)
         if not n and self.config.gguf_activations == "auto":  # no K-quant module reads gguf_gemm after all
             self.gguf_activations = "int16"
             return
@@ -372,7 +374,7 @@ class CpuPlatform(Platform):
         req = ChoiceRequest(shapes=shapes_of(model, self.dtype, self.gguf_twins), buckets=batch_buckets(max_seqs),
                             dtype=self.dtype,
                             layout=None if auto else self.layout, four_bit=use_int4,
-                            q8_head=use_q8_head, amx=self.amx, blocks=bool(getattr(model, "block_modules", None)),
+                            q8_head=use_q8_head, amx=self.amx or self.int8_amx, blocks=bool(getattr(model, "block_modules", None)),
                             int8=self.gguf_activations != "int16",
                             int16_shapes=down_only_shapes(model, self.dtype, self.gguf_twins)
                             if self.gguf_activations == "int8-except-down" else [],
@@ -404,5 +406,6 @@ class CpuPlatform(Platform):
                 "gguf_activations": self.gguf_activations if self.gguf_twins else None,
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
                 "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
+                "gguf_int8_amx": self.int8_amx and self.gguf_activations != "int16",
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else
                 ("fixed (batch_invariant)" if self.config.batch_invariant else "by CPU flags (measure_kernels off)")}

@@ -68,6 +68,8 @@ GROUP_SIZE = 32
 # torch's int4 kernel; ours (csrc/gemm_quant.cpp) for 4 and 8 bits, and from a GGUF's own blocks
 TWINS = ("int4", "q4_1", "q8_0", "gguf")
 GGUF_INT8 = "gguf_int8"  # the op's name for a "gguf" twin on int8 activations (use_int8_activations)
+# ... and with its K-quant shards of 16+ rows on AMX-INT8 tiles (gguf_gemm amx=True), where AMX is lent
+GGUF_INT8_AMX = "gguf_int8_amx"
 
 # ---- GGUF blocks (llama.cpp's layouts; gguf-py's gguf/quants.py dequantises them) -------------------
 # name -> (ggml type id, inputs a block, bytes a block)
@@ -513,6 +515,11 @@ def tiled_gemm_amx(kernels: ModuleType | None) -> bool:
     return tiled_gemm_vectorised(kernels) and kernels.bf16_gemm_amx_available()
 
 
+def gguf_int8_amx(kernels: ModuleType | None) -> bool:
+    """Whether gguf_gemm can run int8 K-quant shards of 16+ rows on AMX-INT8 tiles here (build and OS)."""
+    return kernels is not None and kernels.gguf_gemm_amx_available()
+
+
 def bf16w_gemm_vectorised(kernels: ModuleType | None) -> bool:
     """Whether our float32 x bf16-weight GEMM built with AVX2 and FMA (the scalar fallback never wins)."""
     return kernels is not None and kernels.f32_bf16w_gemm_is_vectorised()
@@ -577,7 +584,7 @@ class CpuLinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.twin = twin or ""
-        self.op_twin = self.twin  # what the op is told: the twin, or GGUF_INT8 (use_int8_activations)
+        self.op_twin = self.twin  # what the op is told: the twin, or GGUF_INT8(_AMX) (use_int8_activations)
         self.twin_max_tokens = twin_max_tokens if twin else 0
         self.twin_spec = ""  # gguf: the shards' block types and rows (gguf_twin_spec)
         self.from_blocks = blocks is not None
@@ -674,16 +681,17 @@ def is_down_projection(name: str) -> bool:
     return name.endswith("mlp.down_proj")
 
 
-def use_int8_activations(model: nn.Module, except_down: bool = False) -> int:
+def use_int8_activations(model: nn.Module, except_down: bool = False, amx: bool = False) -> int:
     """Puts each CpuLinear whose GGUF twin holds K-quant blocks on gguf_gemm's int8 activations (a scale
     per 256 inputs, llama.cpp's Q8_K) for its steps of few rows (gguf_activations=int8): about half the
     instructions a weight of the int16 path, at llama.cpp's accuracy; except_down: not the MLP's down
-    projections (int8-except-down). Returns how many."""
+    projections (int8-except-down); amx: their steps of 16+ rows on AMX-INT8 tiles (gguf_gemm_amx_available:
+    the interleaved kernel's numbers, 1.8-2.5x its speed on a 2-core AMX Xeon). Returns how many."""
     n = 0
     for name, mod in model.named_modules():
         if (isinstance(mod, CpuLinear) and mod.twin == "gguf" and mod.twin_max_tokens
                 and any(t in mod.twin_spec for t in KQUANT_NAMES) and not (except_down and is_down_projection(name))):
-            mod.op_twin = GGUF_INT8
+            mod.op_twin = GGUF_INT8_AMX if amx else GGUF_INT8
             n += 1
     return n
 
@@ -753,8 +761,9 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), twin_weight, GROUP_SIZE, twin_scales)
         elif twin == "q4_1":
             y = load_cpu_kernels().q4_gemm(x, twin_weight, twin_scales, twin_mins)
-        elif twin == "gguf" or twin == GGUF_INT8:
-            y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features, twin == GGUF_INT8)
+        elif twin in ("gguf", GGUF_INT8, GGUF_INT8_AMX):
+            y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features, twin != "gguf",
+                                             twin == GGUF_INT8_AMX)
         else:
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
     elif from_blocks:

@@ -54,8 +54,8 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
-from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_INT8, KQUANT_NAMES, LAYOUTS, CpuLinear, bf16_exact,
-                                           bf16w_gemm_vectorised, four_bit_twin, gguf_twin_name, is_down_projection,
+from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES, LAYOUTS, CpuLinear, bf16_exact,
+                                           bf16w_gemm_vectorised, four_bit_twin, gguf_int8_amx, gguf_twin_name, is_down_projection,
                                            pack_gguf_twin, prepack_available, random_shards, tiled_gemm_amx,
                                            tiled_gemm_vectorised)
 
@@ -326,13 +326,15 @@ def amx_candidate(in_features: int, kernels: ModuleType | None) -> list[str]:
 
 
 def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None, spec: str = "",
-                      blocks: bool = False, int8: bool = False) -> dict[str, Callable[[int], Callable[[], object]]]:
+                      blocks: bool = False, int8: bool = False,
+                      int8_amx: bool = False) -> dict[str, Callable[[int], Callable[[], object]]]:
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
     own overhead and the weights' memory traffic are in the figure. `spec`: the twin is one from
     GGUF blocks of these types and row ranges (random blocks: only the layout matters for speed).
     `blocks`: those blocks are the weight (CpuLinear's `blocks`), so each layout is timed with the
-    dequantisation of its panels (blocks_gemm) included. `int8`: the GGUF twin on int8 activations."""
+    dequantisation of its panels (blocks_gemm) included. `int8`: the GGUF twin on int8 activations
+    (`int8_amx`: with its steps of 16+ rows on AMX-INT8 tiles, as use_int8_activations(amx=True) runs it)."""
     def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
         def make(rows: int) -> Callable[[], object]:
             x = torch.randn(rows, lins[0].in_features).to(lins[0].weight.dtype)  # activations as the model has them
@@ -354,7 +356,7 @@ def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: s
             mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
     if int8 and twin:
         for mod in mods[twin]:
-            mod.op_twin = GGUF_INT8
+            mod.op_twin = GGUF_INT8_AMX if int8_amx else GGUF_INT8
     return {name: factory(copies) for name, copies in mods.items()}
 
 
@@ -388,7 +390,8 @@ class ChoiceRequest:
     four_bit: bool = False  # the projections get a 4-bit twin to time
     q8_head: bool = False  # the LM head gets a Q8_0 twin to time
     attention: tuple[int, int, int, int] | None = None  # (heads, kv heads, head_dim, block_size): measured
-    amx: bool = False  # the tiled layout's AMX path may be timed (EngineConfig.cpu_amx)
+    amx: bool = False  # AMX may be used (EngineConfig.cpu_amx): the tiled layout's AMX path is timed, and
+    # an int8 GGUF twin is timed with its steps of 16+ rows on AMX-INT8 tiles (gguf_int8_amx)
     blocks: bool = False  # the GGUF twins' blocks are the weights (CpuLinear's blocks): timed as such
     # float32: the shapes (as in `shapes`) whose weights are all bf16-exact (bf16_exact_shapes), the
     # only ones that may get bf16w unforced: it gives float32's numbers for those weights alone
@@ -484,7 +487,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             # AMX never gives up: it is slow at few rows and wins at many, past where it would be dropped
             give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
             lins = [_linear(n, k, req.dtype, weightless=from_blocks) for _ in range(copies)]
-            sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks, int8), buckets,
+            sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks, int8,
+                                            req.amx and gguf_int8_amx(kernels)), buckets,
                           give_up=give_up or None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name not in (twin, AMX)}
