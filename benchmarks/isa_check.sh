@@ -13,8 +13,9 @@
 #    the native build's link is printed too (its NEEDED libraries, link flags, compiler): on one host
 #    (torch 2.11+cu130, Ubuntu g++ 13.3) the extension listed no libstdc++, and every error message
 #    holding an integer (TORCH_CHECK's "row 16 outside ...") crashed inside std::ostream there;
-# 4. gguf_gemm on a 1B Q4_K_M's projection shapes, int16 against int8 activations, rows 1 / 4 / 16,
-#    at all cores and at 4 threads (benchmarks/kernel_options.py gguf-twins);
+# 4. gguf_gemm on a 1B Q4_K_M's projection shapes, int16 against int8 activations (and, where AMX-INT8
+#    is lent, int8 on AMX tiles), rows 1 / 4 / 16 / 64, at all cores and at 4 threads
+#    (benchmarks/kernel_options.py gguf-twins);
 # 5. where the embedded model is installed (its tokenizer): a random 1B Q4_K_M (random_gguf.py) decoded
 #    at 1 and 16 rows with each --gguf-activations, the default dtype, at all cores and at 4 threads
 #    (decode_speed.py).
@@ -83,7 +84,7 @@ for threads in 0 4; do
     label=all; env=()
     ((threads)) && { label=$threads; env=(OMP_NUM_THREADS="$threads"); }
     step "gguf_gemm int16 vs int8 ($label threads)" 90 env "${env[@]}" "$PY" benchmarks/kernel_options.py gguf-twins \
-        --rows 1 4 16 --shapes 3072x2048 2048x2048 16384x2048 2048x8192 --types Q4_K Q6_K --rounds 5
+        --rows 1 4 16 64 --shapes 3072x2048 2048x2048 16384x2048 2048x8192 --types Q4_K Q6_K --rounds 5
 done
 if "$PY" -c "from iterserve.model.loader import resolve_model; resolve_model('smollm2-135m')" 2>/dev/null; then
     gguf=${WORK:-/tmp}/isa-check-1b-q4km.gguf

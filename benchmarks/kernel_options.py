@@ -317,6 +317,9 @@ def gguf_twins(args) -> None:
             cands[qtype.lower()] = lambda x, ws=twins: [kernels.gguf_gemm(x, b, m, n) for b, m in ws]
             if qtype in KQUANTS and kernels.gguf_gemm_int8_supported():
                 cands[qtype.lower() + " int8 x"] = lambda x, ws=twins: [kernels.gguf_gemm(x, b, m, n, True) for b, m in ws]
+                if kernels.gguf_gemm_amx_available():  # steps of 16+ rows on AMX-INT8 tiles (the engine's default)
+                    cands[qtype.lower() + " int8 x, amx"] = lambda x, ws=twins: [
+                        kernels.gguf_gemm(x, b, m, n, True, True) for b, m in ws]
                 if avx2 is not None:  # the same sums on the AVX2 build's 256-bit loop
                     cands[qtype.lower() + " int8 x, avx2"] = lambda x, ws=twins: [
                         avx2.gguf_gemm(x, b, m, n, True) for b, m in ws]
