@@ -63,6 +63,8 @@ def main() -> int:
                     help="int8 activations for the K-quants (--gguf-activations int8), in both builds")
     ap.add_argument("--amx", action="store_true",
                     help="the new build's int8 K-quant shards of 16+ rows on AMX-INT8 tiles (gguf_gemm amx=True)")
+    ap.add_argument("--baseline-amx", action="store_true",
+                    help="the baseline build on AMX-INT8 too (a checkout with gguf_gemm's amx argument)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     print(figures_line(machine_figures()))
@@ -82,7 +84,9 @@ def main() -> int:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
             new_call = (lambda w: new.gguf_gemm(x, w, meta, n, args.int8, True)) if args.amx else (
                 lambda w: new.gguf_gemm(x, w, meta, n, args.int8))
-            a, b = old.gguf_gemm(x, buf, meta, n, args.int8).float(), new_call(buf).float()
+            old_call = (lambda w: old.gguf_gemm(x, w, meta, n, args.int8, True)) if args.baseline_amx else (
+                lambda w: old.gguf_gemm(x, w, meta, n, args.int8))
+            a, b = old_call(buf).float(), new_call(buf).float()
             if args.other_sums:
                 print(f"{spec} at {rows} rows: largest difference {((a - b).abs().max() / a.abs().max()).item():.2e}"
                       " of the largest output", file=sys.stderr)
@@ -90,7 +94,7 @@ def main() -> int:
                 raise SystemExit(f"{spec} at {rows} rows: the two builds differ")
             best = {"old": float("inf"), "new": float("inf")}
             for _ in range(args.rounds):
-                for name, call in (("old", lambda w: old.gguf_gemm(x, w, meta, n, args.int8)), ("new", new_call)):
+                for name, call in (("old", old_call), ("new", new_call)):
                     t0 = time.perf_counter()
                     for b in copies:
                         call(b)
