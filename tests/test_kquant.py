@@ -436,7 +436,7 @@ def test_int8_activations_on_amx_tiles_are_the_interleaved_kernels_bits(qtype):
     nine super-blocks. 256 outputs: the pool's ranges hold 16, all of them interleaved without AMX.
     Then the rows and columns AMX leaves to the other loops (261 outputs, 16 to 19 rows; Q6_K's 16-31
     rows, rounded in the interleaved order instead of gg_rows_i8's): within float32's bound of the
-    reference; and amx=False leaves the build's path alone."""
+    reference, each row's outputs the same whatever the other rows of its tile."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.gguf_gemm_amx_available():
         pytest.skip("needs a build with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
@@ -584,9 +584,9 @@ def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_
 
 def test_engine_runs_steps_of_many_rows_on_amx_tiles_with_the_same_numbers(kquant_model_dir, monkeypatch, tmp_path):
     """gguf_activations=int8-except-down where AMX-INT8 is lent: the int8 projections' op runs gguf_gemm
-    with amx (q/k/v, o, gate/up; down and this model's Q8_0 head stay on int16), a 40-token prompt chunk through the twins runs
-    them on AMX tiles (its Q6_K v rows too: from 32 rows, where the interleaved kernel runs without
-    AMX), and the logits are --no-cpu-amx's bits."""
+    with amx (q/k/v, o, gate/up; down and this model's Q8_0 head stay on int16), a 40-token prompt
+    chunk through the twins runs them on AMX tiles (its Q6_K v rows too: from 32 rows, where the
+    interleaved kernel runs without AMX), and the logits are --no-cpu-amx's bits."""
     import iterserve.engine as engine_mod
     from iterserve.config import EngineConfig
     from iterserve.engine import LLMEngine

@@ -7,8 +7,6 @@
 #include "work_pool.h"
 
 #if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -182,11 +180,7 @@ void bf16_gemm_amx(const uint16_t* xs, int64_t M, int64_t K, const uint16_t* wp,
 
 bool bf16_gemm_amx_available() {
 #if ISV_AMX
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, the AMX tile data
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+  return amx_tiles_granted();
 #else
   return false;
 #endif

@@ -60,9 +60,6 @@ using namespace gguf;
 #endif
 
 
-// Activation elements from which a call quantises its rows over the work pool (32 rows of K 2048: a
-// prompt chunk's; a decode step's few rows stay on the calling thread, a pool wake-up costs more)
-constexpr int64_t kParallelQuantise = 1 << 16;
 
 // The AVX2 path reads the K-quants' activations per 32 inputs as the 16 even inputs, then the 16 odd
 // ones (see there); the others in input order.
@@ -1187,6 +1184,8 @@ void gg_columns(const GgRows& rows, int64_t M, const uint8_t* bp, const int64_t*
   }
 }
 
+std::atomic<int64_t> g_amx_calls{0};  // gguf_gemm calls that ran K-quant shards on AMX tiles (gguf_gemm_amx_calls)
+
 void gg_check_x(const at::Tensor& x, const at::Tensor& buf) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be [M, K] float32 or bfloat16");
@@ -1194,10 +1193,6 @@ void gg_check_x(const at::Tensor& x, const at::Tensor& buf) {
   TORCH_CHECK(x.size(1) % 32 == 0 && x.size(1) > 0, "gguf_gemm needs K a multiple of 32");
 }
 
-}  // namespace
-
-namespace {
-std::atomic<int64_t> g_amx_calls{0};  // gguf_gemm calls that ran K-quant shards on AMX tiles (gguf_gemm_amx_calls)
 }  // namespace
 
 // x [M, K] float32 or bfloat16; buf uint8 (every shard's rows, see above); meta [S, 4] int64 -> [M, N].

@@ -35,9 +35,6 @@
 #include "lanes.h"
 #include "work_pool.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -55,11 +52,11 @@ namespace iterserve {
 namespace gguf {
 namespace {
 
+// n elements, 64-byte aligned, not initialised (AmxActivations writes every element it reads)
 template <typename E>
 std::unique_ptr<E[], void (*)(void*)> aligned_array(int64_t n) {
   void* p = std::aligned_alloc(64, std::max<int64_t>(64, (n * static_cast<int64_t>(sizeof(E)) + 63) / 64 * 64));
   TORCH_CHECK(p != nullptr, "gguf_gemm: out of memory for the AMX activation tiles");
-  std::memset(p, 0, std::max<int64_t>(64, (n * static_cast<int64_t>(sizeof(E)) + 63) / 64 * 64));
   return {static_cast<E*>(p), std::free};
 }
 
@@ -76,6 +73,13 @@ AmxActivations::AmxActivations(const int8_t* x8, int64_t l8, const float* d8_in,
     float* dt = d8.get() + t * NB * 16;
     int16_t* bt = bs.get() + t * NB * 256;
     int16_t* b32 = bs32.get() + t * NB * 128;
+    if (16 * t + 16 > M) {  // the last tile's rows past M: zeros (their outputs are never stored; no lane
+                            // reads uninitialised memory)
+      std::memset(xt, 0, K * 16);
+      std::memset(dt, 0, NB * 16 * sizeof(float));
+      std::memset(bt, 0, NB * 256 * sizeof(int16_t));
+      std::memset(b32, 0, NB * 128 * sizeof(int16_t));
+    }
     for (int64_t r = 0; r < 16 && 16 * t + r < M; ++r) {
       const int64_t m = 16 * t + r;
       const int8_t* xr = x8 + m * l8;
@@ -94,7 +98,7 @@ AmxActivations::AmxActivations(const int8_t* x8, int64_t l8, const float* d8_in,
       }
     }
   };
-  if (M * K < (1 << 16)) {
+  if (M * K < kParallelQuantise) {
     for (int64_t t = 0; t < tiles; ++t) tile(t);
   } else {
     iterserve::parallel_ranges(tiles, kRanges, [&](int64_t lo, int64_t hi) {
@@ -319,13 +323,7 @@ int64_t amx_dispatch(int64_t type, const AmxActivations& a, const uint8_t* w, in
 
 }  // namespace
 
-bool amx_int8_available() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, the AMX tile data
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+bool amx_int8_available() { return amx_tiles_granted(); }
 
 int64_t amx_kquant_columns(int64_t type, const AmxActivations& a, const uint8_t* w, int64_t row_bytes, float* out,
                            int64_t ldo, int64_t n0, int64_t n1) {

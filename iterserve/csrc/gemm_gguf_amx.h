@@ -14,7 +14,8 @@ namespace gguf {
 constexpr int64_t kAmxMinRows = 16;
 
 // The int8 activation rows (llama.cpp's Q8_K, GgQuantised's x8 / d8 / bs) laid out for tdpbusd once a
-// call, in tiles of 16 rows, the last one padded with zero rows (d8 0, so they add nothing):
+// call, in tiles of 16 rows, the last one padded with zero rows (a product's column is one row's: the
+// padding's outputs are computed and dropped):
 // - x:  [tiles][K / 4][16][4] int8: a B tile's VNNI form; inputs k .. k + 31 of a tile's rows are
 //       the 8 rows of 64 bytes at (k / 4) * 64;
 // - d8: [tiles][K / 256][16] float: a super-block's scale of each row, as a vector over the rows;

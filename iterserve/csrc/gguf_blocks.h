@@ -13,6 +13,11 @@ namespace gguf {
 
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
+// Activation elements from which a gguf_gemm call quantises its rows (and lays them out for AMX) over
+// the work pool (32 rows of K 2048: a prompt chunk's; a decode step's few rows stay on the calling
+// thread, a pool wake-up costs more)
+constexpr int64_t kParallelQuantise = 1 << 16;
+
 constexpr bool is_kquant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
 constexpr int64_t kquant_bytes(int64_t t) { return t == kQ4_K ? 144 : t == kQ5_K ? 176 : 210; }  // per 256 inputs
 constexpr int64_t x4_header(int64_t t) {  // bytes before a group's levels

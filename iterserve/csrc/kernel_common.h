@@ -9,6 +9,11 @@
 
 #include <cstdint>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "lanes.h"
 
 namespace iterserve {
@@ -48,5 +53,19 @@ inline void prefetch_stream(const uint8_t* p, int64_t bytes, const uint8_t* end,
 // ahead, or each row's loads wait on memory (120 projections at 1 row: 3.9 vs 5.1 ms, Zen 4).
 constexpr int64_t kPrefetchRows = 16;
 constexpr int64_t kRanges = 16;  // a GEMM's output rows, split for the work pool
+
+// Whether Linux lends this process AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM), asked once a
+// process: the bf16 GEMM's and the K-quant int8 GEMM's AMX paths both need it. False off Linux.
+inline bool amx_tiles_granted() {
+#if defined(__linux__)
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, the AMX tile data
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 }  // namespace iterserve

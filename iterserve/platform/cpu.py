@@ -374,7 +374,8 @@ class CpuPlatform(Platform):
         req = ChoiceRequest(shapes=shapes_of(model, self.dtype, self.gguf_twins), buckets=batch_buckets(max_seqs),
                             dtype=self.dtype,
                             layout=None if auto else self.layout, four_bit=use_int4,
-                            q8_head=use_q8_head, amx=self.amx or self.int8_amx, blocks=bool(getattr(model, "block_modules", None)),
+                            q8_head=use_q8_head, amx=self.amx or self.int8_amx,
+                            blocks=bool(getattr(model, "block_modules", None)),
                             int8=self.gguf_activations != "int16",
                             int16_shapes=down_only_shapes(model, self.dtype, self.gguf_twins)
                             if self.gguf_activations == "int8-except-down" else [],
