@@ -22,7 +22,7 @@ from typing import Any
 import jinja2
 import torch
 
-from iterserve.config import EngineConfig, ModelConfig
+from iterserve.config import EngineConfig, ModelConfig, with_step_budget
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.kv_groups import describe_groups, kv_cache_groups
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
@@ -35,7 +35,7 @@ from iterserve.memory import (MemoryPlan, MemoryReport, available_memory, kv_cac
 from iterserve.model.loader import ModelNotFound, ModelSource, load_model, model_config, resolve_model
 from iterserve.model.weight_estimate import estimate_weight_bytes
 from iterserve.platform.base import kv_blocks_for_budget, kv_bytes_per_block, user_cache_dir
-from iterserve.platform.selector import get_platform
+from iterserve.platform.selector import get_platform, resolve_device
 from iterserve.pooling import PoolingConfig, resolve_pooling
 from iterserve.pooling import finish as finish_pooling
 from iterserve.request import Request, RequestOutput, RequestRejected, RequestStatus
@@ -102,7 +102,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None) -> None:
         """`loaded` = (model, ModelConfig, tokenizer) lets tests share one model between engines;
         such a model keeps its weights' device, dtype and layout."""
-        self.config = config
+        param = next(loaded[0].parameters(), None) if loaded is not None else None
+        device = param.device if param is not None else resolve_device(config.device)
+        self.config = config = with_step_budget(config, device.type)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
@@ -122,7 +124,6 @@ class LLMEngine:
                 raise ValueError("batch_invariant lays the weights out itself: let the engine load the model "
                                  "(no `loaded=`)")
             model, mcfg, tokenizer = loaded
-            param = next(model.parameters(), None)
             self.platform = get_platform(config, *((param.device, param.dtype) if param is not None else ()))
         self.device, self.dtype = self.platform.device, self.platform.dtype
         self.model, self.model_config, self.tokenizer = model, mcfg, tokenizer

@@ -117,3 +117,19 @@ def test_generate_cli_jsonl_round_trip(tiny_model_dir, tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"max_tokens": 3}\n')
     proc = subprocess.run(cmd[:6] + ["--input", str(bad)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "bad.jsonl:2: each line needs 'prompt' or 'messages'" in proc.stderr
+
+
+@pytest.mark.real_model
+def test_the_step_budget_defaults_to_the_devices_and_a_given_one_holds(smol_loaded):
+    """A CPU engine without --max-num-batched-tokens takes config.DEFAULT_STEP_TOKENS["cpu"] (512): a
+    1,200-token prompt is prefilled in chunks of at most 512, and the resolved budget is what the
+    engine reports; a budget given is kept."""
+    prompt = list(range(100, 1300))
+    for given, budget in ((None, 512), (2048, 2048)):
+        eng = engine(smol_loaded, max_num_batched_tokens=given)
+        assert EngineConfig(max_num_batched_tokens=given).max_num_batched_tokens == given  # unresolved until then
+        assert eng.config.max_num_batched_tokens == budget
+        eng.add_request(prompt_token_ids=prompt, request_id="long", params=SamplingParams(max_tokens=1, temperature=0.0))
+        drain(eng, {})
+        chunks = [r.prefill_tokens for r in eng.records if r.prefill_tokens]
+        assert chunks == ([512, 512, 176] if budget == 512 else [1200])

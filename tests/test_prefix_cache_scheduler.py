@@ -22,6 +22,7 @@ from iterserve.sampling import SamplingParams
 
 
 def caching_sim(num_blocks: int = 64, block_size: int = 4, caching: bool = True, **cfg) -> Sim:
+    cfg.setdefault("max_num_batched_tokens", 2048)  # the budget these cases were written for
     config = EngineConfig(block_size=block_size if block_size in (8, 16, 32) else 8,
                           num_kv_blocks=num_blocks, **cfg)
     return Sim(Scheduler(config, BlockPool(num_blocks, block_size, enable_caching=caching), MAX_MODEL_LEN))
@@ -85,7 +86,7 @@ def test_a_running_request_shares_its_computed_blocks() -> None:
 
 
 def test_no_caching_means_no_hits() -> None:
-    config = EngineConfig(block_size=8, num_kv_blocks=64)
+    config = EngineConfig(block_size=8, num_kv_blocks=64, max_num_batched_tokens=2048)
     sim = Sim(Scheduler(config, BlockPool(64, 4), MAX_MODEL_LEN))
     sim.add(req("a", PROMPT))
     sim.run_all()

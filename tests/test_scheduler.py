@@ -39,6 +39,7 @@ class Sim:
 
     @classmethod
     def make(cls, num_blocks: int = 64, block_size: int = 16, **cfg) -> "Sim":
+        cfg.setdefault("max_num_batched_tokens", 2048)  # the budget these cases were written for
         config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, **cfg)
         return cls(Scheduler(config, BlockPool(num_blocks, block_size), MAX_MODEL_LEN))
 

@@ -719,3 +719,18 @@ def test_validation_spread_counts_real_runs_that_differ_beyond_a_target():
     text, over, compared, worst = mod.spread_table(run(1.0, 1000.0), run(1.2, 1050.0, failed=True))
     assert (over, compared) == (1, 3) and worst == pytest.approx(0.2)
     assert "**+20%**" in text and "+5%" in text and "over" not in text
+
+
+def test_a_simulated_engine_takes_its_profiles_device_default_step_budget():
+    """Without --max-num-batched-tokens the budget is the device's (config.DEFAULT_STEP_TOKENS): a GPU's
+    profile simulates 2048-token steps, a CPU's 512, and a budget given is kept; so one 1,500-token
+    prompt is one prefill step on the GPU and three on the CPU."""
+    specs = [RequestSpec(index=0, arrival_s=0.0, input_len=1500, output_len=1)]
+    gpu, cpu = analytic_profile("a100-80gb", "llama-2-7b"), linear_profile()
+    assert (gpu.device_type, cpu.device_type) == ("cuda", "cpu")
+    for prof, budget in ((gpu, 2048), (cpu, 512)):
+        steps = simulate(specs, EngineConfig(max_model_len=2048), prof).timelines[0].steps
+        chunks = [s["prefill_tokens"] for s in steps if s["prefill_tokens"]]
+        assert chunks == ([1500] if budget > 1500 else [512, 512, 476])
+    kept = simulate(specs, EngineConfig(max_model_len=2048, max_num_batched_tokens=1024), cpu)
+    assert [s["prefill_tokens"] for s in kept.timelines[0].steps if s["prefill_tokens"]] == [1024, 476]

@@ -275,6 +275,11 @@ class SchedulerBase:
 class Scheduler(SchedulerBase):
     """Continuous batching: membership of the batch is decided anew at every step."""
 
+    def __init__(self, config: EngineConfig, pool: BlockPool, max_model_len: int) -> None:
+        if config.max_num_batched_tokens is None:  # the device's default is chosen above the scheduler
+            raise ValueError("the scheduler needs a token budget: config.with_step_budget(config, device) first")
+        super().__init__(config, pool, max_model_len)
+
     def _victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=self._rank)
 

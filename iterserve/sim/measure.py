@@ -143,7 +143,7 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
     # the engine's cut-overs to its quantised weight copies (CPU platform only; 0: none)
     twin_max = int(getattr(engine.platform, "int4_max_tokens", 0) or 0)
     head_max = int(getattr(engine.platform, "q8_head_max_tokens", 0) or 0)
-    shapes = grid.shapes(config.max_num_batched_tokens, engine.max_model_len, (twin_max, head_max))
+    shapes = grid.shapes(engine.config.max_num_batched_tokens, engine.max_model_len, (twin_max, head_max))
     experts = count_experts(engine.runner.model)
     features: dict[int, StepFeatures] = {}
     runs: dict[int, list[float]] = {}
@@ -190,7 +190,7 @@ def measure_profile(config: EngineConfig, grid: ProfileGrid | None = None, repea
         kv_bytes_per_token=int(per_token), max_model_len=engine.max_model_len,
         kv_memory_bytes=engine.pool.num_blocks * config.block_size * int(per_token)
         if engine.device.type == "cuda" else None,
-        model_shape=dataclasses.asdict(mcfg), engine_flags=dataclasses.asdict(config), machine=machine,
+        model_shape=dataclasses.asdict(mcfg), engine_flags=dataclasses.asdict(engine.config), machine=machine,
         commit=git_commit(), created=now_iso(),
         fit={"points": len(secs), "repeats": repeats, "mean_abs_rel_err": float(rel.mean()),
              "max_abs_rel_err": float(rel.max()), "profiling_s": time.perf_counter() - t_start},

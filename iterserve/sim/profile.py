@@ -56,6 +56,13 @@ class Profile:
     moe: MoeRouting | None = None  # an MoE model's routing (the step's expected distinct experts); None: dense
 
     @property
+    def device_type(self) -> str:
+        """"cuda" for a GPU's profile (analytic, or measured on CUDA), else "cpu": whose default step
+        budget (config.DEFAULT_STEP_TOKENS) a simulated engine without --max-num-batched-tokens takes."""
+        gpu = "gpu" in self.machine or str(self.machine.get("device", "")).startswith("cuda")
+        return "cuda" if gpu else "cpu"
+
+    @property
     def overhead(self) -> ServerOverhead:
         return self.server_overhead or NO_OVERHEAD
 

@@ -44,7 +44,7 @@ from iterserve.bench.streaming_result import StreamingResult
 from iterserve.bench.conversation import ConversationFraming, ConversationOptions
 from iterserve.bench.timeline import Timeline
 from iterserve.bench.workload import RequestSpec, sample_lengths
-from iterserve.config import EngineConfig
+from iterserve.config import EngineConfig, with_step_budget
 from iterserve.core.block_pool import BlockPool
 from iterserve.core.scheduler import SchedulerBase, SchedulerOutput
 from iterserve.core.selector import build_scheduler
@@ -81,7 +81,7 @@ class SimEngine:
     def __init__(self, config: EngineConfig, profile: Profile, index: int = 0,
                  make_scheduler: SchedulerFactory = build_scheduler, keep_steps: bool = True,
                  spec: SpecPolicy | None = None, lora: LoRAPolicy | None = None) -> None:
-        self.config = config
+        self.config = config = with_step_budget(config, profile.device_type)
         self.spec = spec  # speculative decoding's drafting and acceptance; None: off
         self.lora = lora  # adapters: which requests carry one, their rows' price; None: off
         self.index = index
