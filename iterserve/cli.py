@@ -12,11 +12,10 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
-from iterserve.bench import cli_bench, compare, probe, tune
 from iterserve.engine_args import add_engine_args, apply_omp_wait, engine_config_from_args, setup_logging
 from iterserve.server import cli_serve
-from iterserve.sim import cli_sim
 
 
 # ---- serve ---------------------------------------------------------------------------------------
@@ -38,6 +37,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- tune ----------------------------------------------------------------------------------------
 def add_tune_parser(sub) -> None:
+    from iterserve.bench import tune
+
     tune.add_parser(sub).set_defaults(func=cmd_tune)
 
 
@@ -45,6 +46,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """`tune`: the grid replayed for real (bench/tune.py), or with --simulate swept in the simulator
     first (sim/tune_simulated.py). The choice is made here: the simulator builds on the measuring
     tools, so bench never imports sim."""
+    from iterserve.bench import tune
+
     plan = tune.plan_tune(args)
     if args.simulate:
         from iterserve.sim.tune_simulated import cmd_tune_simulated  # loads torch only when run
@@ -139,19 +142,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_bench_parser(sub) -> None:
+    from iterserve.bench import cli_bench
+
+    cli_bench.add_parser(sub)
+
+
+def add_compare_parser(sub) -> None:
+    from iterserve.bench import compare
+
+    compare.add_parser(sub)
+
+
+def add_probe_parser(sub) -> None:
+    from iterserve.bench import probe
+
+    probe.add_parser(sub)
+
+
+def add_sim_parsers(sub) -> None:
+    from iterserve.sim import cli_sim
+
+    cli_sim.add_parser(sub)  # profile, simulate and plan
+
+
+# Each sub-command and what adds its parser, importing its module only then: a command line builds its
+# own command's parser alone, so that `serve` never imports the measuring tools (their HTTP client,
+# progress bars and report templates: ~130 modules, ~6 MiB of the server's resident memory); `--help`
+# and a mistyped command build them all.
+COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "generate": add_generate_parser, "serve": add_serve_parser, "bench": add_bench_parser,
+    "compare": add_compare_parser, "probe": add_probe_parser, "tune": add_tune_parser,
+    **dict.fromkeys(("profile", "simulate", "plan"), add_sim_parsers),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command, or of `command`'s alone (COMMANDS)."""
     parser = argparse.ArgumentParser(prog="iterserve", description="A readable LLM serving engine with "
                                      "continuous batching and a paged KV cache, and the tools to measure it.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add_parser in (add_generate_parser, add_serve_parser, cli_bench.add_parser, compare.add_parser,
-                       probe.add_parser, add_tune_parser, cli_sim.add_parser):
+    adders = [COMMANDS[command]] if command in COMMANDS else list(COMMANDS.values())
+    for add_parser in dict.fromkeys(adders):  # add_sim_parsers adds its three commands once
         add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     # Spinning OpenMP workers collapse torch's speed when any other process holds a core, so passive
     # is the default; set before torch loads.
     apply_omp_wait(getattr(args, "omp_wait", "passive"))

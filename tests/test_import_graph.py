@@ -194,3 +194,19 @@ def test_no_import_module():
     """No import by name (importlib.import_module), which the graph above could not see."""
     for path in ROOT.rglob("*.py"):
         assert "import_module" not in path.read_text(), path
+
+
+def test_a_command_line_imports_only_its_own_commands_module():
+    """`iterserve serve ...` builds the serve parser alone (cli.COMMANDS): the measuring tools' modules
+    and their libraries (httpx, tqdm, the report templates) stay out of the server's memory, while
+    `--help` still lists every command. In a fresh interpreter: this one has imported them already."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from iterserve.cli import build_parser; build_parser('serve'); "
+            "print(sorted(m for m in sys.modules if m.startswith(('iterserve.bench', 'iterserve.sim', 'httpx', "
+            "'tqdm')))); print(sorted(build_parser()._subparsers._group_actions[0].choices))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "[]"
+    assert out[1] == str(sorted(["generate", "serve", "bench", "compare", "probe", "tune", "profile", "simulate",
+                                 "plan"]))
