@@ -275,6 +275,15 @@ def skip_reason(device: torch.device) -> str | None:
 
 
 # ---- freed memory, handed back -------------------------------------------------------------------
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+# The thresholds while steps run, once set (setting one stops glibc moving both): the ceilings its
+# moving ones reach, 32 MiB for the size malloc maps on its own and twice that for the trim threshold.
+# A thread's arena keeps free memory up to STEP_TRIM_THRESHOLD at its top between trims.
+STEP_MMAP_THRESHOLD = 32 << 20
+STEP_TRIM_THRESHOLD = 64 << 20
+TOP_TRIM_CHUNK = 96 << 10  # freeing a chunk of >= 64 KiB (and < 128 KiB: not mmapped) trims its arena's top
+
+
 def release_free_heap() -> bool:
     """Hands the C heap's free pages back to the OS (glibc's malloc_trim); False where the C library
     has no such call. A prompt chunk's activations are freed after its step, but glibc keeps most of
@@ -286,4 +295,25 @@ def release_free_heap() -> bool:
     if trim is None:
         return False
     trim(0)
+    _trim_this_threads_arena_top()
     return True
+
+
+def _trim_this_threads_arena_top() -> None:
+    """glibc's malloc_trim returns the free pages inside every arena but shortens only the main heap's
+    top; an arena's top is shortened when a chunk of 64 KiB or more is freed in it while the top
+    exceeds the trim threshold. The engine steps in a thread of its own, whose arena is not the main
+    heap: so, in that thread, the threshold to 0, one such chunk allocated and freed, then the
+    step thresholds (their moving values' ceilings, above). In the served 1B, idle
+    after a few prompts, malloc_trim gave back 5 MiB and this 20 MiB more (docs/profile.md, AMX Xeon
+    2026-12-05 "The 1B's memory"); how much depends on where the freed activations lie. Only at idle:
+    trimming as steps run re-faults the next step's activations (a 16-concurrent load ran ~5 % slower
+    with an 8 MiB threshold throughout)."""
+    mallopt, malloc, free = _libc("mallopt"), _libc("malloc"), _libc("free")
+    if mallopt is None or malloc is None or free is None:
+        return
+    malloc.restype, free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    mallopt(_M_TRIM_THRESHOLD, 0)
+    free(malloc(TOP_TRIM_CHUNK))
+    mallopt(_M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD)
+    mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD)
