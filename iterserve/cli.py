@@ -168,7 +168,7 @@ def add_sim_parsers(sub) -> None:
 
 # Each sub-command and what adds its parser, importing its module only then: a command line builds its
 # own command's parser alone, so that `serve` never imports the measuring tools (their HTTP client,
-# progress bars and report templates: ~130 modules, ~6 MiB of the server's resident memory); `--help`
+# progress bars and report templates: ~130 modules, ~7 MiB of the server's resident memory); `--help`
 # and a mistyped command build them all.
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "generate": add_generate_parser, "serve": add_serve_parser, "bench": add_bench_parser,

@@ -237,11 +237,11 @@ class SpeculativeConfig:
 
 
 # A step's token budget when --max-num-batched-tokens is not given, by device. CPU: 512, llama.cpp's
-# micro-batch. A CPU's GEMMs run at full speed by 512 rows, so a longer step prefills no faster (a
-# 1B Q4_K_M on the 2-core AMX Xeon: a 2048-token prompt, four of 560 and sixteen of 256 took the same
-# time at 512 and 2048 within 1-3 %); it only holds four times the activations (the 1B served's peak
-# RSS 1.55 GiB against 1.59-1.62) and stalls every running stream for the whole chunk (~6 s there
-# for 2048 tokens). CUDA: 2048, vLLM's default for its OpenAI server (docs/profile.md, "Chunking").
+# micro-batch. A CPU's GEMMs run at full speed by 512 rows, so a longer step prefills barely faster (a
+# 1B Q4_K_M on the 2-core AMX Xeon: a 2048-token prompt, four of 560 and sixteen of 256 took 1-5 %
+# longer at 512 than at 2048, benchmarks/step_budget.py), while it holds four times the activations
+# (the 1B served's peak RSS 1,536-1,547 MiB against 1,579-1,658) and stalls every running stream for
+# the whole chunk (2.2 s against 6.8 s there for a 2048-token prompt). CUDA: 2048, vLLM's default for its OpenAI server (docs/profile.md, "Chunking").
 DEFAULT_STEP_TOKENS = {"cpu": 512, "cuda": 2048}
 
 

@@ -113,7 +113,7 @@ class LLMEngine:
             src = resolve_model(config.model)
             planned_cfg = model_config(src)
             max_len = self._max_model_len(planned_cfg)
-            self.platform = get_platform(config)
+            self.platform = get_platform(config, device)
             self._check_memory(src, planned_cfg)  # refuses a model that cannot fit, before it loads
             model, mcfg, tokenizer, src = load_model(config.model, self.platform.dtype, str(self.platform.device),
                                                      max_positions=max_len,

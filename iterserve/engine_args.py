@@ -135,8 +135,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences in one step (continuous batching); default 16, as in docs/seed-case.md")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: 512 on "
-                        "CPU, llama.cpp's micro-batch: a CPU prefills no faster in longer steps, which hold more "
-                        "activation memory and stall running streams longer; 2048 on CUDA, as vLLM)")
+                        "CPU, llama.cpp's micro-batch: a CPU prefills only a few percent faster in longer steps, which "
+                        "hold more activation memory and stall running streams longer; 2048 on CUDA, as vLLM)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
                    help="fcfs: first come first served; priority: lower 'priority' value first, arrival breaks ties")
     g.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="static batching: batch size (default 8)")
