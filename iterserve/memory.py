@@ -286,9 +286,10 @@ TOP_TRIM_CHUNK = 96 << 10  # freeing a chunk of >= 64 KiB (and < 128 KiB: not mm
 
 def release_free_heap() -> bool:
     """Hands the C heap's free pages back to the OS (glibc's malloc_trim, then the calling thread's
-    arena top: _trim_this_threads_arena_top); False where the C library has no such call. A prompt chunk's activations are freed after its step, but glibc keeps most of
-    what it freed in its arenas, resident: a served 1B held ~100 MiB more after a few prompts than
-    before them (docs/profile.md). The server calls this once its engine has been idle a while
+    arena top: _trim_this_threads_arena_top); False where the C library has no such call. A prompt
+    chunk's activations are freed after its step, but glibc keeps most of what it freed in its
+    arenas, resident: a served 1B held ~100 MiB more after a few prompts than before them
+    (docs/profile.md). The server calls this once its engine has been idle a while
     (async_engine.IDLE_RELEASE_S): the next prompt re-faults the pages, which between steps or
     between back-to-back requests would cost prefill time."""
     trim = _libc("malloc_trim")
