@@ -6,28 +6,36 @@
 // 2-core AMX Xeon, a 1B's 16-row step 6.6x its compute bound; one tdpbusd multiplies a 16 x 16 x 64 int8
 // tile product (16,384 multiply-adds) where a vpdpbusd does 64.
 //
-// How. C = A . B with A the weights (16 weight rows x one sub-block's inputs, u8 levels 0..15 / 0..31 /
-// 0..63: what tdpbusd's unsigned operand takes), B the activations (s8, in the VNNI layout, laid out
-// once a call: AmxActivations) and C int32, 16 weight rows x 16 activation rows. A K-quant's scale
-// changes every sub-block (32 inputs for Q4_K / Q5_K, 16 for Q6_K), so each tile product covers one
-// sub-block, is stored, and its 16 rows are multiplied by their integer scales and added up in int32
-// over the super-block with AVX-512 (vpmulld); the mins (Q4_K, Q5_K) and Q6_K's offset of 32 come off
-// as integer sums of the activations' level sums (bs) times the sub-block mins or scales (vpdpwssd),
-// and a super-block reaches float once per output: acc += float(is) * (d * d8), acc -= float(off) *
-// (dmin * d8). Those are il_rows's integers and float operations in il_rows's order, so an output is
-// il_rows's bit for bit (tests/test_kquant.py), and a Q4_K / Q5_K call of >= kAmxMinRows rows gives
-// the numbers it gave without AMX; Q6_K's between 16 and 31 rows, where gg_rows_i8 ran (8 float lanes
-// a row), round in il_rows's order instead.
+// How. C = A . B with A the weights (16 weight rows x 64 inputs), B the activations (s8, in the VNNI
+// layout, laid out once a call: AmxActivations) and C int32, 16 weight rows x 16 activation rows. A
+// K-quant's scale changes every sub-block (32 inputs for Q4_K / Q5_K, 16 for Q6_K), and a tile product
+// sums 64 inputs, so the scales are folded into the weights as they are unpacked: each level times its
+// sub-block's integer scale (sc * q: Q4_K <= 945, Q5_K <= 1953, Q6_K in [-8064, 8001]: int16), split
+// into a high and a low byte plane (vpmaddubsw on the even and the odd levels, then a byte blend).
+// Two tile products a line (high plane: tdpbusd, Q6_K's signed tdpbssd; low plane: tdpbusd) add up a
+// whole super-block in two accumulators, and 256 * high + low is the sum over the super-block of the
+// sub-block products times their scales, exactly (|sum| < 2^28). The mins (Q4_K, Q5_K) and Q6_K's
+// offset of 32 come off as integer sums of the activations' level sums (bs) times the sub-block mins or
+// scales (vpdpwssd), and a super-block reaches float once per output: acc += float(is) * (d * d8),
+// acc -= float(off) * (dmin * d8). Those are il_rows's integers and float operations in il_rows's
+// order, so an output is il_rows's bit for bit (tests/test_kquant.py), and a Q4_K / Q5_K call of >=
+// kAmxMinRows rows gives the numbers it gave without AMX; Q6_K's between 16 and 31 rows, where
+// gg_rows_i8 ran (8 float lanes a row), round in il_rows's order instead.
 //
-// The weights: for 16 weight rows, each row's levels are unpacked into 4 lines of 64 bytes a
-// super-block (two sub-blocks a line: an A tile is 16 of those half-lines, stride 64), once for every
-// tile of activation rows. The activation tiles of a super-block are 4 KiB each: in L1.
+// The weights: for 16 weight rows, a super-block at a time, each row's scaled levels are unpacked into
+// 4 lines of 64 bytes in each plane (8 KiB a super-block), the next super-block while the tile unit
+// multiplies this one, once for every tile of activation rows. The activation tiles of a super-block
+// are 4 KiB each: in L1.
 //
-// Measured on the 2-core AMX Xeon (docs/profile.md): 1.8-2.5x the interleaved kernel at 16-64 rows
-// for Q4_K, 1.2x (16 rows: against gg_rows_i8) to 2x for Q6_K, whose sub-blocks of 16 take twice the
-// tile products and scaling a weight. What bounds it at 16 rows is the work per weight outside the
-// tiles: unpacking the levels and scales, and scaling each product (vpmulld), ~150 instructions per
-// 8,192 multiply-adds; a product itself is one tdpbusd.
+// Measured on the 2-core AMX Xeon (docs/profile.md). The first form, a tile product a sub-block,
+// each stored and multiplied by its scale in int32 (vpmulld), then added up: 1.8-2.5x the interleaved
+// kernel at 16-64 rows for Q4_K, 1.2-2x for Q6_K; bound by the tile stores and the scaling, ~50 cycles
+// per 8,192 multiply-adds, and a fifth of its time waited on the cache misses of tile loads from L2.
+// This form, against that one (benchmarks/ab_gguf_gemm.py, weights cold): Q4_K 1.14-1.29x at 16 rows
+// and 1.34-1.47x at 64, Q6_K 1.33x at 16 rows and 1.79x at 64 (sub-blocks of 16 had taken twice the
+// tile products and scaling a weight). At 16 rows it is now bound by unpacking (~12 instructions per
+// 64 levels) and the tile products, half of them the high plane's (3-6 bits of each byte used).
+
 #include "gemm_gguf_amx.h"
 
 #include "gguf_blocks.h"
@@ -110,54 +118,73 @@ AmxActivations::AmxActivations(const int8_t* x8, int64_t l8, const float* d8_in,
 #if ISV_AMX_INT8
 namespace {
 
-// Tile registers: 0-3 the int32 products (16 x 16), 4 / 5 and 6 / 7 the weights (A, 16 rows x SUB bytes)
-// and activations (B, SUB / 4 rows x 64 bytes) of two sub-blocks in turn.
+// Tile registers: 0 / 1 the int32 products of the weights' high and low byte planes (16 weight rows x
+// 16 activation rows), then 2-4 and 5-7 the high plane, the low plane (A, 16 rows x 64 inputs) and the
+// activations (B, 16 x 4 x 16 rows) of 64 inputs, two such in turn.
 struct alignas(64) AmxConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  explicit AmxConfig(int sub) {
-    for (int c = 0; c < 4; ++c) colsb[c] = 64, rows[c] = 16;
-    for (int a : {4, 6}) colsb[a] = static_cast<uint16_t>(sub), rows[a] = 16;
-    for (int b : {5, 7}) colsb[b] = 64, rows[b] = static_cast<uint8_t>(sub / 4);
+  AmxConfig() {
+    for (int c = 0; c < 8; ++c) colsb[c] = 64, rows[c] = 16;
   }
 };
 
-// Sub-block j's tile product into c (16 x 16 int32, rows = weight rows), in product tile j % 4 and
-// operand tiles 4 / 5 or 6 / 7 by j % 2. One macro per tile: gcc's tile intrinsics paste their register
+// One line (64 inputs) of both planes into the products; the high plane of Q6_K is signed (tdpbssd),
+// Q4_K's and Q5_K's unsigned. One macro per tile set: gcc's tile intrinsics paste their register
 // number into the assembly, so it must be a literal.
-#define ISV_AMX_PIECE(C, A, B)                          \
-  inline void amx_piece_##C(const uint8_t* a, const int8_t* b, int32_t* c) { \
-    _tile_zero(C);                                      \
-    _tile_loadd(A, a, 64);                              \
-    _tile_loadd(B, b, 64);                              \
-    _tile_dpbusd(C, A, B);                              \
-    _tile_stored(C, c, 64);                             \
+#define ISV_AMX_LINE(NAME, H, L, B)                                                              \
+  template <bool SIGNED_HI>                                                                      \
+  inline void NAME(const uint8_t* hi, const uint8_t* lo, const int8_t* b) {                      \
+    _tile_loadd(H, hi, 64);                                                                      \
+    _tile_loadd(L, lo, 64);                                                                      \
+    _tile_loadd(B, b, 64);                                                                       \
+    if constexpr (SIGNED_HI) _tile_dpbssd(0, H, B); else _tile_dpbusd(0, H, B);                  \
+    _tile_dpbusd(1, L, B);                                                                       \
   }
-ISV_AMX_PIECE(0, 4, 5)
-ISV_AMX_PIECE(1, 6, 7)
-ISV_AMX_PIECE(2, 4, 5)
-ISV_AMX_PIECE(3, 6, 7)
-#undef ISV_AMX_PIECE
+ISV_AMX_LINE(amx_line_a, 2, 3, 4)
+ISV_AMX_LINE(amx_line_b, 5, 6, 7)
+#undef ISV_AMX_LINE
 
-// One super-block of 16 weight rows, unpacked: the levels (lv: 4 lines of 64 bytes a row), each row's
-// integer sub-block scales (sc[row][j]) and the int16 pairs that multiply the activations' level-sum
-// pairs (mp[row][p], vpdpwssd's: Q4_K / Q5_K the mins of sub-blocks 2p and 2p + 1 against the sums
-// over them, Q6_K the scales of sub-blocks 2p and 2p + 1 against the sums over those 16 inputs), d and
-// dmin. Row-major, so each row's come from one widening load and store; a broadcast reads any one.
+// Where each byte of a line takes its sub-block scale from, for vpshufb within 128-bit lanes over the
+// scales as loaded (Q4_K / Q5_K: the 8 scale bytes in every 8; Q6_K: the 16 in every 16): an even byte
+// its sub-block's scale, an odd byte zero (0x80), so vpmaddubsw multiplies the even levels alone, and
+// the same shifted up a byte the odd ones.
+template <int64_t TYPE>
+struct ScaleIndex {
+  alignas(64) uint8_t idx[4][64];
+  ScaleIndex() {
+    for (int g = 0; g < 4; ++g)
+      for (int i = 0; i < 64; ++i)
+        idx[g][i] = i % 2 ? 0x80 : static_cast<uint8_t>(TYPE == kQ6_K ? 4 * g + i / 16 : 2 * g + i / 32);
+  }
+};
+
+// One super-block of 16 weight rows, unpacked: each level times its sub-block's integer scale (Q4_K /
+// Q5_K sc * q <= 63 * 31; Q6_K sc * q in [-128 * 63, 127 * 63]: int16), split into a high byte plane
+// (hi: Q6_K signed) and a low one (lo: unsigned), lines of 64 inputs in input order, so that a tile
+// product sums a whole line (four of them a super-block) and 256 * hi + lo is exactly what the
+// sub-block products times their scales added up to; and the int16 pairs that multiply the
+// activations' level-sum pairs (mp[row][p], vpdpwssd's: Q4_K / Q5_K the mins of sub-blocks 2p and
+// 2p + 1 against the sums over them, Q6_K the scales of sub-blocks 2p and 2p + 1 against the sums
+// over those 16 inputs), d and dmin.
 template <int64_t TYPE>
 struct AmxBlock {
-  static constexpr int SUB = TYPE == kQ6_K ? 16 : 32, NS = 256 / SUB, NP = NS / 2;
-  alignas(64) uint8_t lv[4][16][64];
-  alignas(64) int32_t sc[16][NS];
+  static constexpr int NP = TYPE == kQ6_K ? 8 : 4;
+  alignas(64) uint8_t hi[4][16][64];
+  alignas(64) uint8_t lo[4][16][64];
   alignas(64) int32_t mp[16][NP];
   alignas(64) float d[16], dmin[16];
 
-  // where sub-block j's A tile starts (rows 64 bytes apart). Q4_K / Q5_K: line g of a row holds
-  // sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) for g = 0..3; Q6_K: line g holds sub-blocks 4g .. 4g + 3.
-  const uint8_t* tile(int j) const {
-    if constexpr (TYPE == kQ6_K) return &lv[j / 4][0][0] + 16 * (j % 4);
-    else return &lv[(j / 4) * 2 + (j % 2)][0][0] + 32 * ((j / 2) % 2);
+  // line g of row f from its 64 levels q (u8, input order) and the scales sv as ScaleIndex reads them
+  void fold(int f, int g, __m512i q, __m512i sv) {
+    static const ScaleIndex<TYPE> kIdx;
+    constexpr __mmask64 kOdd = 0xAAAAAAAAAAAAAAAAull;
+    const __m512i se = _mm512_shuffle_epi8(sv, _mm512_load_si512(kIdx.idx[g]));
+    const __m512i e = _mm512_maddubs_epi16(q, se);                          // even inputs' sc * q
+    const __m512i o = _mm512_maddubs_epi16(q, _mm512_slli_epi16(se, 8));    // odd inputs'
+    _mm512_store_si512(lo[g][f], _mm512_mask_blend_epi8(kOdd, e, _mm512_slli_epi16(o, 8)));
+    _mm512_store_si512(hi[g][f], _mm512_mask_blend_epi8(kOdd, _mm512_srli_epi16(e, 8), o));
   }
 
   // row f's super-block from its bytes b
@@ -166,8 +193,8 @@ struct AmxBlock {
     if constexpr (TYPE == kQ6_K) {
       d[f] = f16_at(b + 208), dmin[f] = 0.f;
       const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));  // 16 int8 scales
-      _mm512_store_si512(sc[f], _mm512_cvtepi8_epi32(s));
       _mm256_store_si256(reinterpret_cast<__m256i*>(mp[f]), _mm256_cvtepi8_epi16(s));  // pairs (2p, 2p + 1)
+      const __m512i sv = _mm512_broadcast_i32x4(s);
       const __m512i m30 = _mm512_set1_epi8(0x30);
       // the 16-bit shifts of the high bits: gemm_gguf.cpp's q6k_levels takes them << 4 and << 2 for
       // its q[0] | q[1], as they are and >> 2 for q[2] | q[3]
@@ -176,123 +203,101 @@ struct AmxBlock {
       for (int h = 0; h < 2; ++h) {
         const __m512i l = _mm512_loadu_si512(b + 64 * h);
         const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-        _mm512_store_si512(lv[2 * h][f], _mm512_or_si512(_mm512_and_si512(l, low4),
-                                                         _mm512_and_si512(_mm512_sllv_epi16(hb, up), m30)));
-        _mm512_store_si512(lv[2 * h + 1][f], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4),
-                                                             _mm512_and_si512(_mm512_srlv_epi16(hb, down), m30)));
+        fold(f, 2 * h, _mm512_or_si512(_mm512_and_si512(l, low4), _mm512_and_si512(_mm512_sllv_epi16(hb, up), m30)), sv);
+        fold(f, 2 * h + 1, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(hb, down), m30)), sv);
       }
     } else {
       uint64_t s, mn;
       d[f] = f16_at(b), dmin[f] = f16_at(b + 2);
       k4_scales(b + 4, s, mn);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sc[f]), _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(s))));
       _mm_store_si128(reinterpret_cast<__m128i*>(mp[f]), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
+      const __m512i sv = _mm512_set1_epi64(static_cast<int64_t>(s));
+      // bytes 32g ..: sub-block 2g in the low nibbles, 2g + 1 in the high ones; a line is the 32 bytes
+      // twice, the upper half shifted down by 4
+      const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
       const uint8_t* qs = b + (TYPE == kQ5_K ? 48 : 16);
-      for (int c = 0; c < 2; ++c) {  // bytes 64c ..: sub-blocks 4c, 4c + 2 (low nibbles), 4c + 1, 4c + 3
-        const __m512i v = _mm512_loadu_si512(qs + 64 * c);
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g)));
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(v, shift), low4);
         if constexpr (TYPE == kQ5_K) {  // bit 4 of sub-block s's input i: bit s of qh[i]
           const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
-          const int s0 = 4 * c;
-          const __m512i tlo = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << s0)),
-                                                 _mm256_set1_epi8(static_cast<char>(1 << (s0 + 2))), 1);
-          const __m512i thi = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (s0 + 1))),
-                                                 _mm256_set1_epi8(static_cast<char>(1 << (s0 + 3))), 1);
-          const __m512i bit4 = _mm512_set1_epi8(0x10);
-          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, tlo), lo, bit4);
-          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, thi), hi, bit4);
+          const __m512i t = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * g))),
+                                               _mm256_set1_epi8(static_cast<char>(1 << (2 * g + 1))), 1);
+          q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, t), q, _mm512_set1_epi8(0x10));
         }
-        _mm512_store_si512(lv[2 * c][f], lo);
-        _mm512_store_si512(lv[2 * c + 1][f], hi);
+        fold(f, g, q, sv);
       }
     }
   }
 };
 
-// A group of 16 weight rows, every super-block unpacked (K 2048: 40 KiB, K 14336: 280 KiB: L2), read
-// row after row: one sequential stream of the file's bytes. amx_columns asks for the next group's
-// bytes into L2 while it computes this one's products (without that, 2.5 against 2.2 ms for a 1B's
-// gate_up at 16 rows); unpacked a super-block at a time across the 16 rows instead, the reads jump a
-// row's length 16 times a step, which timed the same as this with the L2 requests.
-template <int64_t TYPE>
-void amx_unpack_group(const uint8_t* wg, int64_t row_bytes, int64_t NB, const uint8_t* wend, AmxBlock<TYPE>* blk) {
-  constexpr int64_t BYTES = kquant_bytes(TYPE);
-  for (int f = 0; f < 16; ++f) {
-    const uint8_t* wr = wg + f * row_bytes;
-    for (int64_t sb = 0; sb < NB; ++sb) {
-      prefetch_stream(wr + sb * BYTES, BYTES, wend);
-      blk[sb].unpack(f, wr + sb * BYTES);
-    }
-  }
-}
-
 template <int64_t TYPE, typename T>
 int64_t amx_columns(const AmxActivations& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo, int64_t n0,
                     int64_t n1) {
   using B = AmxBlock<TYPE>;
-  constexpr int SUB = B::SUB, NS = B::NS;
+  constexpr int64_t BYTES = kquant_bytes(TYPE);
   constexpr int kBlockTiles = 4;  // activation tiles a pass of the accumulators holds
+  constexpr int64_t kAhead = 2;   // super-blocks between a row's request into L1 and its unpacking
   const int64_t NB = a.K / 256, nend = n0 + (n1 - n0) / 16 * 16;
   if (nend == n0) return n0;
   thread_local std::vector<B> blocks;  // one group's super-blocks, kept between calls (its pages fault in once)
   if (static_cast<int64_t>(blocks.size()) < NB) blocks.resize(NB);
   B* blk = blocks.data();
-  const AmxConfig cfg(SUB);
+  const AmxConfig cfg;
   _tile_loadconfig(&cfg);
-  alignas(64) int32_t cb[NS][16][16];
+  alignas(64) int32_t ch[16][16], cl[16][16];
   alignas(64) float acc[kBlockTiles][16][16];
   for (int64_t n = n0; n < nend; n += 16) {
-    amx_unpack_group<TYPE>(w + n * row_bytes, row_bytes, NB, w + nend * row_bytes, blk);
+    const uint8_t* wg = w + n * row_bytes;
+    const uint8_t* wend = w + nend * row_bytes;
+    // super-block sb of the group's 16 rows, unpacked; each row asks for its bytes kAhead super-blocks
+    // on (the L2 streamer does not follow 16 rows read a super-block at a time)
+    auto unpack = [&](int64_t sb) {
+      for (int f = 0; f < 16; ++f) {
+        const uint8_t* src = wg + f * row_bytes + sb * BYTES;
+        // the same row's super-block kAhead on, or past its end the next group's row f's
+        const uint8_t* next = sb + kAhead < NB ? src + kAhead * BYTES : wg + (16 + f) * row_bytes + (sb + kAhead - NB) * BYTES;
+        if (next + BYTES <= wend)
+          for (int64_t l = 0; l < BYTES + 63; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T0);
+        blk[sb].unpack(f, src);
+      }
+    };
     for (int64_t t0 = 0; t0 < a.tiles; t0 += kBlockTiles) {
       const int nt = static_cast<int>(std::min<int64_t>(kBlockTiles, a.tiles - t0));
       std::memset(acc, 0, sizeof(acc));
+      if (t0 == 0) unpack(0);
       for (int64_t sb = 0; sb < NB; ++sb) {
         const B& wt = blk[sb];
-        // the next group's bytes (16 rows: contiguous) into L2 while this one computes, a 1 / NB
-        // share a super-block, so that its unpacking reads cache and not memory
-        const uint8_t* ahead = nullptr;
-        int64_t ahead_lines = 0;
-        if (t0 + kBlockTiles >= a.tiles && n + 16 < nend) {
-          const int64_t span = 16 * row_bytes, per = (span + NB - 1) / NB;
-          ahead = w + (n + 16) * row_bytes + sb * per;
-          ahead_lines = (std::max<int64_t>(0, std::min(per, span - sb * per)) + 63) / 64;
-        }
         for (int t = 0; t < nt; ++t) {
           const int8_t* xb = a.x.get() + (t0 + t) * a.K * 16 + sb * 256 * 16;  // this super-block's B rows
-          __m512i is[16];
-          for (int f = 0; f < 16; ++f) is[f] = _mm512_setzero_si512();
-          // every sub-block's product, then their scaling (products interleaved with the scaling, two
-          // in flight, timed the same)
-          for (int j = 0; j < NS; j += 4) {
-            amx_piece_0(wt.tile(j), xb + j * SUB * 16, &cb[j][0][0]);
-            amx_piece_1(wt.tile(j + 1), xb + (j + 1) * SUB * 16, &cb[j + 1][0][0]);
-            amx_piece_2(wt.tile(j + 2), xb + (j + 2) * SUB * 16, &cb[j + 2][0][0]);
-            amx_piece_3(wt.tile(j + 3), xb + (j + 3) * SUB * 16, &cb[j + 3][0][0]);
-          }
-          for (int j = 0; j < NS; ++j) {
-            if (t == 0)  // a few lines with each sub-block's scaling: 36 at once waited for fill buffers
-                         // (spread: 1.04x gate/up, 1.07x the Q6_K head at 16 rows; same bits)
-              for (int64_t l = j * ahead_lines / NS; l < (j + 1) * ahead_lines / NS; ++l)
-                _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T1);
-            const int32_t(*c)[16] = cb[j];
-#pragma GCC unroll 16
-            for (int f = 0; f < 16; ++f)
-              is[f] = _mm512_add_epi32(is[f], _mm512_mullo_epi32(_mm512_load_si512(c[f]), _mm512_set1_epi32(wt.sc[f][j])));
-          }
+          _tile_zero(0);
+          _tile_zero(1);
+          amx_line_a<TYPE == kQ6_K>(wt.hi[0][0], wt.lo[0][0], xb);
+          amx_line_b<TYPE == kQ6_K>(wt.hi[1][0], wt.lo[1][0], xb + 1024);
+          amx_line_a<TYPE == kQ6_K>(wt.hi[2][0], wt.lo[2][0], xb + 2048);
+          amx_line_b<TYPE == kQ6_K>(wt.hi[3][0], wt.lo[3][0], xb + 3072);
+          // while the tile unit works, the group's first pass unpacks the next super-block: its planes
+          // are then in L1 for their tile loads, and the stores behind them long done (unpacked
+          // just before its products instead: 1.03-1.1x slower at 16 rows)
+          if (t0 == 0 && t == 0 && sb + 1 < NB) unpack(sb + 1);
+          _tile_stored(0, ch, 64);
+          _tile_stored(1, cl, 64);
           const int16_t* bt = (TYPE == kQ6_K ? a.bs.get() : a.bs32.get()) + ((t0 + t) * NB + sb) * 32 * B::NP;
           const __m512 d8 = _mm512_load_ps(a.d8.get() + ((t0 + t) * NB + sb) * 16);
 #pragma GCC unroll 4
           for (int f = 0; f < 16; ++f) {
+            const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch[f]), 8), _mm512_load_si512(cl[f]));
             __m512i off = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int p = 0; p < B::NP; ++p)
               off = _mm512_dpwssd_epi32(off, _mm512_load_si512(bt + p * 32), _mm512_set1_epi32(wt.mp[f][p]));
             __m512 v = _mm512_load_ps(acc[t][f]);
             if constexpr (TYPE == kQ6_K) {
-              is[f] = _mm512_sub_epi32(is[f], _mm512_slli_epi32(off, 5));
-              v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[f]), _mm512_mul_ps(_mm512_set1_ps(wt.d[f]), d8), v);
+              v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is, _mm512_slli_epi32(off, 5))),
+                                  _mm512_mul_ps(_mm512_set1_ps(wt.d[f]), d8), v);
             } else {
-              v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[f]), _mm512_mul_ps(_mm512_set1_ps(wt.d[f]), d8), v);
+              v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(_mm512_set1_ps(wt.d[f]), d8), v);
               v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(off), _mm512_mul_ps(_mm512_set1_ps(wt.dmin[f]), d8), v);
             }
             _mm512_store_ps(acc[t][f], v);
