@@ -294,7 +294,8 @@ class EngineConfig:
     measure_kernels: bool = field(default_factory=lambda: _env("measure_kernels", "1") != "0")
     remeasure_kernels: bool = False
     # CPU with AMX: our tiled bf16 GEMM may run steps of many rows on AMX tiles, from the same weights,
-    # from a cut-over timed per shape (fixed when not measured); off: its AVX-512 path at every size
+    # from a cut-over timed per shape (fixed when not measured), and gguf_gemm its K-quant shards' steps
+    # of 16+ rows on AMX-INT8 tiles (int8 and int16 activations); off: the AVX-512 paths at every size
     cpu_amx: bool = field(default_factory=lambda: _env("cpu_amx", "1") != "0")
     # deterministic inference: a request's greedy text never depends on what shares its step. One
     # kernel and one reduction order per op at every batch size: our row-independent GEMM for every

@@ -110,10 +110,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-amx", action=argparse.BooleanOptionalAction, default=d.cpu_amx,
                    help="CPU with AMX: let our tiled bf16 GEMM run steps of many rows (prefill chunks, large "
                         "decode batches) on AMX tiles from the same weight copy, from a row count timed per shape "
-                        "with --measure-kernels (else from 16 rows), and a GGUF's K-quant blocks on int8 activations "
-                        "(--gguf-activations) run steps of 16+ rows on AMX-INT8 tiles (the numbers of the many-row "
-                        "kernel they replace); --no-cpu-amx keeps the AVX-512 paths at every size (default: on unless "
-                        "ITERSERVE_CPU_AMX=0; the bf16 GEMM's AMX is off under --batch-invariant)")
+                        "with --measure-kernels (else from 16 rows), and a GGUF's K-quant blocks run steps of 16+ rows on "
+                        "AMX-INT8 tiles (int8 activations: the numbers of the many-row kernel they replace; int16: "
+                        "within its rounding, 2-4x its speed); --no-cpu-amx keeps the AVX-512 paths at every size "
+                        "(default: on unless ITERSERVE_CPU_AMX=0; off under --batch-invariant but for int8's, "
+                        "which that refuses)")
     g.add_argument("--remeasure-kernels", action="store_true",
                    help="time the kernel candidates again instead of reading the cached table (after a BIOS, "
                         "memory or load change)")

@@ -23,7 +23,7 @@ from torch import nn
 from iterserve.llm import LLM
 from iterserve.memory import model_tensors, weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import (GGUF_INT8, GGUF_INT8_AMX, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
+from iterserve.platform.cpu_linear import (GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
                                            pack_bf16, pack_gguf_twin, prepack_available, random_shards,
                                            tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
@@ -221,7 +221,8 @@ def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_fil
     mods = [m for m in int8.engine.model.modules() if isinstance(m, CpuLinear)]
     amx = int8.engine.platform.int8_amx  # steps of 16+ rows on AMX-INT8 tiles where lent (test_kquant.py)
     assert mods and all(m.op_twin == (GGUF_INT8_AMX if amx else GGUF_INT8) for m in mods)
-    assert all(m.op_twin == "gguf" for m in int16.engine.model.modules() if isinstance(m, CpuLinear))
+    on16 = GGUF_AMX if int16.engine.platform.int16_amx else "gguf"  # 16+ rows on AMX-INT8 tiles where lent
+    assert all(m.op_twin == on16 for m in int16.engine.model.modules() if isinstance(m, CpuLinear))
     assert int8.engine.platform.resolved()["gguf_activations"] == "int8"
     x = torch.randn(3, 256)
     for m8, m16 in zip(mods, (m for m in int16.engine.model.modules() if isinstance(m, CpuLinear))):
@@ -245,15 +246,17 @@ def test_int8_activations_run_the_k_quant_modules_and_nothing_else(q4_k_only_fil
                     reason="gguf_gemm's int8 activations need the AVX2 build")
 def test_int8_except_down_keeps_the_down_projections_on_int16(q4_k_only_file, monkeypatch, tmp_path):
     """--gguf-activations int8-except-down: every K-quant module on int8 but the MLP's down projections,
-    which compute as the int16 run's do (same bits), a run takes both paths, the resolved config says
-    so; refused with --batch-invariant like int8."""
+    which compute as the int16 run's do (same bits; where AMX-INT8 is lent, their steps of 16+ rows on
+    its tiles in both runs), a run takes both paths, the resolved config says so; refused with
+    --batch-invariant like int8."""
     monkeypatch.setenv("ITERSERVE_CACHE", str(tmp_path))
     mixed, int16 = _llm(q4_k_only_file, gguf_activations="int8-except-down"), _llm(q4_k_only_file, gguf_activations="int16")
     mods = {n: m for n, m in mixed.engine.model.named_modules() if isinstance(m, CpuLinear)}
     plain = {n: m for n, m in int16.engine.model.named_modules() if isinstance(m, CpuLinear)}
     down = [n for n in mods if n.endswith("mlp.down_proj")]
     assert down and len(down) < len(mods)
-    assert all((m.op_twin == "gguf") == (n in down) for n, m in mods.items())
+    on16 = GGUF_AMX if mixed.engine.platform.int16_amx else "gguf"  # 16+ rows on AMX-INT8 tiles where lent
+    assert all((m.op_twin == on16) == (n in down) for n, m in mods.items())
     int8_op = GGUF_INT8_AMX if mixed.engine.platform.int8_amx else GGUF_INT8
     assert all((m.op_twin == int8_op) == (n not in down) for n, m in mods.items())
     assert mixed.engine.platform.resolved()["gguf_activations"] == "int8-except-down"
@@ -286,7 +289,7 @@ def test_auto_activations_are_int8_except_down_where_the_int8_kernel_is_built(q4
     assert auto.engine.config.gguf_activations == "auto"
     assert auto.engine.platform.resolved()["gguf_activations"] == "int8-except-down"
     mods = {n: m for n, m in auto.engine.model.named_modules() if isinstance(m, CpuLinear)}
-    assert all((m.op_twin == "gguf") == n.endswith("mlp.down_proj") for n, m in mods.items())
+    assert all((m.op_twin in ("gguf", GGUF_AMX)) == n.endswith("mlp.down_proj") for n, m in mods.items())
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:  # (float32 batch-invariant runs from the blocks)
         invariant = _llm(q4_k_only_file, batch_invariant=True)
         assert invariant.engine.platform.resolved()["gguf_activations"] in ("int16", None)
@@ -297,4 +300,4 @@ def test_auto_activations_are_int8_except_down_where_the_int8_kernel_is_built(q4
     wide = _llm(q4_k_only_file)
     assert wide.engine.platform.resolved()["gguf_activations"] == "int8-except-down"
     wide_mods = {n: m for n, m in wide.engine.model.named_modules() if isinstance(m, CpuLinear)}
-    assert all((m.op_twin == "gguf") == n.endswith("mlp.down_proj") for n, m in wide_mods.items())
+    assert all((m.op_twin in ("gguf", GGUF_AMX)) == n.endswith("mlp.down_proj") for n, m in wide_mods.items())

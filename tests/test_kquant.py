@@ -463,6 +463,51 @@ def test_int8_activations_on_amx_tiles_are_the_interleaved_kernels_bits(qtype):
         assert torch.equal(got[16], got[19][:16])
 
 
+def _int16_bound(x: torch.Tensor, w: np.ndarray, c: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64's x @ w.T and _check_gemm's bound of the int16 path: the activations' rounding to one
+    int16 scale a row, float32 sums, bf16 outputs."""
+    xd = x.double()
+    ref = xd @ torch.from_numpy(w).double().t()
+    act = xd.abs().amax(1, keepdim=True) / 65534 * torch.from_numpy(np.abs(c)).double().sum(1)
+    acc = 2 ** -20 * (xd.abs() @ torch.from_numpy(np.abs(w)).double().t())
+    return ref, act + acc + (ref.abs() * 2 ** -8 if x.dtype == torch.bfloat16 else 0) + 1e-12
+
+
+@pytest.mark.parametrize("qtype", sorted(KQUANTS))
+def test_int16_activations_on_amx_tiles_within_the_int16_bound(qtype):
+    """gguf_gemm(amx=True) on the default int16 activations runs K-quant shards of 16+ rows on AMX-INT8
+    tiles (gemm_gguf_amx.cpp: each level as a signed high and an unsigned low byte, four tile products
+    a line against the weights' two planes): within the int16 path's bound of float64, float32 and
+    bf16 rows, one tile and several (16, 19, 37, 80 rows: more than the 4 one pass holds), K of one
+    and of nine super-blocks, 261 outputs (the columns past a multiple of 16 in a pool range go to
+    gg_rows); a row's outputs the same whatever the other rows of its call; the AMX path ran
+    (gguf_gemm_amx_calls), and fewer than 16 rows, or amx=False, give the int16 path's bits."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.gguf_gemm_amx_available():
+        pytest.skip("needs a build with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
+    n = 261
+    for k in (256, 2304):
+        data = random_blocks(qtype, n, k, seed=k + 1)
+        w, c = dequant(qtype, data), dot_part(qtype, data)
+        buf, meta = pack_gguf_twin([Shard(0, qtype, data, k)], k)
+        x = torch.randn(80, k, generator=torch.Generator().manual_seed(k)) * torch.rand(1, k) * 3
+        calls = kernels.gguf_gemm_amx_calls()
+        got = {}
+        for rows in (16, 19, 37, 80):
+            for xs in (x[:rows], x[:rows].bfloat16()):
+                y = got[rows, xs.dtype] = kernels.gguf_gemm(xs, buf, meta, n, amx=True)
+                ref, bound = _int16_bound(xs, w, c)
+                excess = (y.double() - ref).abs() - bound
+                assert excess.max().item() <= 0, (k, rows, xs.dtype, excess.max().item())
+        assert kernels.gguf_gemm_amx_calls() == calls + 8
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(got[80, dtype][:19], got[19, dtype]) and torch.equal(got[37, dtype][:16], got[16, dtype])
+        assert not torch.equal(got[80, torch.float32], kernels.gguf_gemm(x, buf, meta, n))  # another rounding
+        for m in (1, 8, 15):
+            assert torch.equal(kernels.gguf_gemm(x[:m], buf, meta, n, amx=True), kernels.gguf_gemm(x[:m], buf, meta, n))
+        assert torch.equal(kernels.gguf_gemm(x, buf, meta, n, amx=False), kernels.gguf_gemm(x, buf, meta, n))
+
+
 def test_int8_amx_runs_fused_shards_and_only_where_asked():
     """One call over a fused projection's shards (Q4_K rows, then Q6_K, then a 32-input type, as a
     Q4_K_M's attention q/k/v): each K-quant shard on AMX within the reference's bound, the 32-input
@@ -584,35 +629,46 @@ def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_
 
 def test_engine_runs_steps_of_many_rows_on_amx_tiles_with_the_same_numbers(kquant_model_dir, monkeypatch, tmp_path):
     """gguf_activations=int8-except-down where AMX-INT8 is lent: the int8 projections' op runs gguf_gemm
-    with amx (q/k/v, o, gate/up; down and this model's Q8_0 head stay on int16), a 40-token prompt
-    chunk through the twins runs them on AMX tiles (its Q6_K v rows too: from 32 rows, where the
-    interleaved kernel runs without AMX), and the logits are --no-cpu-amx's bits."""
+    with amx (q/k/v, o, gate/up) and so do the int16 down projections (use_amx_tiles; this model's
+    Q8_0 head stays on the int16 loop), and a 40-token prompt chunk through the twins runs them on AMX
+    tiles (its Q6_K v rows too: from 32 rows, where the interleaved kernel runs without AMX; the two
+    layers' down projections add two calls). With the down projections put back on the int16 loop the
+    logits are --no-cpu-amx's bits (the int8 tiles give the interleaved kernel's numbers); with them on
+    the tiles, within 1e-3 of those (the int16 levels summed in another order: here the bf16 outputs
+    round the difference away)."""
     import iterserve.engine as engine_mod
     from iterserve.config import EngineConfig
     from iterserve.engine import LLMEngine
-    from iterserve.platform.cpu_linear import GGUF_INT8, GGUF_INT8_AMX
+    from iterserve.platform.cpu_linear import GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX
 
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.gguf_gemm_amx_available():
         pytest.skip("needs a build with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
     monkeypatch.setattr(engine_mod, "load_model", _SourcesAdded(engine_mod.load_model))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    got = {}
-    for amx in (True, False):
+    got, calls = {}, {}
+    for run in ("amx", "amx-int8-only", "none"):
+        amx = run != "none"
         cfg = EngineConfig(model=str(kquant_model_dir), dtype="bfloat16", kv_cache_memory="16MiB", max_num_seqs=4,
                            measure_kernels=False, bf16_gemm="tiled", gguf_activations="int8-except-down", cpu_amx=amx)
         eng = LLMEngine(cfg)
+        assert eng.resolved_config()["gguf_int16_amx"] == amx
         twins = {name: m for name, m in eng.model.named_modules() if isinstance(m, CpuLinear) and m.twin_max_tokens}
         for name, m in twins.items():
-            int16 = name.endswith("down_proj") or name == "lm_head"  # down: except-down; the head: Q8_0 here
-            want = "gguf" if int16 else GGUF_INT8_AMX if amx else GGUF_INT8
+            down, head = name.endswith("down_proj"), name == "lm_head"  # down: except-down; the head: Q8_0 here
+            want = ("gguf" if head else (GGUF_AMX if amx else "gguf") if down else GGUF_INT8_AMX if amx else GGUF_INT8)
             assert m.op_twin == want, (name, m.op_twin)
+            if down and run == "amx-int8-only":
+                m.op_twin = "gguf"
             m.twin_max_tokens = 64  # the prompt chunk through the twins, as a measured choice can have it
         ids = eng.tokenizer("The capital of France is a city on the river Seine, and " * 4)["input_ids"][:42]
         before = kernels.gguf_gemm_amx_calls()
-        got[amx] = _decode_logits(eng, ids, prompt=40)
-        assert (kernels.gguf_gemm_amx_calls() > before) == amx
-    assert torch.equal(got[True], got[False])
+        got[run] = _decode_logits(eng, ids, prompt=40)
+        calls[run] = kernels.gguf_gemm_amx_calls() - before
+    assert calls["amx"] == calls["amx-int8-only"] + 2 and calls["amx-int8-only"] > 0 and calls["none"] == 0
+    assert torch.equal(got["amx-int8-only"], got["none"])
+    diff = (got["amx"] - got["none"]).abs().max().item()  # here 0: the bf16 outputs round the difference away
+    assert diff <= 1e-3 * got["none"].abs().max().item(), diff
 
 
 def test_read_ahead_outlives_the_tensor_it_names():

@@ -63,11 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_gemm", &gguf_gemm, "x @ w.T from GGUF blocks (K-quants as stored, 32-input blocks repacked four "
         "to a group by pack_gguf_x4); a row range per shard, meta [S, 4]: type, rows, bytes per row, offset "
         "(layout in gemm_gguf.cpp); int8: the K-quant shards on int8 activations per 256 inputs (llama.cpp's "
-        "Q8_K) instead of int16 per row; amx: those shards on AMX-INT8 tiles from 16 rows where available "
-        "(gguf_gemm_amx_available), the interleaved kernel's numbers", py::arg("x"), py::arg("buf"), py::arg("meta"),
+        "Q8_K) instead of int16 per row; amx: the K-quant shards on AMX-INT8 tiles from 16 rows where available "
+        "(gguf_gemm_amx_available): int8 the interleaved kernel's numbers, int16 within its bound", py::arg("x"), py::arg("buf"), py::arg("meta"),
         py::arg("N"), py::arg("int8") = false, py::arg("amx") = false);
   m.def("gguf_gemm_amx_available", &gguf_gemm_amx_available,
-        "whether gguf_gemm(int8=True) runs K-quant shards of 16+ rows on AMX-INT8 tiles here (build and OS)");
+        "whether gguf_gemm(amx=True) runs K-quant shards of 16+ rows on AMX-INT8 tiles here (build and OS)");
   m.def("gguf_gemm_amx_calls", &gguf_gemm_amx_calls, "how many gguf_gemm calls ran K-quant shards on AMX tiles so far");
   m.def("gguf_gemm_int8_supported", &gguf_gemm_int8_supported, "whether gguf_gemm(int8=True) runs in this build");
   m.def("gguf_moe_gemm", &gguf_moe_gemm, "llama.cpp's mul_mat_id from GGUF blocks: rows offsets[u] .. offsets[u + 1] "

@@ -83,6 +83,7 @@ struct GgRows {  // the quantised activation rows
   const int16_t* bs = nullptr;  // [M, K / 16]
   // the same int8 rows laid out for AMX (gemm_gguf_amx.h), where the call runs its K-quant shards there
   const AmxActivations* amx = nullptr;
+  const AmxActivations16* amx16 = nullptr;  // the int16 rows laid out for AMX, where the call runs them there
   GgRows at(int64_t m) const {
     return {xq ? xq + m * lq : nullptr, xq4 ? xq4 + m * lq4 : nullptr, xq ? dx + m : nullptr,
             xq ? sx + m * (K4 / 32) : nullptr, K, K4, lq, lq4, l8, x8 ? x8 + m * l8 : nullptr,
@@ -963,6 +964,7 @@ void gg_shard(const GgRows& rows, int64_t M, const uint8_t* w, int64_t row_bytes
 #if ISV_GG_AVX2
   if constexpr (is_kquant(TYPE)) {
     if (rows.amx) n0 = amx_kquant_columns(TYPE, *rows.amx, w, row_bytes, out, ldo, n0, n1);
+    if (rows.amx16) n0 = amx_kquant_columns(TYPE, *rows.amx16, w, row_bytes, out, ldo, n0, n1);
     if (rows.x8 && M >= kInterleaveRows<TYPE>) n0 = il_shard<TYPE>(rows, M, w, row_bytes, out, ldo, n0, n1);
   }
 #endif
@@ -1220,8 +1222,15 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& buf, const at::Tenso
     xa = std::make_unique<AmxActivations>(q.x8.data(), q.l8, q.d8.data(), q.bs.data(), M, K);
     g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   }
+  // and on int16 rows (the default activations) likewise
+  std::unique_ptr<AmxActivations16> xa16;
+  if (amx && !int8 && !kXqEvenOdd && kq && M >= kAmxMinRows && amx_int8_available()) {
+    xa16 = std::make_unique<AmxActivations16>(q.xq.data(), q.lq, q.dx.data(), q.sx.data(), q.K4 / 32, M, K);
+    g_amx_calls.fetch_add(1, std::memory_order_relaxed);
+  }
   rows.amx = xa.get();
-  const int64_t unit = xa ? 16 : 1;
+  rows.amx16 = xa16.get();
+  const int64_t unit = xa || xa16 ? 16 : 1;
   const uint8_t* bp = buf.const_data_ptr<uint8_t>();
   auto run = [&](auto* op) {
     iterserve::parallel_ranges((N + unit - 1) / unit, kRanges, [&](int64_t lo, int64_t hi) {

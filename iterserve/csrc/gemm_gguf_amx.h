@@ -32,6 +32,21 @@ struct AmxActivations {
   AmxActivations(const int8_t* x8, int64_t l8, const float* d8, const int16_t* bs, int64_t M, int64_t K);
 };
 
+// The int16 activation rows (gguf_gemm's default: GgQuantised's xq / dx / sx, one scale a row) laid
+// out for the tiles once a call, in tiles of 16 rows as AmxActivations, each level q split into
+// 256 * xh + xl:
+// - xh: [tiles][K / 4][16][4] int8 (q >> 8), xl: the same, uint8 (q & 255);
+// - dx: [tiles][16] float: each row's scale;
+// - sx: [tiles][K / 32][16] float: the float32 sum of x over each 32 inputs (the Q4_K / Q5_K mins).
+struct AmxActivations16 {
+  int64_t M, K, tiles;
+  std::unique_ptr<int8_t[], void (*)(void*)> xh;
+  std::unique_ptr<uint8_t[], void (*)(void*)> xl;
+  std::unique_ptr<float[], void (*)(void*)> dx, sx;
+  // xq [M, row stride lq] int16 in input order, dx [M], sx [M, row stride ls]
+  AmxActivations16(const int16_t* xq, int64_t lq, const float* dx, const float* sx, int64_t ls, int64_t M, int64_t K);
+};
+
 // Built with AMX-INT8 and granted the tile state by the OS (asked once).
 bool amx_int8_available();
 
@@ -41,6 +56,13 @@ bool amx_int8_available();
 int64_t amx_kquant_columns(int64_t type, const AmxActivations& a, const uint8_t* w, int64_t row_bytes, float* out,
                            int64_t ldo, int64_t n0, int64_t n1);
 int64_t amx_kquant_columns(int64_t type, const AmxActivations& a, const uint8_t* w, int64_t row_bytes,
+                           uint16_t* out, int64_t ldo, int64_t n0, int64_t n1);
+// The same on int16 activations: four tile products a line (both weight planes against both activation
+// planes), the super-block's sum taken to float32 exactly but for two roundings, d * dx once a
+// super-block, the mins as gg_rows takes them (dmin * m times the float sum of x over the sub-block).
+int64_t amx_kquant_columns(int64_t type, const AmxActivations16& a, const uint8_t* w, int64_t row_bytes, float* out,
+                           int64_t ldo, int64_t n0, int64_t n1);
+int64_t amx_kquant_columns(int64_t type, const AmxActivations16& a, const uint8_t* w, int64_t row_bytes,
                            uint16_t* out, int64_t ldo, int64_t n0, int64_t n1);
 
 }  // namespace gguf

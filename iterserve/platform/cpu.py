@@ -29,7 +29,8 @@ from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOC
                                            four_bit_max_tokens, gguf_int8_amx,
                                            gguf_twin_name, gguf_twins_of,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
-                                           tiled_gemm_vectorised, use_gguf_blocks, use_int8_activations)
+                                           tiled_gemm_vectorised, use_amx_tiles, use_gguf_blocks,
+                                           use_int8_activations)
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
                                               choose_kernels, down_only_shapes, kernel_choice_dir, linears_by_shape,
                                               parse_linear_key, shapes_of)
@@ -112,6 +113,8 @@ class CpuPlatform(Platform):
         self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
         # gguf_gemm's int8 K-quant shards of 16+ rows on AMX-INT8 tiles (int8 is refused under batch_invariant)
         self.int8_amx = config.cpu_amx and gguf_int8_amx(self.kernels)
+        # ... and its int16 ones (use_amx_tiles), which batch_invariant would run
+        self.int16_amx = self.int8_amx and not config.batch_invariant
 
     def gguf_block_types(self) -> frozenset[str]:
         """Every block type gguf_gemm and gguf_dequant read, where the C++ kernels built and
@@ -148,8 +151,14 @@ class CpuPlatform(Platform):
             raise ValueError(f"gguf_activations={mode} needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
         self._prepare_linears(model, source)
         chain_read_ahead(model, self.kernels)
-        if not int8:
-            return
+        if int8:
+            self._use_int8(model, mode)
+        if self.int16_amx and use_amx_tiles(model):
+            log.info("CPU: the projections whose K-quant blocks stay on int16 activations run steps of 16+ rows "
+                     "on AMX-INT8 tiles")
+
+    def _use_int8(self, model: nn.Module, mode: str) -> None:
+        """The K-quant twins on int8 activations (int8-except-down: all but the down projections)."""
         n = use_int8_activations(model, except_down=mode == "int8-except-down", amx=self.int8_amx)
         if not n and self.config.gguf_activations == "auto":  # no K-quant module reads gguf_gemm after all
             self.gguf_activations = "int16"
@@ -408,5 +417,6 @@ class CpuPlatform(Platform):
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
                 "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
                 "gguf_int8_amx": self.int8_amx and self.gguf_activations != "int16",
+                "gguf_int16_amx": self.int16_amx and bool(self.gguf_twins) and self.gguf_activations != "int8",
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else
                 ("fixed (batch_invariant)" if self.config.batch_invariant else "by CPU flags (measure_kernels off)")}

@@ -70,6 +70,8 @@ TWINS = ("int4", "q4_1", "q8_0", "gguf")
 GGUF_INT8 = "gguf_int8"  # the op's name for a "gguf" twin on int8 activations (use_int8_activations)
 # ... and with its K-quant shards of 16+ rows on AMX-INT8 tiles (gguf_gemm amx=True), where AMX is lent
 GGUF_INT8_AMX = "gguf_int8_amx"
+# a "gguf" twin on int16 activations with its K-quant shards of 16+ rows on AMX-INT8 tiles (use_amx_tiles)
+GGUF_AMX = "gguf_amx"
 
 # ---- GGUF blocks (llama.cpp's layouts; gguf-py's gguf/quants.py dequantises them) -------------------
 # name -> (ggml type id, inputs a block, bytes a block)
@@ -584,7 +586,7 @@ class CpuLinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.twin = twin or ""
-        self.op_twin = self.twin  # what the op is told: the twin, or GGUF_INT8(_AMX) (use_int8_activations)
+        self.op_twin = self.twin  # what the op is told: the twin, GGUF_INT8(_AMX) (use_int8_activations) or GGUF_AMX
         self.twin_max_tokens = twin_max_tokens if twin else 0
         self.twin_spec = ""  # gguf: the shards' block types and rows (gguf_twin_spec)
         self.from_blocks = blocks is not None
@@ -681,6 +683,23 @@ def is_down_projection(name: str) -> bool:
     return name.endswith("mlp.down_proj")
 
 
+def use_amx_tiles(model: nn.Module) -> int:
+    """Puts each CpuLinear whose GGUF twin holds K-quant blocks and stays on int16 activations (every one
+    with gguf_activations=int16, the down projections with int8-except-down) on gguf_gemm's AMX-INT8
+    path for its steps of 16+ rows (gguf_gemm_amx_available): each int16 level as two bytes, four tile
+    products a line, within the int16 path's bound of float64 (not its bits: the super-block's sum is
+    rounded once, where the vector loop rounds its lanes'); 2.2-4x the int16 loop at 16-64 rows on a
+    2-core AMX Xeon (docs/profile.md). Not under batch_invariant: a row would round by its step's size.
+    Returns how many."""
+    n = 0
+    for mod in model.modules():
+        if (isinstance(mod, CpuLinear) and mod.op_twin == "gguf" and mod.twin_max_tokens
+                and any(t in mod.twin_spec for t in KQUANT_NAMES)):
+            mod.op_twin = GGUF_AMX
+            n += 1
+    return n
+
+
 def use_int8_activations(model: nn.Module, except_down: bool = False, amx: bool = False) -> int:
     """Puts each CpuLinear whose GGUF twin holds K-quant blocks on gguf_gemm's int8 activations (a scale
     per 256 inputs, llama.cpp's Q8_K) for its steps of few rows (gguf_activations=int8): about half the
@@ -761,9 +780,9 @@ def _cpu_linear(x: torch.Tensor, packed_weight: torch.Tensor, layout: str, out_f
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), twin_weight, GROUP_SIZE, twin_scales)
         elif twin == "q4_1":
             y = load_cpu_kernels().q4_gemm(x, twin_weight, twin_scales, twin_mins)
-        elif twin in ("gguf", GGUF_INT8, GGUF_INT8_AMX):
-            y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features, twin != "gguf",
-                                             twin == GGUF_INT8_AMX)
+        elif twin in ("gguf", GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX):
+            y = load_cpu_kernels().gguf_gemm(x, twin_weight, twin_scales, out_features,
+                                             twin in (GGUF_INT8, GGUF_INT8_AMX), twin in (GGUF_AMX, GGUF_INT8_AMX))
         else:
             y = load_cpu_kernels().q8_0_gemm(x, twin_weight, twin_scales)
     elif from_blocks:

@@ -54,7 +54,7 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
-from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES, LAYOUTS, CpuLinear,
+from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES, LAYOUTS, CpuLinear,
                                            bf16_exact, bf16w_gemm_vectorised, four_bit_twin, gguf_int8_amx,
                                            gguf_twin_name, is_down_projection, pack_gguf_twin, prepack_available,
                                            random_shards, tiled_gemm_amx, tiled_gemm_vectorised)
@@ -65,7 +65,7 @@ CHOICE_VERSION = 3  # bump when the meaning of a cached table changes (2: the ti
 # 3: twins from GGUF blocks, keyed by their spec)
 AMX = "tiled+amx"  # the tiled layout with every step on our AMX path: timed to find its cut-over
 PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
-INT8_PREFILL_ROWS = 512  # int8 activations' twin is timed at a prompt chunk's rows too (ChoiceRequest.int8)
+INT8_PREFILL_ROWS = 512  # a K-quant twin on int8 activations or AMX tiles is timed at a prompt chunk's rows too
 GIVE_UP = 2.5  # a layout this many times slower than the best at a step size is not timed further
 TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed its cut-over
 COPIES_BYTES = 48 << 20  # bf16 bytes of distinct weights one timed call of a projection reads
@@ -327,14 +327,15 @@ def amx_candidate(in_features: int, kernels: ModuleType | None) -> list[str]:
 
 def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: str | None, spec: str = "",
                       blocks: bool = False, int8: bool = False,
-                      int8_amx: bool = False) -> dict[str, Callable[[int], Callable[[], object]]]:
+                      gguf_amx: bool = False) -> dict[str, Callable[[int], Callable[[], object]]]:
     """One factory per layout (and for the twin, run at every row count); a call runs x through
     every one of `lins` (copies of one shape) as CpuLinear as the model will hold them, so the op's
     own overhead and the weights' memory traffic are in the figure. `spec`: the twin is one from
     GGUF blocks of these types and row ranges (random blocks: only the layout matters for speed).
     `blocks`: those blocks are the weight (CpuLinear's `blocks`), so each layout is timed with the
-    dequantisation of its panels (blocks_gemm) included. `int8`: the GGUF twin on int8 activations
-    (`int8_amx`: with its steps of 16+ rows on AMX-INT8 tiles, as use_int8_activations(amx=True) runs it)."""
+    dequantisation of its panels (blocks_gemm) included. `int8`: the GGUF twin on int8 activations;
+    `gguf_amx`: a K-quant GGUF twin's steps of 16+ rows on AMX-INT8 tiles, on int8 activations as
+    use_int8_activations(amx=True) runs it, on int16 as use_amx_tiles does."""
     def factory(copies: list[CpuLinear]) -> Callable[[int], Callable[[], object]]:
         def make(rows: int) -> Callable[[], object]:
             x = torch.randn(rows, lins[0].in_features).to(lins[0].weight.dtype)  # activations as the model has them
@@ -356,7 +357,10 @@ def linear_candidates(lins: Sequence[nn.Linear], layouts: Sequence[str], twin: s
             mods[twin] = [CpuLinear(lin, twin, 1 << 30, layout=layouts[0]) for lin in lins]
     if int8 and twin:
         for mod in mods[twin]:
-            mod.op_twin = GGUF_INT8_AMX if int8_amx else GGUF_INT8
+            mod.op_twin = GGUF_INT8_AMX if gguf_amx else GGUF_INT8
+    elif gguf_amx and twin and any(t in spec for t in KQUANT_NAMES):
+        for mod in mods[twin]:
+            mod.op_twin = GGUF_AMX
     return {name: factory(copies) for name, copies in mods.items()}
 
 
@@ -391,7 +395,8 @@ class ChoiceRequest:
     q8_head: bool = False  # the LM head gets a Q8_0 twin to time
     attention: tuple[int, int, int, int] | None = None  # (heads, kv heads, head_dim, block_size): measured
     amx: bool = False  # AMX may be used (EngineConfig.cpu_amx): the tiled layout's AMX path is timed, and
-    # an int8 GGUF twin is timed with its steps of 16+ rows on AMX-INT8 tiles (gguf_int8_amx)
+    # a K-quant GGUF twin (int8 or int16) with its steps of 16+ rows on AMX-INT8 tiles (gguf_int8_amx),
+    # also at a prompt chunk's INT8_PREFILL_ROWS
     blocks: bool = False  # the GGUF twins' blocks are the weights (CpuLinear's blocks): timed as such
     # float32: the shapes (as in `shapes`) whose weights are all bf16-exact (bf16_exact_shapes), the
     # only ones that may get bf16w unforced: it gives float32's numbers for those weights alone
@@ -450,7 +455,8 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                  "attention": list(req.attention or ()), "attention_candidates": attn_names,
                  "kernels": kernels is not None, "amx": req.amx, "bf16_exact": [list(s) for s in req.bf16_exact],
                  **({"blocks": True} if req.blocks else {}), **({"int8": True} if req.int8 else {}),
-                 **({"int16_shapes": [list(s) for s in req.int16_shapes]} if req.int8 and req.int16_shapes else {})}
+                 **({"int16_shapes": [list(s) for s in req.int16_shapes]} if req.int8 and req.int16_shapes else {}),
+                 **({"gguf_amx16": True} if req.amx and gguf_int8_amx(kernels) else {})}
     key = choice_key(req.shapes, req.buckets, req.dtype, described)
     if not remeasure:
         cached = load_cached(key, folder)
@@ -462,6 +468,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     linears: dict[str, LinearChoice] = {}
     exact = {tuple(s) for s in req.bf16_exact}
     on_int16 = {tuple(s) for s in req.int16_shapes}
+    chunk_timed = False  # some twin was timed at INT8_PREFILL_ROWS (shown in the table)
     with torch.inference_mode():
         for role, n, k, *rest in req.shapes:
             spec = rest[0] if rest else ""
@@ -478,17 +485,20 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             twin = (gguf_twin_name(spec) if spec else
                     four_bit_twin(k, kernels, req.dtype) if role == "proj" and req.four_bit else
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
-            int8 = (req.int8 and any(t in spec for t in KQUANT_NAMES)
-                    and (role, n, k, *rest) not in on_int16)
+            kquant = any(t in spec for t in KQUANT_NAMES)
+            int8 = req.int8 and kquant and (role, n, k, *rest) not in on_int16
+            gguf_amx = req.amx and gguf_int8_amx(kernels)
+            # a twin whose many-row steps run on the tiles is timed at a prompt chunk's rows too
+            many_rows = role == "proj" and (int8 or (gguf_amx and kquant))
             buckets = proj_buckets if role == "proj" else req.buckets
-            if int8 and role == "proj":
+            if many_rows:
                 buckets = sorted({*buckets, INT8_PREFILL_ROWS})
+                chunk_timed = True
             copies = num_copies(n, k)
             # AMX never gives up: it is slow at few rows and wins at many, past where it would be dropped
             give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
             lins = [_linear(n, k, req.dtype, weightless=from_blocks) for _ in range(copies)]
-            sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks, int8,
-                                            req.amx and gguf_int8_amx(kernels)), buckets,
+            sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks, int8, gguf_amx), buckets,
                           give_up=give_up or None)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name not in (twin, AMX)}
@@ -497,7 +507,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                 base["tiled"] = {b: sec[AMX][b] if b >= amx_from else t for b, t in base["tiled"].items()}
             layout = pick_fastest(base)
             cut = twin_cutover(sec[twin], base[layout]) if twin else 0
-            if int8 and role == "proj" and cut == max(buckets):
+            if many_rows and cut == max(buckets):
                 cut = EVERY_ROW  # faster at a prompt chunk's rows as well: it runs every step
             linears[linear_key(role, n, k, spec)] = LinearChoice(role, layout, twin, cut, _ms(sec),
                                                                  amx_from if layout == "tiled" else 0)
@@ -508,7 +518,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             sec = measure(attention_candidates({n: backends[n] for n in attn_names}, heads, kv_heads, head_dim,
                                                block_size, req.dtype), req.buckets)
             attention, attn_ms = pick_fastest(sec), _ms(sec)
-    shown = sorted({*proj_buckets, *([INT8_PREFILL_ROWS] if req.int8 else [])})
+    shown = sorted({*proj_buckets, *([INT8_PREFILL_ROWS] if chunk_timed else [])})
     choice = KernelChoice(shown, linears, attention, attn_ms, time.perf_counter() - t0)
     save_cached(key, choice, folder)
     return choice
