@@ -223,13 +223,15 @@ inline void amx16_line(const uint8_t* hi, const uint8_t* lo, const int8_t* xh, c
 // the same shifted up a byte the odd ones.
 template <int64_t TYPE>
 struct ScaleIndex {
-  alignas(64) uint8_t idx[4][64];
-  ScaleIndex() {
+  alignas(64) uint8_t idx[4][64] = {};
+  constexpr ScaleIndex() {
     for (int g = 0; g < 4; ++g)
       for (int i = 0; i < 64; ++i)
         idx[g][i] = i % 2 ? 0x80 : static_cast<uint8_t>(TYPE == kQ6_K ? 4 * g + i / 16 : 2 * g + i / 32);
   }
 };
+template <int64_t TYPE>
+inline constexpr ScaleIndex<TYPE> kScaleIndex{};  // built by the compiler: no guarded static in the loop
 
 // One super-block of 16 weight rows, unpacked: each level times its sub-block's integer scale (Q4_K /
 // Q5_K sc * q <= 63 * 31; Q6_K sc * q in [-128 * 63, 127 * 63]: int16), split into a high byte plane
@@ -254,9 +256,8 @@ struct AmxBlock {
 
   // line g of row f from its 64 levels q (u8, input order) and the scales sv as ScaleIndex reads them
   void fold(int f, int g, __m512i q, __m512i sv) {
-    static const ScaleIndex<TYPE> kIdx;
     constexpr __mmask64 kOdd = 0xAAAAAAAAAAAAAAAAull;
-    const __m512i se = _mm512_shuffle_epi8(sv, _mm512_load_si512(kIdx.idx[g]));
+    const __m512i se = _mm512_shuffle_epi8(sv, _mm512_load_si512(kScaleIndex<TYPE>.idx[g]));
     __m512i e = _mm512_maddubs_epi16(q, se);                          // even inputs' sc * q
     __m512i o = _mm512_maddubs_epi16(q, _mm512_slli_epi16(se, 8));    // odd inputs'
     if constexpr (I16 && TYPE == kQ6_K) {  // - 32 * sc: the levels centred
