@@ -432,9 +432,13 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
   return nend;
 }
 
+}  // namespace
+
+bool amx_int8_available() { return amx_tiles_granted(); }
+
 template <typename A, typename T>
-int64_t amx_dispatch(int64_t type, const A& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo,
-                     int64_t n0, int64_t n1) {
+int64_t amx_kquant_columns(int64_t type, const A& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo,
+                           int64_t n0, int64_t n1) {
   switch (type) {
     case kQ4_K: return amx_columns<kQ4_K>(a, w, row_bytes, out, ldo, n0, n1);
     case kQ5_K: return amx_columns<kQ5_K>(a, w, row_bytes, out, ldo, n0, n1);
@@ -443,48 +447,24 @@ int64_t amx_dispatch(int64_t type, const A& a, const uint8_t* w, int64_t row_byt
   return n0;
 }
 
-}  // namespace
-
-bool amx_int8_available() { return amx_tiles_granted(); }
-
-int64_t amx_kquant_columns(int64_t type, const AmxActivations& a, const uint8_t* w, int64_t row_bytes, float* out,
-                           int64_t ldo, int64_t n0, int64_t n1) {
-  return amx_dispatch(type, a, w, row_bytes, out, ldo, n0, n1);
-}
-int64_t amx_kquant_columns(int64_t type, const AmxActivations& a, const uint8_t* w, int64_t row_bytes,
-                           uint16_t* out, int64_t ldo, int64_t n0, int64_t n1) {
-  return amx_dispatch(type, a, w, row_bytes, out, ldo, n0, n1);
-}
-int64_t amx_kquant_columns(int64_t type, const AmxActivations16& a, const uint8_t* w, int64_t row_bytes, float* out,
-                           int64_t ldo, int64_t n0, int64_t n1) {
-  return amx_dispatch(type, a, w, row_bytes, out, ldo, n0, n1);
-}
-int64_t amx_kquant_columns(int64_t type, const AmxActivations16& a, const uint8_t* w, int64_t row_bytes,
-                           uint16_t* out, int64_t ldo, int64_t n0, int64_t n1) {
-  return amx_dispatch(type, a, w, row_bytes, out, ldo, n0, n1);
-}
-
 #else  // no AMX-INT8 in this build: gguf_gemm never asks (amx_int8_available)
 
 bool amx_int8_available() { return false; }
-int64_t amx_kquant_columns(int64_t, const AmxActivations&, const uint8_t*, int64_t, float*, int64_t, int64_t n0,
-                           int64_t) {
-  return n0;
-}
-int64_t amx_kquant_columns(int64_t, const AmxActivations&, const uint8_t*, int64_t, uint16_t*, int64_t, int64_t n0,
-                           int64_t) {
-  return n0;
-}
-int64_t amx_kquant_columns(int64_t, const AmxActivations16&, const uint8_t*, int64_t, float*, int64_t, int64_t n0,
-                           int64_t) {
-  return n0;
-}
-int64_t amx_kquant_columns(int64_t, const AmxActivations16&, const uint8_t*, int64_t, uint16_t*, int64_t,
-                           int64_t n0, int64_t) {
+template <typename A, typename T>
+int64_t amx_kquant_columns(int64_t, const A&, const uint8_t*, int64_t, T*, int64_t, int64_t n0, int64_t) {
   return n0;
 }
 
 #endif
+
+template int64_t amx_kquant_columns(int64_t, const AmxActivations&, const uint8_t*, int64_t, float*, int64_t, int64_t,
+                                    int64_t);
+template int64_t amx_kquant_columns(int64_t, const AmxActivations&, const uint8_t*, int64_t, uint16_t*, int64_t,
+                                    int64_t, int64_t);
+template int64_t amx_kquant_columns(int64_t, const AmxActivations16&, const uint8_t*, int64_t, float*, int64_t,
+                                    int64_t, int64_t);
+template int64_t amx_kquant_columns(int64_t, const AmxActivations16&, const uint8_t*, int64_t, uint16_t*, int64_t,
+                                    int64_t, int64_t);
 
 }  // namespace gguf
 }  // namespace iterserve

@@ -52,18 +52,13 @@ bool amx_int8_available();
 
 // Output columns [n0, n0 + 16 * j) of a K-quant shard (type Q4_K, Q5_K or Q6_K; row n at w + n *
 // row_bytes) for a.M rows into out [M, ldo], float32 or bfloat16 bits; returns the first column not done
-// (fewer than 16 left: the caller's loops take them).
-int64_t amx_kquant_columns(int64_t type, const AmxActivations& a, const uint8_t* w, int64_t row_bytes, float* out,
-                           int64_t ldo, int64_t n0, int64_t n1);
-int64_t amx_kquant_columns(int64_t type, const AmxActivations& a, const uint8_t* w, int64_t row_bytes,
-                           uint16_t* out, int64_t ldo, int64_t n0, int64_t n1);
-// The same on int16 activations: four tile products a line (both weight planes against both activation
-// planes), the super-block's sum taken to float32 exactly but for two roundings, d * dx once a
-// super-block, the mins as gg_rows takes them (dmin * m times the float sum of x over the sub-block).
-int64_t amx_kquant_columns(int64_t type, const AmxActivations16& a, const uint8_t* w, int64_t row_bytes, float* out,
-                           int64_t ldo, int64_t n0, int64_t n1);
-int64_t amx_kquant_columns(int64_t type, const AmxActivations16& a, const uint8_t* w, int64_t row_bytes,
-                           uint16_t* out, int64_t ldo, int64_t n0, int64_t n1);
+// (fewer than 16 left: the caller's loops take them). A: AmxActivations (int8: the interleaved kernel's
+// numbers) or AmxActivations16 (int16: four tile products a line, the super-block's sum taken to
+// float32 exactly but for two roundings, d * dx once a super-block, the mins as gg_rows takes them:
+// dmin * m times the float sum of x over the sub-block). T: float or uint16_t (bf16 bits).
+template <typename A, typename T>
+int64_t amx_kquant_columns(int64_t type, const A& a, const uint8_t* w, int64_t row_bytes, T* out, int64_t ldo,
+                           int64_t n0, int64_t n1);
 
 }  // namespace gguf
 }  // namespace iterserve
