@@ -81,6 +81,19 @@ std::unique_ptr<E[], void (*)(void*)> aligned_array(int64_t n) {
   return {static_cast<E*>(p), std::free};
 }
 
+// fn(t) for each of `tiles` tiles of 16 rows, over the pool where the rows' elements are many (as
+// GgQuantised quantises them)
+template <typename F>
+void each_tile(int64_t tiles, int64_t elements, const F& fn) {
+  if (elements < kParallelQuantise) {
+    for (int64_t t = 0; t < tiles; ++t) fn(t);
+    return;
+  }
+  iterserve::parallel_ranges(tiles, kRanges, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) fn(t);
+  });
+}
+
 }  // namespace
 
 AmxActivations::AmxActivations(const int8_t* x8, int64_t l8, const float* d8_in, const int16_t* bs_in, int64_t M_,
@@ -119,13 +132,7 @@ AmxActivations::AmxActivations(const int8_t* x8, int64_t l8, const float* d8_in,
       }
     }
   };
-  if (M * K < kParallelQuantise) {
-    for (int64_t t = 0; t < tiles; ++t) tile(t);
-  } else {
-    iterserve::parallel_ranges(tiles, kRanges, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) tile(t);
-    });
-  }
+  each_tile(tiles, M * K, tile);
 }
 
 AmxActivations16::AmxActivations16(const int16_t* xq, int64_t lq, const float* dx_in, const float* sx_in, int64_t ls,
@@ -157,13 +164,7 @@ AmxActivations16::AmxActivations16(const int16_t* xq, int64_t lq, const float* d
       for (int64_t j = 0; j < NS; ++j) st[j * 16 + r] = sx_in[m * ls + j];
     }
   };
-  if (M * K < kParallelQuantise) {
-    for (int64_t t = 0; t < tiles; ++t) tile(t);
-  } else {
-    iterserve::parallel_ranges(tiles, kRanges, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) tile(t);
-    });
-  }
+  each_tile(tiles, M * K, tile);
 }
 
 #if ISV_AMX_INT8
