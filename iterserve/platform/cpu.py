@@ -113,8 +113,10 @@ class CpuPlatform(Platform):
         self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
         # gguf_gemm's int8 K-quant shards of 16+ rows on AMX-INT8 tiles (int8 is refused under batch_invariant)
         self.int8_amx = config.cpu_amx and gguf_int8_amx(self.kernels)
-        # ... and its int16 ones (use_amx_tiles), which batch_invariant would run
+        # ... and its int16 ones (use_amx_tiles), not under batch_invariant (a row's sums would round by
+        # its step's size); how many modules run so (prepare_model)
         self.int16_amx = self.int8_amx and not config.batch_invariant
+        self.int16_amx_modules = 0
 
     def gguf_block_types(self) -> frozenset[str]:
         """Every block type gguf_gemm and gguf_dequant read, where the C++ kernels built and
@@ -153,9 +155,10 @@ class CpuPlatform(Platform):
         chain_read_ahead(model, self.kernels)
         if int8:
             self._use_int8(model, mode)
-        if self.int16_amx and use_amx_tiles(model):
-            log.info("CPU: the projections whose K-quant blocks stay on int16 activations run steps of 16+ rows "
-                     "on AMX-INT8 tiles")
+        self.int16_amx_modules = use_amx_tiles(model) if self.int16_amx else 0
+        if self.int16_amx_modules:
+            log.info("CPU: %d projections whose K-quant blocks stay on int16 activations run steps of 16+ rows on "
+                     "AMX-INT8 tiles", self.int16_amx_modules)
 
     def _use_int8(self, model: nn.Module, mode: str) -> None:
         """The K-quant twins on int8 activations (int8-except-down: all but the down projections)."""
@@ -417,6 +420,6 @@ class CpuPlatform(Platform):
                 "int4_max_tokens": self.int4_max_tokens, "q8_head_max_tokens": self.q8_head_max_tokens,
                 "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
                 "gguf_int8_amx": self.int8_amx and self.gguf_activations != "int16",
-                "gguf_int16_amx": self.int16_amx and bool(self.gguf_twins) and self.gguf_activations != "int8",
+                "gguf_int16_amx": self.int16_amx_modules > 0,
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else
                 ("fixed (batch_invariant)" if self.config.batch_invariant else "by CPU flags (measure_kernels off)")}

@@ -54,8 +54,8 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
-from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES, LAYOUTS, CpuLinear,
-                                           bf16_exact, bf16w_gemm_vectorised, four_bit_twin, gguf_int8_amx,
+from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES, LAYOUTS,
+                                           CpuLinear, bf16_exact, bf16w_gemm_vectorised, four_bit_twin, gguf_int8_amx,
                                            gguf_twin_name, is_down_projection, pack_gguf_twin, prepack_available,
                                            random_shards, tiled_gemm_amx, tiled_gemm_vectorised)
 
