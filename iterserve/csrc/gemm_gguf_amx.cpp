@@ -275,7 +275,8 @@ struct AmxBlock {
     if constexpr (TYPE == kQ6_K) {
       d[f] = f16_at(b + 208), dmin[f] = 0.f;
       const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));  // 16 int8 scales
-      _mm256_store_si256(reinterpret_cast<__m256i*>(mp[f]), _mm256_cvtepi8_epi16(s));  // pairs (2p, 2p + 1)
+      if constexpr (!I16)  // int16 folds the offset into the levels
+        _mm256_store_si256(reinterpret_cast<__m256i*>(mp[f]), _mm256_cvtepi8_epi16(s));  // pairs (2p, 2p + 1)
       const __m512i sv = _mm512_broadcast_i32x4(s);
       const __m512i m30 = _mm512_set1_epi8(0x30);
       // the 16-bit shifts of the high bits: gemm_gguf.cpp's q6k_levels takes them << 4 and << 2 for

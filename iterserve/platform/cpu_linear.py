@@ -688,7 +688,7 @@ def use_amx_tiles(model: nn.Module) -> int:
     with gguf_activations=int16, the down projections with int8-except-down) on gguf_gemm's AMX-INT8
     path for its steps of 16+ rows (gguf_gemm_amx_available): each int16 level as two bytes, four tile
     products a line, within the int16 path's bound of float64 (not its bits: the super-block's sum is
-    rounded once, where the vector loop rounds its lanes'); 2.2-4x the int16 loop at 16-64 rows on a
+    rounded twice, where the vector loop rounds one sum per lane); 2.2-4x the int16 loop at 16-64 rows on a
     2-core AMX Xeon (docs/profile.md). Not under batch_invariant: a row would round by its step's size.
     Returns how many."""
     n = 0

@@ -451,12 +451,13 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                    folder: Path | None = None) -> KernelChoice:
     """The cached table for this machine and model, or a new measurement (saved for next time)."""
     attn_names = ((["cpu"] if kernels is not None else []) + ["torch"]) if req.attention else []
+    gguf_amx = req.amx and gguf_int8_amx(kernels)  # K-quant twins' steps of 16+ rows on AMX-INT8 tiles
     described = {"layout": req.layout, "four_bit": req.four_bit, "q8_head": req.q8_head,
                  "attention": list(req.attention or ()), "attention_candidates": attn_names,
                  "kernels": kernels is not None, "amx": req.amx, "bf16_exact": [list(s) for s in req.bf16_exact],
                  **({"blocks": True} if req.blocks else {}), **({"int8": True} if req.int8 else {}),
                  **({"int16_shapes": [list(s) for s in req.int16_shapes]} if req.int8 and req.int16_shapes else {}),
-                 **({"gguf_amx16": True} if req.amx and gguf_int8_amx(kernels) else {})}
+                 **({"gguf_amx16": True} if gguf_amx else {})}
     key = choice_key(req.shapes, req.buckets, req.dtype, described)
     if not remeasure:
         cached = load_cached(key, folder)
@@ -487,7 +488,6 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                     "q8_0" if role == "head" and req.q8_head and k % 32 == 0 else None)
             kquant = any(t in spec for t in KQUANT_NAMES)
             int8 = req.int8 and kquant and (role, n, k, *rest) not in on_int16
-            gguf_amx = req.amx and gguf_int8_amx(kernels)
             # a twin whose many-row steps run on the tiles is timed at a prompt chunk's rows too
             many_rows = role == "proj" and (int8 or (gguf_amx and kquant))
             buckets = proj_buckets if role == "proj" else req.buckets
