@@ -11,7 +11,8 @@
 // K-quant's scale changes every sub-block (32 inputs for Q4_K / Q5_K, 16 for Q6_K), and a tile product
 // sums 64 inputs, so the scales are folded into the weights as they are unpacked: each level times its
 // sub-block's integer scale (sc * q: Q4_K <= 945, Q5_K <= 1953, Q6_K in [-8064, 8001]: int16), split
-// into a high and a low byte plane (vpmaddubsw on the even and the odd levels, then a byte blend).
+// into a high and a low byte plane (vpmaddubsw on the even and the odd levels, then a byte blend;
+// Q4_K by lookup instead: vpermb in the line's 32 products, Q4kLookup).
 // Two tile products a line (high plane: tdpbusd, Q6_K's signed tdpbssd; low plane: tdpbusd) add up a
 // whole super-block in two accumulators, and 256 * high + low is the sum over the super-block of the
 // sub-block products times their scales, exactly (|sum| < 2^28). The mins (Q4_K, Q5_K) and Q6_K's
@@ -24,8 +25,10 @@
 //
 // The weights: for 16 weight rows, a super-block at a time, each row's scaled levels are unpacked into
 // 4 lines of 64 bytes in each plane (8 KiB a super-block), the next super-block while the tile unit
-// multiplies this one, once for every tile of activation rows. The activation tiles of a super-block
-// are 4 KiB each: in L1.
+// multiplies this one, once for every tile of activation rows. The 16 rows' scales, mins, d and dmin
+// are read together (AmxBlock::headers: gathers), the levels row by row. Up to 64 activation rows
+// (one pass of the accumulators) two such buffers take turns and stay in L1 with the activation
+// tiles (4 KiB a super-block); more rows keep a row group's every super-block for the later passes.
 //
 // int16 activations (AmxActivations16: gguf_gemm's levels, one scale a row; the down projections under
 // int8-except-down, every K-quant projection under int16). Each level is split into a signed high and
@@ -43,10 +46,14 @@
 // per 8,192 multiply-adds, and a fifth of its time waited on the cache misses of tile loads from L2.
 // This form, against that one (benchmarks/ab_gguf_gemm.py, weights cold): Q4_K 1.14-1.29x at 16 rows
 // and 1.34-1.47x at 64, Q6_K 1.33x at 16 rows and 1.79x at 64 (sub-blocks of 16 had taken twice the
-// tile products and scaling a weight). At 16 rows it is now bound by unpacking (~12 instructions per
-// 64 levels) and the tile products, half of them the high plane's (3-6 bits of each byte used). On
-// int16 activations, against gemm_gguf.cpp's int16 loop (vpdpwssd): 2.2-2.3x at 16 rows, 3.1-4.0x at
-// 32-64 (a 1B's down projections and gate/up), within ~15 % of the int8 form at 16 rows.
+// tile products and scaling a weight). On int16 activations, against gemm_gguf.cpp's int16 loop
+// (vpdpwssd): 2.2-2.3x at 16 rows, 3.1-4.0x at 32-64 (a 1B's down projections and gate/up), within
+// ~15 % of the int8 form at 16 rows. Then (weights cold, the 1B's shapes): the unpacked super-blocks
+// in two buffers instead of one a super-block of K (whose 72-290 KiB had every plane store miss L1:
+// 1.3x warm), the headers gathered and Q4_K by lookup (~45 instructions a row's super-block where
+// ~108 were: 1.1x more): Q4_K 1.26-1.36x at 16 rows, 1.12x at 64; Q6_K 1.11x; int16 1.06-1.12x. At 16
+// rows a tile product takes ~5 ns (timed alone: chains of them are no slower than independent ones),
+// a super-block's eight ~40 ns, a row group's unpacking of it ~250 ns.
 
 #include "gemm_gguf_amx.h"
 
@@ -234,6 +241,44 @@ struct ScaleIndex {
 template <int64_t TYPE>
 inline constexpr ScaleIndex<TYPE> kScaleIndex{};  // built by the compiler: no guarded static in the loop
 
+// Q4_K's fold by lookup: a line holds two sub-blocks (2g: inputs 0-31, the low nibbles; 2g + 1: 32-63,
+// the high ones) of 16 levels each, so its 32 products sc * q fit one register of words, word 2q + s
+// for sub-block 2g + s (vpmaddubsw of `iota` against the two scales), and each plane is one vpermb of
+// it: the low byte of word 2q + s is byte 4q + 2s, the high byte the next. The index comes from the
+// nibbles by one rotate a dword (the low half's bits 0-3 and the high half's bits 4-7 both to bits
+// 2-5) and one vpternlogd ((rot & 0x3c) | 2s, | 1 for the high plane).
+struct Q4kLookup {
+  alignas(64) uint8_t iota[64] = {};  // word w: level w / 2 against the first scale (w even) or the second
+  alignas(64) uint32_t rot[16] = {};  // left by 2 (low half), by 30 (high half)
+  alignas(64) uint8_t lo_or[64] = {}, hi_or[64] = {};
+  constexpr Q4kLookup() {
+    for (int w = 0; w < 32; ++w) iota[2 * w + (w % 2)] = static_cast<uint8_t>(w / 2);
+    for (int i = 0; i < 16; ++i) rot[i] = i < 8 ? 2 : 30;
+    for (int i = 0; i < 64; ++i) lo_or[i] = i < 32 ? 0 : 2, hi_or[i] = static_cast<uint8_t>(lo_or[i] | 1);
+  }
+};
+inline constexpr Q4kLookup kQ4kLookup{};
+
+// vpshufb controls that turn each dword of 4 bytes (b0 b1 b2 b3) into two int16: (b0, b1) or (b2, b3),
+// zero-extended (`zext`) or placed in the words' high bytes for an arithmetic shift (`high`)
+struct PairShuffle {
+  alignas(64) uint8_t zext[2][64] = {}, high[2][64] = {};
+  constexpr PairShuffle() {
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 64; ++i) {
+        const auto src = static_cast<uint8_t>(i % 16 / 4 * 4 + 2 * h + i % 4 / 2);  // within the 128-bit lane
+        zext[h][i] = i % 2 ? 0x80 : src;
+        high[h][i] = i % 2 ? src : 0x80;
+      }
+  }
+};
+inline constexpr PairShuffle kPairShuffle{};
+#ifdef __AVX512VBMI__
+constexpr bool kVbmi = true;  // every AMX Xeon so far has it; without it Q4_K folds as the others do
+#else
+constexpr bool kVbmi = true;
+#endif
+
 // One super-block of 16 weight rows, unpacked: each level times its sub-block's integer scale (Q4_K /
 // Q5_K sc * q <= 63 * 31; Q6_K sc * q in [-128 * 63, 127 * 63]: int16), split into a high byte plane
 // (hi: Q6_K signed) and a low one (lo: unsigned), lines of 64 inputs in input order, so that a tile
@@ -251,9 +296,59 @@ struct AmxBlock {
   static constexpr int NP = TYPE == kQ6_K ? 8 : 4;
   alignas(64) uint8_t hi[4][16][64];
   alignas(64) uint8_t lo[4][16][64];
-  alignas(64) int32_t mp[16][NP];
-  alignas(64) float mf[16][8];
+  alignas(64) int32_t mp[NP][16];   // pair p of row f (vpdpwssd's)
+  alignas(64) float mf[8][16];      // I16: dmin * m_j of row f
+  alignas(64) uint32_t pair[4][16]; // Q4_K / Q5_K: line g's two scales, twice (sc_2g | sc_2g+1 << 8, << 16)
   alignas(64) float d[16], dmin[16];
+
+  // The 16 rows' scales, mins, d and dmin of their super-blocks at b0 + f * row_bytes, all rows at
+  // once (gathers): per row in scalar code they were half the unpacking's instructions.
+  void headers(const uint8_t* b0, int64_t row_bytes) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(row_bytes)),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const auto words = [](__m512i v, __m512i shuffle) { return _mm512_shuffle_epi8(v, shuffle); };
+    if constexpr (TYPE == kQ6_K) {
+      const __m512i dd = _mm512_i32gather_epi32(at, b0 + 208, 1);
+      _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)));
+      _mm512_store_ps(dmin, _mm512_setzero_ps());
+      if constexpr (!I16) {  // int16 folds the offset into the levels
+        // pairs (2p, 2p + 1) of the 16 int8 scales at 192, each sign-extended to int16: the byte into a
+        // word's high byte, then an arithmetic shift
+        for (int k = 0; k < 4; ++k) {
+          const __m512i u = _mm512_i32gather_epi32(at, b0 + 192 + 4 * k, 1);
+          _mm512_store_si512(mp[2 * k], _mm512_srai_epi16(words(u, _mm512_load_si512(kPairShuffle.high[0])), 8));
+          _mm512_store_si512(mp[2 * k + 1], _mm512_srai_epi16(words(u, _mm512_load_si512(kPairShuffle.high[1])), 8));
+        }
+      }
+    } else {
+      const __m512i dd = _mm512_i32gather_epi32(at, b0, 1);
+      const __m512 dm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+      _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)));
+      _mm512_store_ps(dmin, dm);
+      // k4_scales on 16 rows: sub-blocks 0-3 in u0's / u1's low 6 bits, 4-7 in u2's nibbles and the
+      // top 2 bits of u0 / u1
+      const __m512i u0 = _mm512_i32gather_epi32(at, b0 + 4, 1), u1 = _mm512_i32gather_epi32(at, b0 + 8, 1),
+                    u2 = _mm512_i32gather_epi32(at, b0 + 12, 1);
+      const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f), k3 = _mm512_set1_epi32(0x03030303);
+      const __m512i sc[2] = {_mm512_and_si512(u0, k1),
+                             _mm512_or_si512(_mm512_and_si512(u2, k2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4))};
+      const __m512i mn[2] = {_mm512_and_si512(u1, k1),
+                             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4))};
+      const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i a = _mm512_and_si512(sc[h], low16), b = _mm512_srli_epi32(sc[h], 16);
+        _mm512_store_si512(pair[2 * h], _mm512_or_si512(a, _mm512_slli_epi32(a, 16)));
+        _mm512_store_si512(pair[2 * h + 1], _mm512_or_si512(b, _mm512_slli_epi32(b, 16)));
+        if constexpr (I16) {
+          for (int j = 0; j < 4; ++j)
+            _mm512_store_ps(mf[4 * h + j], _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn[h], 8 * j), _mm512_set1_epi32(0xFF)))));
+        } else {  // pairs (m_2p, m_2p+1) as int16: bytes 0, 1 (2, 3) into the two words' low bytes
+          _mm512_store_si512(mp[2 * h], words(mn[h], _mm512_load_si512(kPairShuffle.zext[0])));
+          _mm512_store_si512(mp[2 * h + 1], words(mn[h], _mm512_load_si512(kPairShuffle.zext[1])));
+        }
+      }
+    }
+  }
 
   // line g of row f from its 64 levels q (u8, input order) and the scales sv as ScaleIndex reads them
   void fold(int f, int g, __m512i q, __m512i sv) {
@@ -269,15 +364,25 @@ struct AmxBlock {
     _mm512_store_si512(hi[g][f], _mm512_mask_blend_epi8(kOdd, _mm512_srli_epi16(e, 8), o));
   }
 
-  // row f's super-block from its bytes b
+  // Q4_K's line g of row f from its 32 bytes of nibbles qs: the same planes as fold's, by lookup
+  // (Q4kLookup) in the products of the line's two scales
+  void fold_q4k([[maybe_unused]] int f, [[maybe_unused]] int g, [[maybe_unused]] const uint8_t* qs) {
+#ifdef __AVX512VBMI__
+    const __m512i table = _mm512_maddubs_epi16(_mm512_load_si512(kQ4kLookup.iota), _mm512_set1_epi32(static_cast<int>(pair[g][f])));
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+    const __m512i r = _mm512_rolv_epi32(v, _mm512_load_si512(kQ4kLookup.rot));
+    const __m512i m = _mm512_set1_epi8(0x3C);
+    constexpr int kAndOr = 0xEA;  // (a & b) | c
+    _mm512_store_si512(lo[g][f], _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(r, m, _mm512_load_si512(kQ4kLookup.lo_or), kAndOr), table));
+    _mm512_store_si512(hi[g][f], _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(r, m, _mm512_load_si512(kQ4kLookup.hi_or), kAndOr), table));
+#endif
+  }
+
+  // row f's levels from its super-block's bytes b (headers() read its scales)
   void unpack(int f, const uint8_t* b) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     if constexpr (TYPE == kQ6_K) {
-      d[f] = f16_at(b + 208), dmin[f] = 0.f;
-      const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));  // 16 int8 scales
-      if constexpr (!I16)  // int16 folds the offset into the levels
-        _mm256_store_si256(reinterpret_cast<__m256i*>(mp[f]), _mm256_cvtepi8_epi16(s));  // pairs (2p, 2p + 1)
-      const __m512i sv = _mm512_broadcast_i32x4(s);
+      const __m512i sv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));  // 16 int8 scales
       const __m512i m30 = _mm512_set1_epi8(0x30);
       // the 16-bit shifts of the high bits: gemm_gguf.cpp's q6k_levels takes them << 4 and << 2 for
       // its q[0] | q[1], as they are and >> 2 for q[2] | q[3]
@@ -290,16 +395,12 @@ struct AmxBlock {
         fold(f, 2 * h + 1, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4),
                                            _mm512_and_si512(_mm512_srlv_epi16(hb, down), m30)), sv);
       }
+    } else if constexpr (TYPE == kQ4_K && kVbmi) {
+      for (int g = 0; g < 4; ++g) fold_q4k(f, g, b + 16 + 32 * g);
     } else {
-      uint64_t s, mn;
-      d[f] = f16_at(b), dmin[f] = f16_at(b + 2);
-      k4_scales(b + 4, s, mn);
-      if constexpr (I16)
-        _mm256_store_ps(mf[f], _mm256_mul_ps(_mm256_set1_ps(dmin[f]),
-                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn))))));
-      else
-        _mm_store_si128(reinterpret_cast<__m128i*>(mp[f]), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
-      const __m512i sv = _mm512_set1_epi64(static_cast<int64_t>(s));
+      // the 8 scales as k4_scales gives them (pair[g] holds sub-blocks 2g, 2g + 1 in its low 16 bits)
+      const __m512i sv = _mm512_set1_epi64(static_cast<int64_t>(
+          (pair[0][f] & 0xFFFF) | (pair[1][f] & 0xFFFF) << 16 | static_cast<uint64_t>((pair[2][f] & 0xFFFF) | (pair[3][f] & 0xFFFF) << 16) << 32));
       // bytes 32g ..: sub-block 2g in the low nibbles, 2g + 1 in the high ones; a line is the 32 bytes
       // twice, the upper half shifted down by 4
       const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
@@ -331,6 +432,9 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
   thread_local std::vector<B> blocks;  // one group's super-blocks, kept between calls (its pages fault in once)
   if (static_cast<int64_t>(blocks.size()) < NB) blocks.resize(NB);
   B* blk = blocks.data();
+  // one pass of the accumulators (<= kBlockTiles activation tiles) reads each super-block once: two
+  // buffers in turn, which stay in L1, where NB of them (9 KiB each) would not
+  const int64_t ring = a.tiles <= kBlockTiles ? 1 : NB;
   const AmxConfig cfg;
   _tile_loadconfig(&cfg);
   alignas(64) int32_t ch[16][16], cm[16][16], cl[16][16];
@@ -341,13 +445,15 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
     // super-block sb of the group's 16 rows, unpacked; each row asks for its bytes kAhead super-blocks
     // on (1, 2 and 4 timed: 2 best, ~5 % apart)
     auto unpack = [&](int64_t sb) {
+      B& bk = blk[ring == 1 ? sb & 1 : sb];
+      bk.headers(wg + sb * BYTES, row_bytes);
       for (int f = 0; f < 16; ++f) {
         const uint8_t* src = wg + f * row_bytes + sb * BYTES;
         // the same row's super-block kAhead on, or past its end the next group's row f's
         const uint8_t* next = sb + kAhead < NB ? src + kAhead * BYTES : wg + (16 + f) * row_bytes + (sb + kAhead - NB) * BYTES;
         if (next + BYTES <= wend)
           for (int64_t l = 0; l < BYTES + 63; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T0);
-        blk[sb].unpack(f, src);
+        bk.unpack(f, src);
       }
     };
     for (int64_t t0 = 0; t0 < a.tiles; t0 += kBlockTiles) {
@@ -355,7 +461,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
       std::memset(acc, 0, sizeof(acc));
       if (t0 == 0) unpack(0);
       for (int64_t sb = 0; sb < NB; ++sb) {
-        const B& wt = blk[sb];
+        const B& wt = blk[ring == 1 ? sb & 1 : sb];
         for (int t = 0; t < nt; ++t) {
           if constexpr (I16) {
             const int64_t at = (t0 + t) * a.K * 16 + sb * 256 * 16;  // this super-block's B rows
@@ -383,7 +489,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
               __m512 v = _mm512_fmadd_ps(sum, _mm512_mul_ps(_mm512_set1_ps(wt.d[f]), dx), _mm512_load_ps(acc[t][f]));
               if constexpr (TYPE != kQ6_K) {
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; ++j) v = _mm512_fnmadd_ps(_mm512_set1_ps(wt.mf[f][j]), _mm512_load_ps(sx + 16 * j), v);
+                for (int j = 0; j < 8; ++j) v = _mm512_fnmadd_ps(_mm512_set1_ps(wt.mf[j][f]), _mm512_load_ps(sx + 16 * j), v);
               }
               _mm512_store_ps(acc[t][f], v);
             }
@@ -409,7 +515,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
               __m512i off = _mm512_setzero_si512();
 #pragma GCC unroll 8
               for (int p = 0; p < B::NP; ++p)
-                off = _mm512_dpwssd_epi32(off, _mm512_load_si512(bt + p * 32), _mm512_set1_epi32(wt.mp[f][p]));
+                off = _mm512_dpwssd_epi32(off, _mm512_load_si512(bt + p * 32), _mm512_set1_epi32(wt.mp[p][f]));
               __m512 v = _mm512_load_ps(acc[t][f]);
               if constexpr (TYPE == kQ6_K) {
                 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(is, _mm512_slli_epi32(off, 5))),
