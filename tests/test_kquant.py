@@ -18,6 +18,9 @@ Q6_K read as stored, Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1 repacked four blocks to a 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -461,6 +464,45 @@ def test_int8_activations_on_amx_tiles_are_the_interleaved_kernels_bits(qtype):
             assert ((y.double() - ref).abs() <= bound).all(), (rows, xs.dtype)
         # a row's outputs do not depend on the other rows of its tile (zero rows pad the last one)
         assert torch.equal(got[16], got[19][:16])
+
+
+# run in a child: a read past the blocks is a segfault, which would take the test session with it
+_GUARDED_BLOCKS = """
+import ctypes, mmap, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_kquant import Shard, random_blocks
+from iterserve.platform.cpu_kernels import load_cpu_kernels
+from iterserve.platform.cpu_linear import pack_gguf_twin
+kernels, libc, page = load_cpu_kernels(), ctypes.CDLL(None), mmap.PAGESIZE
+for qtype in ("Q4_K", "Q5_K", "Q6_K"):
+    for k in (256, 2304):
+        buf, meta = pack_gguf_twin([Shard(0, qtype, random_blocks(qtype, 32, k, seed=k), k)], k)
+        span = (buf.numel() + page - 1) // page * page
+        mm = mmap.mmap(-1, span + page)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        assert libc.mprotect(ctypes.c_void_p(base + span), page, 0) == 0  # PROT_NONE after the blocks
+        guarded = torch.frombuffer(mm, dtype=torch.uint8, offset=span - buf.numel(), count=buf.numel())
+        guarded.copy_(buf)
+        x = torch.randn(16, k).bfloat16()
+        for int8 in (True, False):
+            want = kernels.gguf_gemm(x, buf, meta, 32, int8=int8, amx=True)
+            assert torch.equal(kernels.gguf_gemm(x, guarded, meta, 32, int8=int8, amx=True), want), (qtype, k, int8)
+print("read within the blocks")
+"""
+
+
+def test_amx_tiles_read_nothing_past_a_tensors_last_block():
+    """The AMX kernel reads a row group's headers with gathers of 4 bytes (AmxBlock::headers): none may
+    reach past a super-block, or a tensor's last block at the end of a file's mapping would fault. The
+    blocks end where a page that may not be read begins (int8 and int16 activations, every K-quant,
+    16 rows: the kernel's first and last row group)."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.gguf_gemm_amx_available():
+        pytest.skip("needs a build with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
+    done = subprocess.run([sys.executable, "-c", _GUARDED_BLOCKS, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "read within the blocks" in done.stdout
 
 
 def _int16_bound(x: torch.Tensor, w: np.ndarray, c: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

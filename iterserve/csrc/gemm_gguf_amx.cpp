@@ -298,7 +298,7 @@ struct AmxBlock {
   alignas(64) uint8_t lo[4][16][64];
   alignas(64) int32_t mp[NP][16];   // pair p of row f (vpdpwssd's)
   alignas(64) float mf[8][16];      // I16: dmin * m_j of row f
-  alignas(64) uint32_t pair[4][16]; // Q4_K / Q5_K: line g's two scales, twice (sc_2g | sc_2g+1 << 8, << 16)
+  alignas(64) uint32_t pair[4][16]; // Q4_K / Q5_K: line g's two scales as a word, sc_2g | sc_2g+1 << 8, twice
   alignas(64) float d[16], dmin[16];
 
   // The 16 rows' scales, mins, d and dmin of their super-blocks at b0 + f * row_bytes, all rows at
@@ -308,8 +308,10 @@ struct AmxBlock {
                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const auto words = [](__m512i v, __m512i shuffle) { return _mm512_shuffle_epi8(v, shuffle); };
     if constexpr (TYPE == kQ6_K) {
-      const __m512i dd = _mm512_i32gather_epi32(at, b0 + 208, 1);
-      _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)));
+      // d is the block's last 2 bytes: the dword ending with it (a dword at 208 would read past a
+      // tensor's last block, maybe past its mapping)
+      const __m512i dd = _mm512_i32gather_epi32(at, b0 + 206, 1);
+      _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
       _mm512_store_ps(dmin, _mm512_setzero_ps());
       if constexpr (!I16) {  // int16 folds the offset into the levels
         // pairs (2p, 2p + 1) of the 16 int8 scales at 192, each sign-extended to int16: the byte into a
