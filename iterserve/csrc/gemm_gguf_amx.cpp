@@ -434,9 +434,11 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
   thread_local std::vector<B> blocks;  // one group's super-blocks, kept between calls (its pages fault in once)
   if (static_cast<int64_t>(blocks.size()) < NB) blocks.resize(NB);
   B* blk = blocks.data();
-  // one pass of the accumulators (<= kBlockTiles activation tiles) reads each super-block once: two
-  // buffers in turn, which stay in L1, where NB of them (9 KiB each) would not
-  const int64_t ring = a.tiles <= kBlockTiles ? 1 : NB;
+  // super-block sb's buffer: where one pass of the accumulators (<= kBlockTiles activation tiles)
+  // reads each super-block once, two buffers in turn, which stay in L1 where NB of them (9 KiB each)
+  // would not; more passes read each again, so every one is kept
+  const bool two_buffers = a.tiles <= kBlockTiles;
+  auto buffer = [&](int64_t sb) -> B& { return blk[two_buffers ? sb & 1 : sb]; };
   const AmxConfig cfg;
   _tile_loadconfig(&cfg);
   alignas(64) int32_t ch[16][16], cm[16][16], cl[16][16];
@@ -447,7 +449,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
     // super-block sb of the group's 16 rows, unpacked; each row asks for its bytes kAhead super-blocks
     // on (1, 2 and 4 timed: 2 best, ~5 % apart)
     auto unpack = [&](int64_t sb) {
-      B& bk = blk[ring == 1 ? sb & 1 : sb];
+      B& bk = buffer(sb);
       bk.headers(wg + sb * BYTES, row_bytes);
       for (int f = 0; f < 16; ++f) {
         const uint8_t* src = wg + f * row_bytes + sb * BYTES;
@@ -463,7 +465,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
       std::memset(acc, 0, sizeof(acc));
       if (t0 == 0) unpack(0);
       for (int64_t sb = 0; sb < NB; ++sb) {
-        const B& wt = blk[ring == 1 ? sb & 1 : sb];
+        const B& wt = buffer(sb);
         for (int t = 0; t < nt; ++t) {
           if constexpr (I16) {
             const int64_t at = (t0 + t) * a.K * 16 + sb * 256 * 16;  // this super-block's B rows
