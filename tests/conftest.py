@@ -92,6 +92,8 @@ def variant_skip_reason(variant: str) -> str | None:
         return f"this CPU lacks {', '.join(sorted(missing))} for the {variant} build"
     if variant == "avx2" and "avx512f" not in cpu_flags():
         return "no AVX-512 here: the native build runs the AVX2 paths already"
+    if variant == "amx-no-vbmi" and "avx512vbmi" not in cpu_flags():
+        return "no AVX512-VBMI here: the native build runs the paths without it already"
     return None
 
 

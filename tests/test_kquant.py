@@ -466,6 +466,28 @@ def test_int8_activations_on_amx_tiles_are_the_interleaved_kernels_bits(qtype):
         assert torch.equal(got[16], got[19][:16])
 
 
+def test_amx_tiles_without_vbmi_fold_q4_k_to_the_same_bits():
+    """Where the CPU has AVX512-VBMI the AMX kernel folds Q4_K's levels by vpermb lookup; built without
+    it (cpu_kernels' amx-no-vbmi variant: an AMX host without VBMI) it folds them by multiplies and
+    blends. Both planes hold the same bytes, so both builds' AMX steps give the same bits, int8 and
+    int16 activations, one pass (16, 33 rows) and several (80)."""
+    reason = variant_skip_reason("amx-no-vbmi")
+    if reason:
+        pytest.skip(reason)
+    native, plain = load_cpu_kernels(), load_cpu_kernels("amx-no-vbmi")
+    if native is None or plain is None or not plain.gguf_gemm_amx_available():
+        pytest.skip("needs builds with AMX-INT8 on a CPU and OS that lend it (gguf_gemm_amx_available)")
+    for qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        k = 2304
+        buf, meta = pack_gguf_twin([Shard(0, qtype, random_blocks(qtype, 64, k, seed=3), k)], k)
+        x = torch.randn(80, k, generator=torch.Generator().manual_seed(4)) * torch.rand(1, k) * 3
+        for rows in (16, 33, 80):
+            for int8 in (True, False):
+                want = native.gguf_gemm(x[:rows], buf, meta, 64, int8=int8, amx=True)
+                got = plain.gguf_gemm(x[:rows], buf, meta, 64, int8=int8, amx=True)
+                assert torch.equal(got, want), (qtype, rows, int8)
+
+
 # run in a child: a read past the blocks is a segfault, which would take the test session with it
 _GUARDED_BLOCKS = """
 import ctypes, mmap, sys, torch

@@ -276,7 +276,7 @@ inline constexpr PairShuffle kPairShuffle{};
 #ifdef __AVX512VBMI__
 constexpr bool kVbmi = true;  // every AMX Xeon so far has it; without it Q4_K folds as the others do
 #else
-constexpr bool kVbmi = true;
+constexpr bool kVbmi = false;
 #endif
 
 // One super-block of 16 weight rows, unpacked: each level times its sub-block's integer scale (Q4_K /
