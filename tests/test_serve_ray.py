@@ -193,11 +193,15 @@ def test_sixteen_concurrent_clients_all_complete(client, cluster):
 
 
 def test_metrics_label_each_replica(cluster):
+    """Each replica's series carry its id, and the ingress's own (refusals before admission) carry
+    "ingress": one refused request first, so the test does not lean on an earlier test's."""
+    bad = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}, timeout=30)
+    assert bad.status_code == 400, bad.text
     text = httpx.get(cluster + "/metrics", timeout=10).text
     replicas = {r["replica"] for r in httpx.get(cluster + "/v1/scheduler", timeout=10).json()["replicas"]}
     for rid in replicas:
         assert f'iterserve:num_requests_running{{model_name="{MODEL}",replica="{rid}"}}' in text
-    assert 'replica="ingress"' in text
+    assert f'iterserve:request_rejected_total{{model_name="{MODEL}",replica="ingress",status_code="400"}}' in text
 
 
 def test_prefix_router_keeps_conversations_on_one_replica(client, cluster):

@@ -222,7 +222,8 @@ def iter_tensors(path: Path, index: GGUFIndex) -> Iterator[GGUFTensor]:
     stays in the page cache, a later read of a kept view maps it again), so loading never holds the
     whole file mapped beside what it keeps of it: peak RSS is the kept copy plus one tensor (and a 2 MiB
     stretch at each tensor boundary, _release)."""
-    mm = map_file(path)
+    mm = map_file(path, (min((t.offset for t in index.tensors), default=0),
+                         max((t.offset + t.nbytes for t in index.tensors), default=0)))
     # a plain ndarray view: slices of an np.memmap are memmaps too, and the dequantisers' many
     # small slices would each pay for the subclass (about a third of the dequantisation time)
     data = np.frombuffer(mm, dtype=np.uint8)
@@ -242,33 +243,36 @@ def iter_tensors(path: Path, index: GGUFIndex) -> Iterator[GGUFTensor]:
 
 LARGE_PAGE = 2 << 20  # x86-64's PMD page: what the kernel maps a 2 MiB page-cache folio with
 LARGE_PAGES_ENV = "ITERSERVE_GGUF_LARGE_PAGES"  # "0": map the file as the page cache holds it, re-read nothing
-PROBES = 8  # 2 MiB pages of the file map_file checks the page cache's folios with
+CHECK_BYTES = 64 << 20  # map_file maps this much of the file at a time to count its large pages
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python 3.11's mmap lacks the name
+SMALL_TOLERATED = 0.02  # share of the tensors' 2 MiB stretches that may stay small before the file is read again
 
 
-def map_file(path: Path) -> mmap.mmap:
+def map_file(path: Path, span: tuple[int, int] | None = None) -> mmap.mmap:
     """The file's read-only memory map, held in 2 MiB pages where the kernel and filesystem can.
 
     Why: a decode step streams every weight once, and with 4 KiB pages the hardware prefetcher stops
     at each page boundary and every page costs a TLB miss: the 65 projections of a 1B Q4_K_M ran
-    10-12 % faster from a file the page cache held in 2 MiB folios, mapped with 2 MiB entries, than
-    from the same bytes in 4 KiB ones (2-core Zen 3, docs/profile.md). The map asks for large pages
-    (MADV_HUGEPAGE), so what it reads from the disk arrives in 2 MiB folios. A file the page cache
-    already holds in small folios (written by a copy or a download, or read by another program), in
-    whole or in part, stays small whatever the map asks; then, if PROBES 2 MiB ranges spread over the
-    file come back in large pages once dropped from the cache, all the file's cached pages are dropped
-    (posix_fadvise DONTNEED: pages another process maps stay, and are shared) and the load reads it
-    once from the disk. Later loads, and replicas, find it cached in large pages.
-    ITERSERVE_GGUF_LARGE_PAGES=0 keeps the page cache as it is."""
+    10-12 % faster from a file the page cache held in 2 MiB folios than from the same bytes in 4 KiB
+    ones (2-core Zen 3), and a whole one-row step 17-20 % faster (2-core AMX Xeon, with 58 % of the
+    file small; docs/profile.md). The map asks for large pages (MADV_HUGEPAGE), so what it reads from
+    the disk arrives in 2 MiB folios. A file the page cache already holds in small folios (written by a
+    copy or a download, or read by another program), in whole or in part, stays small whatever the map
+    asks. So map_file counts, over `span` (the tensors' bytes; default the whole file), the 2 MiB
+    stretches the cache holds large (_large_share: each 64 MiB populated, counted, unmapped); where
+    more than SMALL_TOLERATED are small, it drops all the file's cached pages (posix_fadvise DONTNEED:
+    pages another process maps stay, and are shared) and reads them once from the disk, large. Later
+    loads, and replicas, find the file large. ITERSERVE_GGUF_LARGE_PAGES=0 keeps the page cache as it is."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if os.environ.get(LARGE_PAGES_ENV, "1") != "0":
-            _ask_for_large_pages(mm, f.fileno(), path)
+            _ask_for_large_pages(mm, f.fileno(), path, span or (0, len(mm)))
     return mm
 
 
-def _ask_for_large_pages(mm: mmap.mmap, fd: int, path: Path) -> None:
-    """MADV_HUGEPAGE on the map, and the page cache re-read where it holds the file in small folios
-    and would not otherwise (map_file). Silent where the platform has none of it."""
+def _ask_for_large_pages(mm: mmap.mmap, fd: int, path: Path, span: tuple[int, int]) -> None:
+    """MADV_HUGEPAGE on the map, and the page cache re-read where it holds the span in small folios
+    (map_file). Silent where the platform has none of it."""
     if len(mm) < 4 * LARGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(os, "posix_fadvise"):
         return
     try:
@@ -277,37 +281,49 @@ def _ask_for_large_pages(mm: mmap.mmap, fd: int, path: Path) -> None:
         return
     view = np.frombuffer(mm, dtype=np.uint8)
     address = view.ctypes.data
+    del view
     if address % LARGE_PAGE:
         return  # a 2 MiB entry maps a 2 MiB-aligned file offset at a 2 MiB-aligned address: none would fit
-    # 2 MiB pages spread over the file's last 80 %: tensor data, which a reader of the header (the index,
-    # the tokenizer, gguf.GGUFReader in another map) never touched, so that their pages are free to be
-    # dropped. Several, because a cache can hold a file partly in large folios and partly in small ones
-    # (read in part by a program that asked for none, then evicted in part under memory pressure); at
-    # least one page apart, because the read-ahead of one probe's fault reads the next 2 MiB too, and a
-    # dropped neighbour read that way came back in small folios (6 of 8 adjacent probes were large).
-    probes: list[int] = []
-    for i in range(PROBES):
-        p = len(mm) * (i + 2) // 10 // LARGE_PAGE * LARGE_PAGE
-        if p + LARGE_PAGE <= len(mm) and (not probes or p >= probes[-1] + 2 * LARGE_PAGE):
-            probes.append(p)
-    for p in probes:
-        int(view[p])
-    if large_mapped_bytes(address) >= len(probes) * LARGE_PAGE:
-        return  # cached in large folios, or just read from the disk in them
-    for p in probes:
-        mm.madvise(mmap.MADV_DONTNEED, p, LARGE_PAGE)
-        os.posix_fadvise(fd, p, LARGE_PAGE, os.POSIX_FADV_DONTNEED)
-    for p in probes:
-        int(view[p])
-    if large_mapped_bytes(address) < len(probes) * LARGE_PAGE:
-        log.info("%s: mapped in 4 KiB pages (this kernel or filesystem gives it no 2 MiB pages, or another "
-                 "process holds them small)", path.name)
+    # whole stretches only: the header's, read by a reader that asked for no large pages, stays small
+    start = -(-span[0] // LARGE_PAGE) * LARGE_PAGE
+    end = min(span[1], len(mm)) // LARGE_PAGE * LARGE_PAGE
+    if end <= start:
         return
-    mm.madvise(mmap.MADV_DONTNEED)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    log.info("%s: the page cache held it (or part of it) in 4 KiB pages; reading it once from the disk into "
-             "2 MiB pages (decode reads the weights ~10%% faster; %s=0 keeps the cache as it is)",
-             path.name, LARGE_PAGES_ENV)
+    share = _large_share(mm, address, start, end)
+    if share is None or share >= 1 - SMALL_TOLERATED:
+        return  # cached large, or just read from the disk so (or this kernel cannot populate a range)
+    # first one stretch, dropped and read again: where it comes back small, this kernel or filesystem
+    # gives no large folios, and reading the whole file again would only cost a start its time
+    probe = (start + end) // 2 // LARGE_PAGE * LARGE_PAGE
+    os.posix_fadvise(fd, probe, LARGE_PAGE, os.POSIX_FADV_DONTNEED)
+    now = share
+    if _large_share(mm, address, probe, probe + LARGE_PAGE):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        now = _large_share(mm, address, start, end) or 0.0
+    if now < 1 - SMALL_TOLERATED:
+        log.info("%s: %.0f %% of it mapped in 4 KiB pages (this kernel or filesystem gives it no 2 MiB pages, "
+                 "or another process holds them small)", path.name, 100 * (1 - now))
+        return
+    log.info("%s: the page cache held %.0f %% of it in 4 KiB pages; read it once from the disk into 2 MiB "
+             "pages (decode reads the weights faster; %s=0 keeps the cache as it is)",
+             path.name, 100 * (1 - share), LARGE_PAGES_ENV)
+
+
+def _large_share(mm: mmap.mmap, address: int, start: int, end: int) -> float | None:
+    """The share of [start, end) (2 MiB-aligned) the page cache holds in 2 MiB folios: each CHECK_BYTES
+    populated (MADV_POPULATE_READ, which reads what is not cached through the map's large-page advice),
+    counted (smaps' FilePmdMapped) and unmapped again, so the check holds at most CHECK_BYTES of the
+    file in this process. None where the kernel cannot populate a range (before Linux 5.14)."""
+    large = 0
+    for off in range(start, end, CHECK_BYTES):
+        n = min(CHECK_BYTES, end - off)
+        try:
+            mm.madvise(MADV_POPULATE_READ, off, n)
+        except OSError:
+            return None
+        large += large_mapped_bytes(address)
+        mm.madvise(mmap.MADV_DONTNEED, off, n)
+    return large / (end - start)
 
 
 def large_mapped_bytes(address: int | None = None, path: Path | None = None,
