@@ -752,3 +752,73 @@ def test_read_ahead_outlives_the_tensor_it_names():
     kernels.gguf_gemm(x, buf, meta, 64, False)
     if kernels.pool_threads() > 1:
         assert kernels.read_ahead_bytes() > before  # the worker read some of them
+
+
+def test_the_prefetch_distance_changes_no_bit(kernel_variant, variant_kernels):
+    """set_stream_ahead only moves where gguf_gemm asks for weight lines: every block type's outputs,
+    int16 and int8 activations, one row and a few, are the same bits at every distance (0 asks for
+    the line being read; 1 MiB past the end of these weights asks for none); out of range is refused."""
+    kernels = variant_kernels
+    int8 = [False] + ([True] if kernels.gguf_gemm_int8_supported() else [])
+    was = kernels.stream_ahead()
+    try:
+        for qtype in TYPES:
+            k = 4096 if qtype in KQUANTS else 640
+            buf, meta = pack_gguf_twin([Shard(0, qtype, random_blocks(qtype, 45, k, seed=7), k)], k)
+            x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+            for i8 in int8 if qtype in KQUANTS else [False]:
+                outs = []
+                for ahead in (0, 2048, 4096, 1 << 20):
+                    kernels.set_stream_ahead(ahead)
+                    assert kernels.stream_ahead() == ahead
+                    outs.append([kernels.gguf_gemm(x[:rows], buf, meta, 45, int8=i8) for rows in (1, 5)])
+                for other in outs[1:]:
+                    assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (qtype, i8)
+        for bad in (-1, (1 << 20) + 1):
+            with pytest.raises(RuntimeError, match="stream ahead: 0 to 1 MiB"):
+                kernels.set_stream_ahead(bad)
+    finally:
+        kernels.set_stream_ahead(was)
+
+
+@pytest.mark.skipif(not prepack_available(), reason="needs oneDNN bf16")
+def test_engine_times_the_twins_prefetch_distance_once(kquant_model_dir, monkeypatch, tmp_path, caplog):
+    """A measured start times one-row passes through the twins at each of stream_ahead.CANDIDATES, sets
+    the fastest in the kernels and caches it with the kernel choice (its ms per pass beside it); the
+    resolved config reports it; a second start reads it back and times nothing; with measure_kernels off
+    the kernels keep the distance they had."""
+    import iterserve.engine as engine_mod
+    import iterserve.platform.stream_ahead as stream_ahead
+    from iterserve.config import EngineConfig
+    from iterserve.engine import LLMEngine
+
+    monkeypatch.setattr(engine_mod, "load_model", _SourcesAdded(engine_mod.load_model))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernels = load_cpu_kernels()
+    was = kernels.stream_ahead()
+    cfg = dict(model=str(kquant_model_dir), dtype="bfloat16", kv_cache_memory="16MiB", max_num_seqs=4)
+    try:
+        kernels.set_stream_ahead(1000)
+        with caplog.at_level(logging.INFO, logger="iterserve.platform"):
+            eng = LLMEngine(EngineConfig(**cfg, measure_kernels=True))
+        choice = eng.platform.kernel_choice
+        assert choice.source == "measured" and set(choice.stream_ahead_ms) == set(stream_ahead.CANDIDATES)
+        assert choice.stream_ahead_ms[choice.stream_ahead] == min(choice.stream_ahead_ms.values())
+        assert kernels.stream_ahead() == choice.stream_ahead
+        assert eng.resolved_config()["kernel_choice"]["stream_ahead"] == choice.stream_ahead
+        assert f"ask for their weights' lines {choice.stream_ahead} bytes ahead (one-row pass through 9" in caplog.text
+
+        def not_again(*args, **kwargs):
+            raise AssertionError("timed again although the cached choice holds the distance")
+
+        monkeypatch.setattr(stream_ahead, "time_stream_ahead", not_again)
+        kernels.set_stream_ahead(1000)
+        again = LLMEngine(EngineConfig(**cfg, measure_kernels=True))
+        assert again.platform.kernel_choice.source == "cache"
+        assert again.platform.kernel_choice.stream_ahead_ms == choice.stream_ahead_ms
+        assert kernels.stream_ahead() == choice.stream_ahead
+        kernels.set_stream_ahead(1000)
+        LLMEngine(EngineConfig(**cfg, measure_kernels=False))
+        assert kernels.stream_ahead() == 1000
+    finally:
+        kernels.set_stream_ahead(was)

@@ -2,6 +2,7 @@
 // (declared in kernels.h). The names, signatures and defaults here are what Python calls.
 #include <torch/extension.h>
 
+#include "kernel_common.h"
 #include "kernels.h"
 #include "lanes.h"
 #include "work_pool.h"
@@ -20,6 +21,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "reads them (work_pool.h)", py::arg("t"), py::arg("bytes"));
   m.def("read_ahead_bytes", [] { return WorkPool::instance().read_ahead_bytes(); },
         "bytes the pool's workers have read ahead so far");
+  m.def("set_stream_ahead", [](int64_t bytes) {
+          TORCH_CHECK(bytes >= 0 && bytes <= (1 << 20), "stream ahead: 0 to 1 MiB, got ", bytes);
+          g_stream_ahead.store(bytes);
+        }, "how many bytes ahead of a weight stream the GGUF GEMMs ask for lines (kernel_common.h; "
+        "platform/stream_ahead.py times the model's one-row projections to choose it)", py::arg("bytes"));
+  m.def("stream_ahead", &stream_ahead, "the GGUF GEMMs' prefetch distance now (set_stream_ahead)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence against its paged K/V, read in place; window and softcap 0: off (see attention_decode.cpp)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),

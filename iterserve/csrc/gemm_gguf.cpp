@@ -222,7 +222,7 @@ void gg_rows(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, int64
   constexpr bool KQ = is_kquant(TYPE);
   const bool first = !CH || k0 == 0, final = !CH || k1 >= (KQ ? K : a.K4);
   // in chunks the next bytes read are the next weight row's at the same inputs, one row ahead
-  [[maybe_unused]] const int64_t ahead = CH ? row_bytes : kStreamAhead;
+  [[maybe_unused]] const int64_t ahead = CH ? row_bytes : stream_ahead();
   [[maybe_unused]] const uint8_t* wend = w + (last + 1) * row_bytes;  // the shard's end
 #if ISV_GG_AVX512
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -631,7 +631,7 @@ void gg_rows_i8(const GgRows& a, const uint8_t* w, int64_t row_bytes, T* out, in
                 int64_t last, int64_t k0, int64_t k1, GgCarry<MB>* carry) {
   const int64_t K = a.K, NB = K / 256;
   const bool first = !CH || k0 == 0, final = !CH || k1 >= K;
-  const int64_t ahead = CH ? row_bytes : kStreamAhead;
+  const int64_t ahead = CH ? row_bytes : stream_ahead();
   const uint8_t* wend = w + (last + 1) * row_bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;

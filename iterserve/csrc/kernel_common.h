@@ -7,6 +7,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdint>
 
 #if defined(__linux__)
@@ -22,7 +23,12 @@ namespace iterserve {
 template <typename T>
 const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); }
 
-constexpr int64_t kStreamAhead = 4096;  // see prefetch_stream
+// How far ahead of a weight stream prefetch_stream asks, in bytes: 4096 until the engine has timed
+// the loaded model's one-row projections at a few distances and set the fastest (set_stream_ahead,
+// platform/stream_ahead.py). A process-wide setting, read once a call: the best distance moved with
+// the host (2048 read the 1B's and 8B's weights 8-14 % faster than 4096 on a 2-core AMX Xeon).
+inline std::atomic<int64_t> g_stream_ahead{4096};
+inline int64_t stream_ahead() { return g_stream_ahead.load(std::memory_order_relaxed); }
 
 #if defined(__AVX512F__) || ISV_AVX2_FMA
 // Asks for `bytes` from p into cache, a 64-byte line at a time.
@@ -30,7 +36,7 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
-// A weight stream read `bytes` at a time from p asks for the lines kStreamAhead bytes further on
+// A weight stream read `bytes` at a time from p asks for the lines `ahead` bytes further on
 // (none at or past `end`). Asking for whole rows 16 rows ahead, as the other GEMMs do, put the
 // request 74 KB ahead for a 4.6 KB row (a 1B's Q4_K down projection, K = 8192), out of L1 before
 // its use, and sent a row's 18-72 requests at once (docs/profile.md: 1.32-1.43x at one activation
@@ -38,7 +44,7 @@ inline void prefetch(const void* p, int64_t bytes) {
 // over K in chunks: the next weight row) says how far ahead its next bytes are.
 // One test against `end` a call where the whole span is before it (bytes is a constant of the block
 // type: the loop unrolls), not one a line.
-inline void prefetch_stream(const uint8_t* p, int64_t bytes, const uint8_t* end, int64_t ahead = kStreamAhead) {
+inline void prefetch_stream(const uint8_t* p, int64_t bytes, const uint8_t* end, int64_t ahead) {
   const uint8_t* a = p + ahead;
   if (a + bytes + 63 <= end) {
     for (int64_t off = 0; off < bytes + 63; off += 64) _mm_prefetch(reinterpret_cast<const char*>(a + off), _MM_HINT_T0);

@@ -34,6 +34,7 @@ from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOC
 from iterserve.platform.kernel_choice import (ChoiceRequest, KernelChoice, batch_buckets, bf16_exact_shapes,
                                               choose_kernels, down_only_shapes, kernel_choice_dir, linears_by_shape,
                                               parse_linear_key, shapes_of)
+from iterserve.platform.stream_ahead import choose_stream_ahead
 
 log = logging.getLogger("iterserve.platform")
 
@@ -159,6 +160,12 @@ class CpuPlatform(Platform):
         if self.int16_amx_modules:
             log.info("CPU: %d projections whose K-quant blocks stay on int16 activations run steps of 16+ rows on "
                      "AMX-INT8 tiles", self.int16_amx_modules)
+        choice = self.kernel_choice
+        if choice is not None:  # measured (not with measure_kernels off): the twins' prefetch distance too
+            ahead, ms = choose_stream_ahead(model, self.kernels, choice.stream_ahead)
+            if ms:
+                choice.stream_ahead, choice.stream_ahead_ms = ahead, ms
+                choice.remember()
 
     def _use_int8(self, model: nn.Module, mode: str) -> None:
         """The K-quant twins on int8 activations (int8-except-down: all but the down projections)."""

@@ -656,6 +656,12 @@ def read_ahead_bytes() -> int:
         raise ValueError(f"ITERSERVE_READ_AHEAD_BYTES: {e} (0: no read-ahead)") from None
 
 
+def twin_modules(model: nn.Module) -> list[CpuLinear]:
+    """The projections (and head) whose steps of few rows read a twin's blocks, in the model's order."""
+    return [m for m in model.modules() if isinstance(m, CpuLinear) and m.twin_max_tokens
+            and m._buffers.get("twin_weight") is not None]
+
+
 def chain_read_ahead(model: nn.Module, kernels: Any) -> int:
     """Gives each CpuLinear with a twin the next one's twin weight, in the model's module order (a
     decoder's order of execution: q/k/v, o, gate/up, down, the next layer's, ..., the head, then the
@@ -665,8 +671,7 @@ def chain_read_ahead(model: nn.Module, kernels: Any) -> int:
     whose forward runs in another order) costs bandwidth nobody else is using, not numbers. Returns how
     many are chained; none without the kernels' pool (`kernels` None) or with read_ahead_bytes() 0."""
     nbytes = read_ahead_bytes()
-    chain = [m for m in model.modules() if isinstance(m, CpuLinear) and m.twin_max_tokens
-             and m._buffers.get("twin_weight") is not None]
+    chain = twin_modules(model)
     if kernels is None or nbytes <= 0 or len(chain) < 2:
         return 0
     for mod, nxt in zip(chain, chain[1:] + chain[:1]):

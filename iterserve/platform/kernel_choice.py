@@ -73,7 +73,8 @@ MAX_COPIES = 32
 ATTENTION_CONTEXT = 256  # tokens of context per sequence when timing decode attention
 # the files whose contents decide what a candidate computes and how fast: these two and every C++
 # source and header of the kernels
-SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py")] + KERNEL_FILES
+SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py", "stream_ahead.py")
+           ] + KERNEL_FILES
 
 
 def kernel_choice_dir() -> Path:
@@ -186,6 +187,13 @@ class KernelChoice:
     attention_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     seconds: float = 0.0  # measuring time (0 when read from the cache)
     source: str = "measured"  # or "cache"
+    # bytes ahead of a weight stream the GGUF GEMMs ask for lines, timed on the loaded model (0: not
+    # timed, the kernels' default) and ms per one-row pass at each distance (platform/stream_ahead.py)
+    stream_ahead: int = 0
+    stream_ahead_ms: dict[int, float] = field(default_factory=dict)
+    # where the table is cached (choose_kernels): `remember` writes it again once stream_ahead is timed
+    key: dict[str, Any] = field(default_factory=dict, repr=False)
+    folder: Path | None = field(default=None, repr=False)
 
     def plan(self, role: str, out_features: int, in_features: int, spec: str = "") -> LinearChoice | None:
         """The choice for a shape; `spec`: its GGUF twin's (cpu_linear.gguf_twin_spec), if it has one."""
@@ -196,7 +204,7 @@ class KernelChoice:
         return {"source": self.source, "seconds": round(self.seconds, 2), "buckets": self.buckets,
                 "linears": {k: {"layout": c.layout, "twin": c.twin, "twin_max_tokens": c.twin_max_tokens,
                                 "amx_min_rows": c.amx_min_rows} for k, c in self.linears.items()},
-                "decode_attention": self.decode_attention}
+                "decode_attention": self.decode_attention, "stream_ahead": self.stream_ahead}
 
     def brief(self) -> str:
         """One line: each shape's layout (and its AMX and twin cut-overs), then the decode attention."""
@@ -218,7 +226,14 @@ class KernelChoice:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["key"], data["folder"]
+        return data
+
+    def remember(self) -> None:
+        """Writes the table to its cache file again (after stream_ahead was timed on the model)."""
+        if self.key:
+            save_cached(self.key, self, self.folder)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> KernelChoice:
@@ -226,7 +241,9 @@ class KernelChoice:
             return {n: {int(b): v for b, v in ms.items()} for n, ms in d.items()}
         linears = {k: LinearChoice(**{**c, "ms": ints(c["ms"])}) for k, c in data["linears"].items()}
         return cls(buckets=data["buckets"], linears=linears, decode_attention=data["decode_attention"],
-                   attention_ms=ints(data["attention_ms"]), seconds=0.0, source="cache")
+                   attention_ms=ints(data["attention_ms"]), seconds=0.0, source="cache",
+                   stream_ahead=data.get("stream_ahead", 0),
+                   stream_ahead_ms={int(a): t for a, t in data.get("stream_ahead_ms", {}).items()})
 
 
 def linear_key(role: str, out_features: int, in_features: int, spec: str = "") -> str:
@@ -462,6 +479,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
     if not remeasure:
         cached = load_cached(key, folder)
         if cached is not None:
+            cached.key, cached.folder = key, folder
             return cached
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -519,7 +537,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
                                                block_size, req.dtype), req.buckets)
             attention, attn_ms = pick_fastest(sec), _ms(sec)
     shown = sorted({*proj_buckets, *([INT8_PREFILL_ROWS] if chunk_timed else [])})
-    choice = KernelChoice(shown, linears, attention, attn_ms, time.perf_counter() - t0)
+    choice = KernelChoice(shown, linears, attention, attn_ms, time.perf_counter() - t0, key=key, folder=folder)
     save_cached(key, choice, folder)
     return choice
 
