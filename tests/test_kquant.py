@@ -805,7 +805,7 @@ def test_engine_times_the_twins_prefetch_distance_once(kquant_model_dir, monkeyp
         assert choice.source == "measured" and set(choice.stream_ahead_ms) == set(stream_ahead.CANDIDATES)
         assert choice.stream_ahead_ms[choice.stream_ahead] == min(choice.stream_ahead_ms.values())
         assert kernels.stream_ahead() == choice.stream_ahead
-        assert eng.resolved_config()["kernel_choice"]["stream_ahead"] == choice.stream_ahead
+        assert eng.resolved_config()["gguf_stream_ahead"] == choice.stream_ahead
         assert f"ask for their weights' lines {choice.stream_ahead} bytes ahead (one-row pass through 9" in caplog.text
 
         def not_again(*args, **kwargs):
@@ -818,7 +818,12 @@ def test_engine_times_the_twins_prefetch_distance_once(kquant_model_dir, monkeyp
         assert again.platform.kernel_choice.stream_ahead_ms == choice.stream_ahead_ms
         assert kernels.stream_ahead() == choice.stream_ahead
         kernels.set_stream_ahead(1000)
-        LLMEngine(EngineConfig(**cfg, measure_kernels=False))
-        assert kernels.stream_ahead() == 1000
+        off = LLMEngine(EngineConfig(**cfg, measure_kernels=False))
+        assert kernels.stream_ahead() == 1000 and off.resolved_config()["gguf_stream_ahead"] == 0
+        # a second model prepared on the same platform (a draft model) leaves the first one's distance
+        second, _, _, src = engine_mod.load_model(str(kquant_model_dir), torch.bfloat16, "cpu",
+                                                  block_types=again.platform.gguf_block_types())
+        again.platform.prepare_model(second, src)
+        assert kernels.stream_ahead() == 1000 and again.resolved_config()["gguf_stream_ahead"] == choice.stream_ahead
     finally:
         kernels.set_stream_ahead(was)

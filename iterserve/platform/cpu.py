@@ -110,6 +110,7 @@ class CpuPlatform(Platform):
         self.gguf_twins: dict[str, str] = {}  # module -> its GGUF twin's spec, when built from the file's blocks
         self.gguf_activations = config.gguf_activations  # auto resolved by prepare_model (gguf_activations_for)
         self.kernel_choice: KernelChoice | None = None  # the measured table, when measured
+        self.stream_ahead = 0  # the GGUF GEMMs' prefetch distance set for the first model prepared (0: none)
         # our tiled GEMM's AMX path (never under batch_invariant: its rows would round by step size)
         self.amx = config.cpu_amx and not config.batch_invariant and tiled_gemm_amx(self.kernels)
         # gguf_gemm's int8 K-quant shards of 16+ rows on AMX-INT8 tiles (int8 is refused under batch_invariant)
@@ -161,10 +162,12 @@ class CpuPlatform(Platform):
             log.info("CPU: %d projections whose K-quant blocks stay on int16 activations run steps of 16+ rows on "
                      "AMX-INT8 tiles", self.int16_amx_modules)
         choice = self.kernel_choice
-        if choice is not None:  # measured (not with measure_kernels off): the twins' prefetch distance too
-            ahead, ms = choose_stream_ahead(model, self.kernels, choice.stream_ahead)
+        # measured (not with measure_kernels off): the twins' prefetch distance too, one for the process,
+        # so the first model's (the target: a draft model, prepared after it, is a small part of a step)
+        if choice is not None and not self.stream_ahead:
+            self.stream_ahead, ms = choose_stream_ahead(model, self.kernels, choice.stream_ahead)
             if ms:
-                choice.stream_ahead, choice.stream_ahead_ms = ahead, ms
+                choice.stream_ahead, choice.stream_ahead_ms = self.stream_ahead, ms
                 choice.remember()
 
     def _use_int8(self, model: nn.Module, mode: str) -> None:
@@ -428,5 +431,7 @@ class CpuPlatform(Platform):
                 "batch_invariant": self.config.batch_invariant, "cpu_amx": self.amx,
                 "gguf_int8_amx": self.int8_amx and self.gguf_activations != "int16",
                 "gguf_int16_amx": self.int16_amx_modules > 0,
+                # bytes ahead of the weight stream the GGUF GEMMs ask for lines (0: the kernels' default)
+                "gguf_stream_ahead": self.stream_ahead,
                 "kernel_choice": self.kernel_choice.summary() if self.kernel_choice else
                 ("fixed (batch_invariant)" if self.config.batch_invariant else "by CPU flags (measure_kernels off)")}

@@ -204,7 +204,7 @@ class KernelChoice:
         return {"source": self.source, "seconds": round(self.seconds, 2), "buckets": self.buckets,
                 "linears": {k: {"layout": c.layout, "twin": c.twin, "twin_max_tokens": c.twin_max_tokens,
                                 "amx_min_rows": c.amx_min_rows} for k, c in self.linears.items()},
-                "decode_attention": self.decode_attention, "stream_ahead": self.stream_ahead}
+                "decode_attention": self.decode_attention}
 
     def brief(self) -> str:
         """One line: each shape's layout (and its AMX and twin cut-overs), then the decode attention."""
