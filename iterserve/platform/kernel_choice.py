@@ -71,7 +71,7 @@ TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed it
 COPIES_BYTES = 48 << 20  # bf16 bytes of distinct weights one timed call of a projection reads
 MAX_COPIES = 32
 ATTENTION_CONTEXT = 256  # tokens of context per sequence when timing decode attention
-# the files whose contents decide what a candidate computes and how fast: these two and every C++
+# the files whose contents decide what a candidate computes and how fast: these three and every C++
 # source and header of the kernels
 SOURCES = [Path(__file__).resolve().parent / n for n in ("cpu_linear.py", "kernel_choice.py", "stream_ahead.py")
            ] + KERNEL_FILES
