@@ -58,7 +58,7 @@ def choose_stream_ahead(model: nn.Module, kernels: ModuleType | None, known: int
     of CANDIDATES timed on the model (time_stream_ahead). Returns the distance and the ms per pass
     timed (empty when nothing was timed). Nothing to choose without the kernels or without a model
     whose projections read twins: the default stays."""
-    if kernels is None or not hasattr(kernels, "set_stream_ahead"):
+    if kernels is None:
         return 0, {}
     if known:
         kernels.set_stream_ahead(known)
