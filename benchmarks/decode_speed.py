@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server runs: before torch loads
 
 import torch  # noqa: E402
 

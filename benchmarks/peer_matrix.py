@@ -40,14 +40,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from peers import matrix as mx
-import thread_cpu
-from iterserve.bench.common import load_average
-from machine import best_gemm_gflops, figures_line, machine_figures
-from peers.systems import PeerInstall, System, Unavailable, serving
-from iterserve.bench.summary import default_raw_dir, git_commit, write_json
-from peers.vllm_bench import run_bench
-from peers.vs_peers import DEFAULT_PEERS_DIR, DEFAULT_PEERS_HOME
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the in-process --decode-step as the server runs: before torch loads
+
+from peers import matrix as mx  # noqa: E402
+import thread_cpu  # noqa: E402
+from iterserve.bench.common import load_average  # noqa: E402
+from machine import best_gemm_gflops, figures_line, machine_figures  # noqa: E402
+from peers.systems import PeerInstall, System, Unavailable, serving  # noqa: E402
+from iterserve.bench.summary import default_raw_dir, git_commit, write_json  # noqa: E402
+from peers.vllm_bench import run_bench  # noqa: E402
+from peers.vs_peers import DEFAULT_PEERS_DIR, DEFAULT_PEERS_HOME  # noqa: E402
 
 # start-script settings for every matrix run: llama.cpp's 16 slots need room for 16 x (2048 + 32)
 # tokens, vLLM's context must hold the longest shape (start_vllm.sh's default is 2048); the

@@ -16,6 +16,7 @@ import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server runs: before torch loads
 
 import torch  # noqa: E402
 

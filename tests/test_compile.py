@@ -132,3 +132,31 @@ def test_omp_wait_passive_by_default_and_an_exported_policy_wins():
 def test_omp_wait_spin_overrides_the_environment():
     got = _env_after("serve --omp-wait spin", {"OMP_WAIT_POLICY": "PASSIVE"})
     assert got == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "200000"}
+
+
+@pytest.mark.slow  # Python processes
+def test_importing_iterserve_before_torch_sets_passive_for_the_in_process_api():
+    """The in-process API gets the CLI's default too: `import iterserve` fills OMP_WAIT_POLICY before
+    torch loads (an exported value wins); where torch loaded first with none set, the CPU platform
+    says so, once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+        base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        return subprocess.run([sys.executable, "-c", code], env=base | env, capture_output=True, text=True, check=True)
+
+    show = "print(json.dumps(os.environ.get('OMP_WAIT_POLICY')))"
+    first = "import json, os\nimport iterserve\nimport torch\n" + show
+    assert json.loads(run(first, {}).stdout) == "PASSIVE"
+    assert json.loads(run(first, {"OMP_WAIT_POLICY": "ACTIVE"}).stdout) == "ACTIVE"
+    late = ("import json, os, logging\nimport torch\nlogging.basicConfig()\n"
+            "from iterserve.platform.cpu import warn_spinning_openmp\n"
+            "print(json.dumps([warn_spinning_openmp(), warn_spinning_openmp(), os.environ.get('OMP_WAIT_POLICY')]))")
+    out = run(late, {})
+    assert json.loads(out.stdout) == [True, True, None]
+    assert out.stderr.count("OMP_WAIT_POLICY is unset and torch was loaded before iterserve") == 1
+    out = run(late, {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert json.loads(out.stdout) == [False, False, "PASSIVE"] and "OMP_WAIT_POLICY" not in out.stderr

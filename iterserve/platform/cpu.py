@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -81,10 +82,28 @@ def batch_invariant_refusal(kernels: ModuleType | None, dtype: torch.dtype) -> s
     return None
 
 
+OMP_UNSET_WARNING = (
+    "OMP_WAIT_POLICY is unset and torch was loaded before iterserve, so torch's OpenMP threads spin "
+    "after each parallel torch op and take cores from iterserve's kernel threads (a 2-core host's "
+    "16-row decode step ran 1.3x slower so); export OMP_WAIT_POLICY=PASSIVE, or import iterserve first")
+
+
+@functools.cache
+def warn_spinning_openmp() -> bool:
+    """Warns once per process where OMP_WAIT_POLICY is unset: importing iterserve sets it when torch
+    is not yet loaded (iterserve/__init__.py), so unset means torch loaded first, with libgomp's
+    spinning default. True when it warned."""
+    if os.environ.get("OMP_WAIT_POLICY"):
+        return False
+    log.warning(OMP_UNSET_WARNING)
+    return True
+
+
 class CpuPlatform(Platform):
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  kv_bf16_for_float32: bool = False) -> None:
         self.kernels: ModuleType | None = load_cpu_kernels() if config.cpu_kernels else None
+        warn_spinning_openmp()
         if not config.cpu_kernels:
             log.info("CPU kernels off (cpu_kernels=False): torch and oneDNN paths only")
         if config.batch_invariant:
