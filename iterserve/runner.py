@@ -33,7 +33,7 @@ from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.lora.layers import LoRABatch
 from iterserve.rejection_sampler import Verified, verify_drafts
 from iterserve.request import Request
-from iterserve.sampling import Sampler, SamplingParams
+from iterserve.sampling import Sampler, SamplingParams, first_argmax
 from iterserve.structured.grammar import RequestGrammar
 from iterserve.structured.logits import TokenConstraints, allocate_bitmask
 from iterserve.thinking_gate import apply_forced, forced_tokens, step_grammar
@@ -318,7 +318,7 @@ class ModelRunner:
             drafts = s.spec_token_ids[:k]
             if req.params.greedy and not req.params.has_penalties:
                 # p is one-hot at the argmax: the rule is "accept while the draft is the argmax"
-                argmax = raw.argmax(dim=-1).tolist() if argmax is None else argmax
+                argmax = first_argmax(raw).tolist() if argmax is None else argmax
                 n_ok = next((j for j in range(k) if argmax[a + j] != drafts[j]), k)
                 v = Verified(n_ok, drafts[:n_ok] + [argmax[a + n_ok]])
             else:

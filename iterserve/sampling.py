@@ -21,6 +21,14 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax over the last dim as torch.argmax defines it (the first of equal maxima; a
+    NaN counts as the largest), by torch.max's reduction, 2.4x argmax's speed on CPU: 16 rows x
+    128,256 float32 in 0.57 against 1.37 ms, one row in 56 against 159 us (2-core AMX Xeon).
+    tests/test_sampling.py checks that the two agree on ties, NaN and infinities."""
+    return x.max(dim=-1).indices
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -146,7 +154,7 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     token = (ci * CDF_CHUNK + j).squeeze(1).clamp_(max=vocab - 1)
     # rounding at a chunk's or the row's end can land on an entry of zero mass: take the row's best
     landed = probs[rows, token] > 0
-    return token if bool(landed.all()) else torch.where(landed, token, probs.argmax(dim=-1))
+    return token if bool(landed.all()) else torch.where(landed, token, first_argmax(probs))
 
 
 @dataclass
@@ -184,7 +192,7 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), params, token_histories, prompt_lens)
         temps = torch.tensor([p.temperature for p in params], device=dev)
         greedy_rows = temps < GREEDY_TEMPERATURE
-        chosen = logits.argmax(dim=-1)
+        chosen = first_argmax(logits)
         if bool(greedy_rows.all()):
             return None, greedy_rows, chosen
         scaled = logits / torch.where(greedy_rows, 1.0, temps).unsqueeze(1)

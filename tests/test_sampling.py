@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from iterserve.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams
+from iterserve.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams, first_argmax
 
 VOCAB = 6
 
@@ -36,6 +36,25 @@ LOGITS = [math.log(p) if p else -1e9 for p in PROBS]
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 0.0]])
     assert sample(logits, [SamplingParams(temperature=0)] * 2).token_ids == [1, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_first_argmax_is_torch_argmax_on_ties_nan_and_infinities(dtype):
+    """The sampler's greedy choice (first_argmax, by torch.max) is torch.argmax's: the first of
+    equal maxima, a NaN the largest (the first NaN), +inf over finite, an all -inf row its first."""
+    g = torch.Generator().manual_seed(0)
+    for vocab in (7, 100, 49152):
+        x = torch.randint(0, 4, (12, vocab), generator=g).float()  # every row full of ties
+        x[1, torch.randperm(vocab, generator=g)[:3]] = float("nan")
+        x[2] = float("-inf")
+        x[3, [vocab // 2, vocab - 1]] = float("inf")
+        x[4, -1] = 10.0
+        x = x.to(dtype)
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+        assert torch.equal(first_argmax(x[5]), x[5].argmax())
+    greedy = sample(torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 1.0, float("nan"), 2.0]]),
+                    [SamplingParams(temperature=0)] * 2)
+    assert greedy.token_ids == [1, 0]
 
 
 def test_temperature_one_samples_the_softmax():
