@@ -4,7 +4,8 @@ torch's bits, in bf16 and float32. SiLU takes SLEEF's expf_u10 formula, the one 
 silu calls (every bf16 input checked); torch's own scalar tail (a row's last width % 64 bf16 or
 % 32 float32 columns) calls std::exp instead, so there the float32 result may move by an ulp. RoPE
 over the fused QKV output's view and over separate q and k, full and partial rotary, GQA head
-counts. The residual add + norm gives the add's and the norm kernel's bits. The platform swaps the
+counts. The residual add + norm gives the add's and the norm kernel's bits. `permute_columns` gives
+torch.gather's values. The platform swaps the
 modules, and the engine's tokens and logprobs are unchanged. The kernel tests run on the native build and,
 on an AVX-512 host, the AVX2 one too (conftest's kernel_variant)."""
 from __future__ import annotations
@@ -100,6 +101,31 @@ def test_rope_matches_torch(dtype, heads, kv_heads, head_dim, rotary_dim, varian
         assert same_bits(variant_kernels.rope(k, cos, sin), apply_rope(k, cos, sin))
         q = qk[:, :heads].contiguous()
         assert same_bits(variant_kernels.rope(q, cos, sin), apply_rope(q, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_permute_columns_is_torch_gather(dtype, variant_kernels):
+    """CpuLinear.out_order's copy: out[t, j] = y[t, order[j]], torch.gather's values bit for bit, from no
+    rows to a prompt chunk's 512 (which runs on the pool), rows strided as a view leaves them; an order
+    that is not a permutation's length or range, or another index dtype, is refused."""
+    g = torch.Generator().manual_seed(0)
+    N = 3072
+    order = torch.randperm(N, generator=g)
+    for rows in (0, 1, 3, 16, 512):
+        y = torch.randn(rows, N + 7, generator=g).to(dtype)[:, 3:N + 3]
+        want = torch.gather(y, -1, order.expand(rows, N))
+        got = variant_kernels.permute_columns(y, order)
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+    y = torch.randn(2, 6).to(dtype)
+    with pytest.raises(RuntimeError, match="outside 0 .. 5"):
+        variant_kernels.permute_columns(y, torch.tensor([0, 1, 2, 3, 4, 6]))
+    with pytest.raises(RuntimeError, match="order must be"):
+        variant_kernels.permute_columns(y, torch.arange(5))
+    with pytest.raises(RuntimeError, match="order must be"):
+        variant_kernels.permute_columns(y, torch.arange(6, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="2- or 4-byte"):
+        variant_kernels.permute_columns(y.double(), torch.arange(6))
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])

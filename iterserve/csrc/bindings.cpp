@@ -46,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("unit_offset") = false);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :F]) * x[:, F:] of x [T, 2F] (float32 or bf16) in torch's order "
         "of rounding (see elementwise.cpp)", py::arg("x"));
+  m.def("permute_columns", &permute_columns, "y [T, N] with its columns in `order` ([N] int64, a permutation): "
+        "out[t, j] = y[t, order[j]], torch.gather's values (see elementwise.cpp)", py::arg("y"), py::arg("order"));
   m.def("moe_combine", &moe_combine, "a MoE layer's output: h [P, H] times w [P], added into row tokens[i] of a "
         "zero [T, H] in pair order (torch's mul, to and index_add_ bits)", py::arg("h"), py::arg("w"),
         py::arg("tokens"), py::arg("T"));

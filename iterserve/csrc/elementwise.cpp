@@ -1,6 +1,7 @@
 // silu_and_mul, rope, moe_combine: the gated MLP's SiLU-and-multiply, RoPE over q and k, and the sum of
 // a MoE layer's weighted expert outputs, one pass each, with torch's bits (eager torch: 3, 7 and 3 ops
-// with their temporaries).
+// with their temporaries); and permute_columns, the q/k/v outputs of a GGUF's projection put back in
+// Hugging Face's order.
 #include "kernel_common.h"
 #include "kernels.h"
 #include "lanes.h"
@@ -188,6 +189,39 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
+
+// y [T, N] (rows may be strided, columns contiguous), order [N] int64, a permutation of 0 .. N - 1 ->
+// a new [T, N] with out[t, j] = y[t, order[j]]: torch.gather(y, -1, order.expand(T, N))'s values, for
+// CpuLinear.out_order (llama.cpp stores a Llama's q and k rows in another order than Hugging Face's).
+// torch's gather expanded the index into a [T, N] copy and, from 32,768 elements (a 16-row step of the
+// 1B's q/k/v), woke its OpenMP thread: 50 us a call with OMP_WAIT_POLICY=PASSIVE on 2 cores. Here a
+// few rows run on the calling thread and more on the pool (for_rows).
+at::Tensor permute_columns(const at::Tensor& y_in, const at::Tensor& order_in) {
+  TORCH_CHECK(y_in.dim() == 2, "y must be [T, N]");
+  TORCH_CHECK(order_in.dim() == 1 && order_in.scalar_type() == at::kLong && order_in.size(0) == y_in.size(1),
+              "order must be [N] int64, N = y's columns");
+  const at::Tensor y = y_in.stride(1) == 1 ? y_in : y_in.contiguous();
+  const at::Tensor order = order_in.contiguous();
+  const int64_t T = y.size(0), N = y.size(1), ld = y.stride(0);
+  const int64_t* op = order.const_data_ptr<int64_t>();
+  for (int64_t j = 0; j < N; ++j) TORCH_CHECK(op[j] >= 0 && op[j] < N, "order[", j, "] = ", op[j], " is outside 0 .. ", N - 1);
+  at::Tensor out = at::empty({T, N}, y.options());
+  auto run = [&](auto* dst) {
+    using E = std::remove_pointer_t<decltype(dst)>;
+    const E* src = reinterpret_cast<const E*>(y.const_data_ptr());
+    for_rows(T, N, [&](int64_t t) {
+      const E* row = src + t * ld;
+      E* o = dst + t * N;
+      for (int64_t j = 0; j < N; ++j) o[j] = row[op[j]];
+    });
+  };
+  switch (y.element_size()) {
+    case 2: run(reinterpret_cast<uint16_t*>(out.data_ptr())); break;
+    case 4: run(reinterpret_cast<uint32_t*>(out.data_ptr())); break;
+    default: TORCH_CHECK(false, "permute_columns takes 2- or 4-byte elements (bf16, fp16, float32), not ", y.scalar_type());
+  }
+  return out;
+}
 
 // x [T, H, D] (heads and rows may be strided: q and k as one view of the fused QKV output), cos and
 // sin [T, rd] of x's dtype, rd even and <= D -> a new contiguous [T, H, D].

@@ -638,10 +638,13 @@ class CpuLinear(nn.Module):
             self.read_ahead(self.read_next, self.read_bytes)
         if in_order:
             return y
-        # a gather along the last dim, the same copy: 2.6-2.7x index_select's speed from 16 rows up on a
-        # 2-core AMX Xeon (the 1B's q/k/v: 26 against 70 us at 16 rows, 0.84 against 2.29 ms at 512),
-        # level at one row
-        y = torch.gather(y, -1, out_order.expand(y.shape))
+        # the kernels' permute_columns, torch.gather's values: the 1B's q/k/v at 1 / 16 / 512 rows in 2.8 /
+        # 11.5 / 285 us against gather's 7.6 / 225 / 1173 (its index expanded into a copy, its OpenMP
+        # thread woken from 32,768 elements; 2-core AMX Xeon). A compiled graph keeps the torch op
+        if torch.compiler.is_compiling():
+            y = torch.gather(y, -1, out_order.expand(y.shape))
+        else:
+            y = load_cpu_kernels().permute_columns(y, out_order)
         return y if self.bias is None else y + self.bias
 
 
