@@ -144,21 +144,37 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], maps: Path = Path("/pr
     weights (Gemma 3 270M: 0.22 GiB). The pages stay in the page cache, shared with any replica; a
     later read (an embedding row of a tied head's blocks) maps the page it touches again."""
     tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
-    madvise, dontneed = _libc("madvise"), getattr(mmap, "MADV_DONTNEED", None)
-    if not tensors or madvise is None or dontneed is None:
+    if not tensors or _libc("madvise") is None or not hasattr(mmap, "MADV_DONTNEED"):
         return 0
     ranges = _file_mappings(maps, read_only=True)
+    return sum(length for a, length in (_whole_pages(t, ranges) for t in tensors) if length and unmap_pages(a, length))
+
+
+def _whole_pages(t: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+    """(address, bytes) of the whole pages of t's bytes where they lie in one of `ranges`; (0, 0) if not."""
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    if t.device.type != "cpu" or not any(a <= start and end <= b for a, b in ranges):
+        return 0, 0
     page = mmap.PAGESIZE
-    released = 0
-    for t in tensors:
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
-        if not any(a <= start and end <= b for a, b in ranges):
-            continue
-        first, last = -(-start // page) * page, end // page * page
-        if last > first and madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), dontneed) == 0:
-            released += last - first
-    return released
+    first, last = -(-start // page) * page, end // page * page
+    return (first, last - first) if last > first else (0, 0)
+
+
+def file_mapped_pages(t: torch.Tensor, maps: Path = Path("/proc/self/maps")) -> tuple[int, int] | None:
+    """(address, bytes) of the whole pages of t's bytes, where they lie in a read-only file mapping
+    (a GGUF's map) and the C library has madvise; else None. Read once: unmap_pages takes it."""
+    if _libc("madvise") is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    address, length = _whole_pages(t, _file_mappings(maps, read_only=True))
+    return (address, length) if length else None
+
+
+def unmap_pages(address: int, length: int) -> bool:
+    """madvise(MADV_DONTNEED) over [address, address + length), which must be whole pages of a
+    read-only file mapping (file_mapped_pages): the process stops mapping them (its RSS drops), the
+    page cache keeps them, and a later read maps them again. True on success."""
+    return _libc("madvise")(ctypes.c_void_p(address), ctypes.c_size_t(length), mmap.MADV_DONTNEED) == 0
 
 
 @functools.cache

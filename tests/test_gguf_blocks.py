@@ -23,7 +23,7 @@ from torch import nn
 from iterserve.llm import LLM
 from iterserve.memory import model_tensors, weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import (GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
+from iterserve.platform.cpu_linear import (GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin, table_bytes,
                                            pack_bf16, pack_gguf_twin, prepack_available, random_shards,
                                            tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
@@ -124,6 +124,7 @@ def test_engine_keeps_only_the_blocks(q4_k_file, dtype, monkeypatch, tmp_path):
                                                       "mlp.down_proj")}
     assert isinstance(model.embed_tokens, BlockEmbedding) and model.lm_head.from_blocks
     assert model.lm_head.twin_weight is model.embed_tokens.buf  # the tied head reads the embedding's blocks
+    assert model.embed_tokens.mapped is None  # which the head reads whole each step: it stays mapped
     assert not any(p.device.type == "meta" for p in model.parameters())  # every meta weight was replaced
     assert model.gguf_sources == {}
     assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in model.modules())
@@ -144,6 +145,16 @@ def test_engine_keeps_only_the_blocks(q4_k_file, dtype, monkeypatch, tmp_path):
                                        rtol=0, atol=1e-4)
         else:  # our tiled GEMM, tile by tile: the float copy's numbers exactly
             assert a.prompt_logprobs == b.prompt_logprobs
+
+
+def _pages_mapped(address: int, length: int) -> int:
+    """How many of the 4 KiB pages in [address, address + length) this process maps (/proc/self/pagemap's
+    present bit)."""
+    first, n = address // 4096, -(-(address + length) // 4096) - address // 4096
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read(n * 8)
+    return sum(int.from_bytes(entries[8 * i:8 * i + 8], "little") >> 63 for i in range(n))
 
 
 def _q4_k_everywhere(name, w):
@@ -191,6 +202,18 @@ def test_k_quant_blocks_are_read_in_place_from_the_file(q4_k_only_file, dtype, m
                                        rtol=0, atol=1e-4)
         else:  # tiled panels: the float copy's numbers exactly; the decode rows ran gguf_gemm on the map
             assert a.prompt_logprobs == b.prompt_logprobs
+    if dtype == "bfloat16":  # every module's blocks in one map: each read-ahead names its own bytes in it
+        chained = [m for m in linears if m.read_next is not None]
+        assert len({m.read_next.data_ptr() for m in chained}) == len(chained) > 1
+    # the untied embedding's table is unmapped after each lookup (the page cache keeps it); the
+    # projections' pages, read each step, stay mapped
+    address, length = model.embed_tokens.mapped
+    table = table_bytes(model.embed_tokens.buf, model.embed_tokens.meta)
+    assert table.data_ptr() <= address and address + length <= table.data_ptr() + table.numel() and length > 0
+    assert _pages_mapped(address, length) == 0
+    down = model.layers[0].mlp.down_proj
+    start = down.twin_weight.data_ptr() + int(down.twin_scales[0, 3])
+    assert _pages_mapped(start, 4096) == -(-(start + 4096) // 4096) - start // 4096  # every page it spans
     if dtype == "bfloat16":  # gguf_gemm on the map and the gather, against the gather of the copy's rows
         qkv = model.layers[0].self_attn.qkv_proj
         x = torch.randn(2, 256).to(torch.bfloat16)

@@ -654,8 +654,8 @@ def test_a_large_head_packs_in_slices_into_one_buffer(qtype):
 
 
 def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_model_dir, monkeypatch, tmp_path):
-    """chain_read_ahead: each projection with a twin names the next one's blocks in the order a step
-    runs them (q/k/v, o, gate/up, down, the next layer's, ..., the head, then layer 0's for the next
+    """chain_read_ahead: each projection with a twin names the next one's blocks (the bytes of its
+    shards, where its buffer holds more: a file's map) in the order a step runs them (q/k/v, o, gate/up, down, the next layer's, ..., the head, then layer 0's for the next
     step); decoding, the pool's idle worker reads them (read_ahead_bytes grows where the pool has a
     worker), and the logits are the same bits as with read-ahead off (it only reads)."""
     import iterserve.engine as engine_mod
@@ -672,8 +672,10 @@ def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_
     names = [name for name, _ in chain]
     assert names[:5] == ["layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj",
                          "layers.0.mlp.down_proj", "layers.1.self_attn.qkv_proj"] and names[-1] == "lm_head"
-    for (_, mod), (_, nxt) in zip(chain, chain[1:] + chain[:1]):
-        assert mod.read_next is nxt._buffers["twin_weight"]
+    for (_, mod), (_, nxt) in zip(chain, chain[1:] + chain[:1]):  # the next one's own shards' bytes
+        weight, meta = nxt._buffers["twin_weight"], nxt._buffers["twin_scales"]
+        start, end = int(meta[:, 3].min()), int((meta[:, 3] + meta[:, 1] * meta[:, 2]).max())
+        assert mod.read_next.data_ptr() == weight.data_ptr() + start and mod.read_next.numel() == end - start
     kernels = load_cpu_kernels()
     before = kernels.read_ahead_bytes()
     ids = eng.tokenizer("The capital of France is a city on the river Seine, and")["input_ids"]

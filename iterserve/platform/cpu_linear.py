@@ -59,7 +59,7 @@ from torch import nn
 from iterserve.config import parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.custom_ops import call_directly
-from iterserve.memory import release_mapped_pages
+from iterserve.memory import file_mapped_pages, release_mapped_pages, unmap_pages
 from iterserve.model.gguf_file import unpermute_qk
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
@@ -681,8 +681,17 @@ def chain_read_ahead(model: nn.Module, kernels: Any) -> int:
     if kernels is None or nbytes <= 0 or len(chain) < 2:
         return 0
     for mod, nxt in zip(chain, chain[1:] + chain[:1]):
-        mod.read_next, mod.read_bytes, mod.read_ahead = nxt._buffers["twin_weight"], nbytes, kernels.read_ahead
+        mod.read_next, mod.read_bytes, mod.read_ahead = twin_bytes(nxt), nbytes, kernels.read_ahead
     return len(chain)
+
+
+def twin_bytes(mod: CpuLinear) -> torch.Tensor:
+    """The bytes mod's twin reads, as a view: a GGUF twin's shards where they lie in its buffer (which
+    may be the whole file's map, each module's blocks at their offsets in it), another twin's whole
+    weight. The read-ahead once took twin_weight itself, so with the file's map it read the file's
+    first bytes (its header and embedding) before every kernel, not the next one's blocks."""
+    weight = mod._buffers["twin_weight"]
+    return table_bytes(weight, mod._buffers["twin_scales"]) if mod.twin == "gguf" else weight
 
 
 KQUANT_NAMES = ("q4_k", "q5_k", "q6_k")  # gguf_twin_spec's names of the block types int8 activations apply to
@@ -859,21 +868,41 @@ def gguf_twins_of(model: nn.Module) -> dict[str, tuple[str, list]]:
     return out
 
 
+def table_bytes(buf: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The bytes of buf that meta's shards occupy ([S, 4]: type, rows, bytes per row, offset), as a view:
+    buf may be the whole file's map, the shards at their offsets in it (pack_gguf_twin)."""
+    start = int(meta[:, 3].min())
+    end = int((meta[:, 3] + meta[:, 1] * meta[:, 2]).max())
+    return buf[start:end]
+
+
 class BlockEmbedding(nn.Module):
     """The token embedding read from its GGUF blocks, its only copy (shared with a tied LM head's
     CpuLinear): a step dequantises the rows of its tokens alone (csrc/gguf_dequant.cpp), gguf-py's
-    numbers in the model's dtype, as a float copy of the table would hold them."""
+    numbers in the model's dtype, as a float copy of the table would hold them.
+
+    `unmap_after`: the table is the file's map and nothing else reads it (no tied head). A row's read
+    maps its whole folio of the page cache (2 MiB where the file is cached in large pages), and the
+    process kept each one mapped: after a few prompts a 1B's 54 MiB table (the 8B's 295 MiB) was
+    mostly in its RSS, for the few rows a step reads. So after each lookup the table's pages are
+    unmapped again (madvise DONTNEED; the page cache keeps them, and the next step maps the folios of
+    its rows again): a lookup of 1 / 16 / 512 random rows of the 1B's took 17 / 69-104 / 363-679 us
+    against 8-10 / 15 / 200-216 kept mapped, 0.05-0.15 % of those steps (docs/profile.md, AMX Xeon,
+    seventh sitting)."""
 
     def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor], num_embeddings: int, embedding_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, unmap_after: bool = False) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
         self.register_buffer("buf", blocks[0], persistent=False)
         self.register_buffer("meta", blocks[1], persistent=False)
+        self.mapped = file_mapped_pages(table_bytes(*blocks)) if unmap_after else None  # (address, bytes) to unmap
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = load_cpu_kernels().gguf_dequant(self.buf, self.meta, self.embedding_dim, ids.reshape(-1).long(),
                                                self.dtype == torch.bfloat16)
+        if self.mapped is not None:
+            unmap_pages(*self.mapped)
         return rows.view(*ids.shape, self.embedding_dim)
 
 
@@ -888,17 +917,21 @@ def use_gguf_blocks(model: nn.Module, plan_of: Callable[[str, nn.Linear, str], t
     sources = model.gguf_sources
     packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(shard list) -> (buf, meta)
     changed = 0
-    for name in sorted(blocks):
-        mod = model.get_submodule(name)
+    modules = {name: model.get_submodule(name) for name in sorted(blocks)}
+    shards_of = {name: sources.get(name) or sources.get("embed_tokens") for name in modules}
+    # shard lists a linear reads too (a tied head reads the embedding's): BlockEmbedding keeps those mapped
+    read_by_linears = {id(shards_of[n]) for n, m in modules.items() if isinstance(m, nn.Linear)}
+    for name, mod in modules.items():
         if not isinstance(mod, (nn.Linear, nn.Embedding)):
             continue  # a MoE layer's experts: cpu_moe.use_moe_blocks
-        shards = sources.get(name) or sources.get("embed_tokens")
+        shards = shards_of[name]
         dim = mod.embedding_dim if isinstance(mod, nn.Embedding) else mod.in_features
         if id(shards) not in packed:
             packed[id(shards)] = pack_gguf_twin(shards, dim)
         pair = packed[id(shards)]
         if isinstance(mod, nn.Embedding):
-            new: nn.Module = BlockEmbedding(pair, mod.num_embeddings, dim, mod.weight.dtype)
+            new: nn.Module = BlockEmbedding(pair, mod.num_embeddings, dim, mod.weight.dtype,
+                                            unmap_after=id(shards) not in read_by_linears)
         else:
             layout, most, amx = plan_of(name, mod, gguf_meta_spec(pair[1]))
             new = CpuLinear(mod, twin_max_tokens=most, layout=layout, amx_min_rows=amx, blocks=pair,
