@@ -23,8 +23,8 @@ from torch import nn
 from iterserve.llm import LLM
 from iterserve.memory import model_tensors, weight_bytes
 from iterserve.platform.cpu_kernels import load_cpu_kernels
-from iterserve.platform.cpu_linear import (GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin, table_bytes,
-                                           pack_bf16, pack_gguf_twin, prepack_available, random_shards,
+from iterserve.platform.cpu_linear import (GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, INVARIANT_FLOAT32, BlockEmbedding, CpuLinear, dequantize_gguf_twin,
+                                           pack_bf16, pack_gguf_twin, prepack_available, random_shards, shard_span,
                                            tiled_gemm_vectorised)
 from iterserve.sampling import SamplingParams
 
@@ -208,7 +208,7 @@ def test_k_quant_blocks_are_read_in_place_from_the_file(q4_k_only_file, dtype, m
     # the untied embedding's table is unmapped after each lookup (the page cache keeps it); the
     # projections' pages, read each step, stay mapped
     address, length = model.embed_tokens.mapped
-    table = table_bytes(model.embed_tokens.buf, model.embed_tokens.meta)
+    table = shard_span(model.embed_tokens.buf, model.embed_tokens.meta)
     assert table.data_ptr() <= address and address + length <= table.data_ptr() + table.numel() and length > 0
     assert _pages_mapped(address, length) == 0
     down = model.layers[0].mlp.down_proj

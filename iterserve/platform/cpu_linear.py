@@ -691,7 +691,7 @@ def twin_bytes(mod: CpuLinear) -> torch.Tensor:
     weight. The read-ahead once took twin_weight itself, so with the file's map it read the file's
     first bytes (its header and embedding) before every kernel, not the next one's blocks."""
     weight = mod._buffers["twin_weight"]
-    return table_bytes(weight, mod._buffers["twin_scales"]) if mod.twin == "gguf" else weight
+    return shard_span(weight, mod._buffers["twin_scales"]) if mod.twin == "gguf" else weight
 
 
 KQUANT_NAMES = ("q4_k", "q5_k", "q6_k")  # gguf_twin_spec's names of the block types int8 activations apply to
@@ -868,8 +868,8 @@ def gguf_twins_of(model: nn.Module) -> dict[str, tuple[str, list]]:
     return out
 
 
-def table_bytes(buf: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """The bytes of buf that meta's shards occupy ([S, 4]: type, rows, bytes per row, offset), as a view:
+def shard_span(buf: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The bytes of buf that meta's shards span ([S, 4]: type, rows, bytes per row, offset), as a view:
     buf may be the whole file's map, the shards at their offsets in it (pack_gguf_twin)."""
     start = int(meta[:, 3].min())
     end = int((meta[:, 3] + meta[:, 1] * meta[:, 2]).max())
@@ -896,7 +896,7 @@ class BlockEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
         self.register_buffer("buf", blocks[0], persistent=False)
         self.register_buffer("meta", blocks[1], persistent=False)
-        self.mapped = file_mapped_pages(table_bytes(*blocks)) if unmap_after else None  # (address, bytes) to unmap
+        self.mapped = file_mapped_pages(shard_span(*blocks)) if unmap_after else None  # (address, bytes) to unmap
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = load_cpu_kernels().gguf_dequant(self.buf, self.meta, self.embedding_dim, ids.reshape(-1).long(),
