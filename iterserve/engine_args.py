@@ -19,19 +19,17 @@ OMP_WAIT = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 
 
 def apply_omp_wait(choice: str) -> None:
-    """passive only fills what the environment leaves unset (an exported OMP_WAIT_POLICY wins);
-    spin is an explicit request and overrides it."""
+    """passive is already applied: importing the package filled OMP_WAIT_POLICY where the environment
+    left it unset (iterserve/__init__.py; an exported value wins). spin is an explicit request and
+    overrides it, where torch is not loaded yet."""
     choice = getattr(choice, "value", choice)  # `serve` wraps defaults it lets a --config file replace
+    if choice == "passive":
+        return
     if "torch" in sys.modules:  # too late: main() in a process that loaded torch (tests), or a --config file
-        applied = all(os.environ.get(k) == v for k, v in OMP_WAIT[choice].items())
-        if choice != "passive" and not applied:
+        if not all(os.environ.get(k) == v for k, v in OMP_WAIT[choice].items()):
             logging.getLogger("iterserve").warning("--omp-wait %s ignored: torch was loaded before it", choice)
         return
-    for key, value in OMP_WAIT[choice].items():
-        if choice == "passive":
-            os.environ.setdefault(key, value)
-        else:
-            os.environ[key] = value
+    os.environ.update(OMP_WAIT[choice])
 
 
 ENGINE_ENV_HELP = (

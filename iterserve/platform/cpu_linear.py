@@ -632,16 +632,17 @@ class CpuLinear(nn.Module):
         y = op(x, self.packed_weight, self.layout, self.out_features, buffers.get("twin_weight"),
                buffers.get("twin_scales"), buffers.get("twin_mins"),
                self.bias if in_order else None, self.twin_max_tokens, self.op_twin, self.amx_min_rows, self.from_blocks)
+        compiling = torch.compiler.is_compiling()
         # not in a compiled graph: dynamo took read_next (another module's buffer) for an input of
         # this one's and handed the kernel the wrong blocks
-        if not torch.compiler.is_compiling() and self.read_next is not None and x.shape[0] <= self.twin_max_tokens:
+        if not compiling and self.read_next is not None and x.shape[0] <= self.twin_max_tokens:
             self.read_ahead(self.read_next, self.read_bytes)
         if in_order:
             return y
         # the kernels' permute_columns, torch.gather's values: the 1B's q/k/v at 1 / 16 / 512 rows in 2.8 /
         # 11.5 / 285 us against gather's 7.6 / 225 / 1173 (its index expanded into a copy, its OpenMP
         # thread woken from 32,768 elements; 2-core AMX Xeon). A compiled graph keeps the torch op
-        if torch.compiler.is_compiling():
+        if compiling:
             y = torch.gather(y, -1, out_order.expand(y.shape))
         else:
             y = load_cpu_kernels().permute_columns(y, out_order)
