@@ -179,3 +179,22 @@ def test_int8_except_down_times_the_down_shapes_on_int16(monkeypatch, tmp_path):
     assert kc.down_only_shapes(model, torch.float32) == [("proj", 64, 512)]
     model.layers[1].mlp.other = torch.nn.Linear(512, 64)  # the down shape, not a down projection
     assert kc.down_only_shapes(model, torch.float32) == []
+
+
+def test_measuring_leaves_no_panel_scratch_in_the_measuring_thread(tmp_path):
+    """The candidates read from GGUF blocks dequantise panels into a per-thread scratch (cpu_linear's
+    blocks_gemm). The kernel choice measures in the thread that starts the engine, which a server
+    never steps in, so once it has timed them it drops that thread's scratch: a first start kept
+    8 MiB of them for good (docs/profile.md)."""
+    from iterserve.platform import cpu_linear
+
+    kernels = load_cpu_kernels()
+    x = torch.randn(64, 256)
+    shards = cpu_linear.random_shards("q4_k:64", 256)
+    buf, meta = cpu_linear.pack_gguf_twin(shards, 256)
+    cpu_linear.blocks_gemm(x, buf, meta, 64, "float32")  # the scratch a panel leaves behind
+    assert cpu_linear._panels.by_dtype
+    req = kc.ChoiceRequest(shapes=[("proj", 64, 256, "q4_k:64")], buckets=[1, 2], dtype=torch.float32, blocks=True)
+    choice = kc.choose_kernels(req, kernels, folder=tmp_path)
+    assert choice.source == "measured" and choice.linears[kc.linear_key("proj", 64, 256, "q4_k:64")].ms["float32"]
+    assert cpu_linear._panels.by_dtype == {}

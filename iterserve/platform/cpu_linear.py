@@ -749,6 +749,13 @@ def _panel_scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
     return held[dtype]
 
 
+def release_panel_scratch() -> None:
+    """Drops this thread's panel scratch (_panel_scratch). The kernel choice calls it once it has timed
+    its candidates: it measures in the thread that starts the engine, which a server never steps in, so
+    its panels (PANEL_BYTES a dtype: bf16 and float32 both timed) would stay resident for nothing."""
+    _panels.by_dtype = {}
+
+
 def blocks_gemm(x: torch.Tensor, buf: torch.Tensor, meta: torch.Tensor, out_features: int, layout: str,
                 amx_min_rows: int = 0) -> torch.Tensor:
     """x @ w.T for a step of many rows with the weight only in its GGUF blocks: a panel of output rows

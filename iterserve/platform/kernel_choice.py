@@ -57,7 +57,8 @@ from iterserve.platform.cpu_kernels import KERNEL_FILES
 from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES, LAYOUTS,
                                            CpuLinear, bf16_exact, bf16w_gemm_vectorised, four_bit_twin, gguf_int8_amx,
                                            gguf_twin_name, is_down_projection, pack_gguf_twin, prepack_available,
-                                           random_shards, tiled_gemm_amx, tiled_gemm_vectorised)
+                                           random_shards, release_panel_scratch, tiled_gemm_amx,
+                                           tiled_gemm_vectorised)
 
 log = logging.getLogger("iterserve.platform")
 
@@ -536,6 +537,7 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             sec = measure(attention_candidates({n: backends[n] for n in attn_names}, heads, kv_heads, head_dim,
                                                block_size, req.dtype), req.buckets)
             attention, attn_ms = pick_fastest(sec), _ms(sec)
+    release_panel_scratch()  # the candidates' panels: this thread may never run a step
     shown = sorted({*proj_buckets, *([INT8_PREFILL_ROWS] if chunk_timed else [])})
     choice = KernelChoice(shown, linears, attention, attn_ms, time.perf_counter() - t0, key=key, folder=folder)
     save_cached(key, choice, folder)
