@@ -478,7 +478,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
   using B = AmxBlock<TYPE, I16>;
   constexpr int64_t BYTES = kquant_bytes(TYPE);
   constexpr int kBlockTiles = 4;  // activation tiles a pass of the accumulators holds
-  constexpr int64_t kAhead = 2;   // super-blocks between a row's request into L1 and its unpacking
+  constexpr int64_t kAhead = 3;   // super-blocks between a row's request into L2 and its unpacking
   const int64_t NB = a.K / 256, nend = n0 + (n1 - n0) / 16 * 16;
   if (nend == n0) return n0;
   thread_local std::vector<B> blocks;  // one group's super-blocks, kept between calls (its pages fault in once)
@@ -497,7 +497,10 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
     const uint8_t* wg = w + n * row_bytes;
     const uint8_t* wend = w + nend * row_bytes;
     // super-block sb of the group's 16 rows, unpacked; each row asks for its bytes kAhead super-blocks
-    // on (1, 2 and 4 timed: 2 best, ~5 % apart)
+    // on, into L2: asked into L1 (2 ahead; 1 and 4 were ~5 % slower) the reads waited more than they
+    // overlapped the work (a cold gate/up call 1.30 ms where its work alone takes 0.97 and its bytes
+    // 0.74). Into L2, 2-6 ahead timed: 16-row gate/up 1.04-1.11x, the head 1.04-1.09x, K 8192 level to
+    // 0.96x; 3 taken, the 1B's 16-row step 64.7 -> 60.6 ms (medians of 7 in turns; docs/profile.md)
     auto unpack = [&](int64_t sb) {
       B& bk = buffer(sb);
       bk.headers(wg + sb * BYTES, row_bytes);
@@ -506,7 +509,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
         // the same row's super-block kAhead on, or past its end the next group's row f's
         const uint8_t* next = sb + kAhead < NB ? src + kAhead * BYTES : wg + (16 + f) * row_bytes + (sb + kAhead - NB) * BYTES;
         if (next + BYTES <= wend)
-          for (int64_t l = 0; l < BYTES + 63; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T0);
+          for (int64_t l = 0; l < BYTES + 63; l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T1);
         bk.unpack(f, src);
       }
     };
