@@ -656,8 +656,9 @@ def test_a_large_head_packs_in_slices_into_one_buffer(qtype):
 def test_read_ahead_follows_the_order_of_execution_and_changes_no_number(kquant_model_dir, monkeypatch, tmp_path):
     """chain_read_ahead: each projection with a twin names the next one's blocks (the bytes of its
     shards, where its buffer holds more: a file's map) in the order a step runs them (q/k/v, o,
-    gate/up, down, the next layer's, ..., the head, then layer 0's for the next step); decoding, the pool's idle worker reads them (read_ahead_bytes grows where the pool has a
-    worker), and the logits are the same bits as with read-ahead off (it only reads)."""
+    gate/up, down, the next layer's, ..., the head, then layer 0's for the next step); decoding, the
+    pool's idle worker reads them (read_ahead_bytes grows where the pool has a worker), and the
+    logits are the same bits as with read-ahead off (it only reads)."""
     import iterserve.engine as engine_mod
     import iterserve.platform.cpu_linear as cpu_linear
     from iterserve.config import EngineConfig

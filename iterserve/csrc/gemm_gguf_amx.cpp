@@ -149,9 +149,12 @@ AmxActivations::AmxActivations(const int8_t* x8, int64_t l8, const float* d8_in,
       bs32(aligned_array<int16_t>(tiles * (K_ / 256) * 128)) {
 #if ISV_AMX_INT8
   const int64_t NB = K / 256, NL = K / 64;
-  std::memset(d8.get(), 0, tiles * NB * 16 * sizeof(float));  // the last tile's rows past M: zeros
-  std::memset(bs.get(), 0, tiles * NB * 256 * sizeof(int16_t));
-  std::memset(bs32.get(), 0, tiles * NB * 128 * sizeof(int16_t));
+  if (M % 16) {  // the last tile's rows past M: zeros (every other element is written below)
+    const int64_t t = tiles - 1;
+    std::memset(d8.get() + t * NB * 16, 0, NB * 16 * sizeof(float));
+    std::memset(bs.get() + t * NB * 256, 0, NB * 256 * sizeof(int16_t));
+    std::memset(bs32.get() + t * NB * 128, 0, NB * 128 * sizeof(int16_t));
+  }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t t = m / 16, r = m % 16;
     float* dt = d8.get() + t * NB * 16;
@@ -192,8 +195,11 @@ AmxActivations16::AmxActivations16(const int16_t* xq, int64_t lq, const float* d
       sx(aligned_array<float>(tiles * (K_ / 32) * 16)) {
 #if ISV_AMX_INT8
   const int64_t NS = K / 32, NL = K / 64;
-  std::memset(dx.get(), 0, tiles * 16 * sizeof(float));  // the last tile's rows past M: zeros
-  std::memset(sx.get(), 0, tiles * NS * 16 * sizeof(float));
+  if (M % 16) {  // the last tile's rows past M: zeros (every other element is written below)
+    const int64_t t = tiles - 1;
+    std::memset(dx.get() + t * 16, 0, 16 * sizeof(float));
+    std::memset(sx.get() + t * NS * 16, 0, NS * 16 * sizeof(float));
+  }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t t = m / 16, r = m % 16;
     dx[t * 16 + r] = dx_in[m];
