@@ -78,6 +78,17 @@ constexpr int kMaxPass = 8;  // 8 accumulators + the key: well inside 32 zmm reg
 constexpr int kMaxPass = 4;  // two accumulators a head on AVX2: 8 of the 16 ymm registers
 #endif
 
+#if ISV_LANES
+// s[g] = lv_sum(v[g]) for the GB heads, four at a time by lv_sum4 (the same bits): one reduction per
+// head and key was most of the scores' work (a GQA group of 4: 4 FMAs a head a key at head_dim 64)
+template <int GB>
+inline void sum_group(const LVec* v, float* s) {
+  int g = 0;
+  for (; g + 4 <= GB; g += 4) lv_sum4(v[g], v[g + 1], v[g + 2], v[g + 3], s + g);
+  for (; g < GB; ++g) s[g] = lv_sum(v[g]);
+}
+#endif
+
 // s[g] = q[g] . k for the GB query rows q (stride D; float) against one key (float or bf16 bits),
 // each head's chains and order as dot()'s.
 template <int GB, typename C>
@@ -100,7 +111,9 @@ inline void dot_group(const float* q, const C* k, int64_t D, float* s) {
       const LVec k0 = lv_load(k + d);
       for (int g = 0; g < GB; ++g) a0[g] = lv_fma(lv_load(q + g * D + d), k0, a0[g]);
     }
-    for (int g = 0; g < GB; ++g) s[g] = lv_sum(kDotChains == 2 ? lv_add(a0[g], a1[g]) : a0[g]);
+    if constexpr (kDotChains == 2)
+      for (int g = 0; g < GB; ++g) a0[g] = lv_add(a0[g], a1[g]);
+    sum_group<GB>(a0, s);
     return;
   }
 #endif
@@ -196,7 +209,9 @@ inline void dot_group(const float* q, const Q8Block* k, int64_t D, float* s) {
       }
     }
   }
-  for (int g = 0; g < GB; ++g) s[g] = lv_sum(kDotChains == 2 ? lv_add(a0[g], a1[g]) : a0[g]);
+  if constexpr (kDotChains == 2)
+    for (int g = 0; g < GB; ++g) a0[g] = lv_add(a0[g], a1[g]);
+  sum_group<GB>(a0, s);
 #else
   for (int g = 0; g < GB; ++g) s[g] = dot(q + g * D, k, D);
 #endif
@@ -235,6 +250,30 @@ inline void load_row64(const Q8Block* v, __m512* r) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// acc[g] += p[g * keys + i] * v_i over n value rows v_i of head_dim 64 (stride token_stride), the
+// accumulators held in registers across the rows. Its own function with the accumulators copied in and
+// out: inlined into decode_heads' loop, gcc kept them in registers but stored all GB x 4 to the
+// stack after every row (its store motion failed), 16 stores a key at GB 4.
+template <int GB, typename C>
+[[gnu::noinline]] void v_block64(const C* v, int64_t n, int64_t token_stride, const float* p, int64_t keys,
+                                 __m512 (&acc)[GB][4]) {
+  __m512 a[GB][4];
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = acc[g][j];
+  for (int64_t i = 0; i < n; ++i, v += token_stride) {
+    __m512 vr[4];
+    load_row64(v, vr);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pv = _mm512_set1_ps(p[g * keys + i]);
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(pv, vr[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = a[g][j];
+}
+#endif
+
 // A block's rows of one KV head (BS token rows token_stride apart, `row_bytes` each) asked into
 // cache ahead of their use. The decode loops walk a block's keys (then values) one token row at a
 // time, 1 KiB or more apart; once the step's weights have pushed the KV out of cache, each row was
@@ -258,7 +297,11 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
   acc.resize(GB * D);
   for (int g = 0; g < GB; ++g) {
     const T* qrow = q + (b * H + h0 + g) * D;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qrow[d]) * scale;
+    int64_t d = 0;
+#if ISV_LANES
+    for (; d + kLW <= D; d += kLW) lv_store(qf.data() + g * D + d, lv_mul(lv_load(qrow + d), lv_set1(scale)));
+#endif
+    for (; d < D; ++d) qf[g * D + d] = load(qrow[d]) * scale;
   }
   const int64_t keys = len - first;
   scores.resize(GB * keys);
@@ -314,19 +357,8 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
         const C* vb = v_cache + table[t0 / BS] * block_stride + kvh * row;
         if (t0 / BS + kAheadBlocks <= last_block)
           prefetch_block_rows(v_cache + table[t0 / BS + kAheadBlocks] * block_stride + kvh * row, BS, token_stride, row_bytes);
-        for (int64_t o = o0; o < o1; ++o, ++t0) {
-          const C* v = vb + o * token_stride;
-          __m512 vr[4];
-          load_row64(v, vr);
-          const __m512 v0 = vr[0], v1 = vr[1], v2 = vr[2], v3 = vr[3];
-          for (int g = 0; g < GB; ++g) {
-            const __m512 pv = _mm512_set1_ps(sc[g * keys + t0 - first]);
-            a[g][0] = _mm512_fmadd_ps(pv, v0, a[g][0]);
-            a[g][1] = _mm512_fmadd_ps(pv, v1, a[g][1]);
-            a[g][2] = _mm512_fmadd_ps(pv, v2, a[g][2]);
-            a[g][3] = _mm512_fmadd_ps(pv, v3, a[g][3]);
-          }
-        }
+        v_block64<GB>(vb + o0 * token_stride, o1 - o0, token_stride, sc + t0 - first, keys, a);
+        t0 += o1 - o0;
       }
       for (int g = 0; g < GB; ++g)
         for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc.data() + g * D + 16 * j, a[g][j]);
@@ -346,7 +378,11 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
   }
   for (int g = 0; g < GB; ++g) {
     T* orow = out + (b * H + h0 + g) * D;
-    for (int64_t d = 0; d < D; ++d) store(orow + d, acc[g * D + d] * inv[g]);
+    int64_t d = 0;
+#if ISV_LANES  // the same products and roundings as store()'s, a vector at a time
+    for (; d + kLW <= D; d += kLW) lv_store(orow + d, lv_mul(lv_load(acc.data() + g * D + d), lv_set1(inv[g])));
+#endif
+    for (; d < D; ++d) store(orow + d, acc[g * D + d] * inv[g]);
   }
 }
 
