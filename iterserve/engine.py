@@ -285,7 +285,7 @@ class LLMEngine:
     def _new_runner(self, num_blocks: int) -> ModelRunner:
         return ModelRunner(self.model, self.model_config, num_blocks, self.config.block_size, self.device,
                            self.dtype, self.platform.attention, kv_cache_groups(self.model_config),
-                           kv_cache=self.platform.kv_cache)
+                           kv_cache=self.platform.kv_cache, argmax=self.platform.argmax)
 
     def max_num_sequences(self) -> int:
         """How many sequences of max_model_len the KV cache holds at once (decoding their last

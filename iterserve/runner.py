@@ -17,7 +17,7 @@ AttentionMetadata per group and each layer reads its group's (the forward contex
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -89,10 +89,12 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention: AttentionBackend,
-                 kv_groups: KVCacheGroups | None = None, kv_cache: KVCacheFormat | None = None) -> None:
+                 kv_groups: KVCacheGroups | None = None, kv_cache: KVCacheFormat | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = first_argmax) -> None:
         """kv_groups: how the layers share block tables (None: one group of every layer, every block
         kept for the whole sequence, as a pool with one full group keeps them). kv_cache: the caches'
-        format (--kv-cache-dtype, resolved by the platform); None: the model's dtype."""
+        format (--kv-cache-dtype, resolved by the platform); None: the model's dtype. argmax: the
+        platform's greedy choice (Platform.argmax)."""
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -108,7 +110,7 @@ class ModelRunner:
         placement = [self.kv_groups.layer_slot(i) for i in range(cfg.num_layers)]
         self.layer_group = [g for g, _ in placement]  # which group's metadata each layer reads
         self.kv_caches = [slots[j] for _, j in placement]  # layer j of every group shares tensor pair j
-        self.sampler = Sampler(cfg.vocab_size)
+        self.sampler = Sampler(cfg.vocab_size, argmax)
         self.constraints = TokenConstraints(cfg.vocab_size)
         self.lora = None  # lora.manager.LoRAManager with --enable-lora (the engine sets it)
 
@@ -318,7 +320,7 @@ class ModelRunner:
             drafts = s.spec_token_ids[:k]
             if req.params.greedy and not req.params.has_penalties:
                 # p is one-hot at the argmax: the rule is "accept while the draft is the argmax"
-                argmax = first_argmax(raw).tolist() if argmax is None else argmax
+                argmax = self.sampler.argmax(raw).tolist() if argmax is None else argmax
                 n_ok = next((j for j in range(k) if argmax[a + j] != drafts[j]), k)
                 v = Verified(n_ok, drafts[:n_ok] + [argmax[a + n_ok]])
             else:

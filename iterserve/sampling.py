@@ -6,6 +6,7 @@ generator while the rest share one draw.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -165,10 +166,12 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row of a [batch, vocab] logits tensor."""
+    """Samples one token per row of a [batch, vocab] logits tensor. argmax: the rows' greedy choice,
+    first_argmax's numbers (a platform may hand in a faster kernel of the same definition)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, argmax: Callable[[torch.Tensor], torch.Tensor] = first_argmax) -> None:
         self.vocab_size = vocab_size
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  token_histories: list[list[int]], prompt_lens: list[int],
@@ -192,7 +195,7 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), params, token_histories, prompt_lens)
         temps = torch.tensor([p.temperature for p in params], device=dev)
         greedy_rows = temps < GREEDY_TEMPERATURE
-        chosen = first_argmax(logits)
+        chosen = self.argmax(logits)
         if bool(greedy_rows.all()):
             return None, greedy_rows, chosen
         scaled = logits / torch.where(greedy_rows, 1.0, temps).unsqueeze(1)

@@ -207,6 +207,57 @@ def test_bad_inputs_get_clear_errors():
         decode_attention_cpu(q[:, :5], k_cache, v_cache, meta, 0.1)
 
 
+def test_first_argmax_is_torch_argmax(variant_kernels):
+    """The sampler's greedy choice on the CPU platform (csrc/argmax.cpp) gives torch.argmax's index:
+    the first of equal maxima (-0 and +0 equal), the first NaN of a row with NaNs, +inf over finite, an
+    all -inf row's first; rows shorter than a vector and with a tail, strided rows."""
+    from iterserve.platform.cpu import kernel_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 17, 100, 49152, 49157):
+        x = torch.randint(0, 4, (12, vocab), generator=g).float()  # every row full of ties
+        x[1, torch.randperm(vocab, generator=g)[:3]] = float("nan")
+        x[2] = float("-inf")
+        x[3, [vocab // 2, vocab - 1]] = float("inf")
+        x[4, -1] = 10.0
+        x[5] = 0.0
+        x[5, : vocab // 2] = -0.0
+        x[6, -1] = float("nan")
+        x[7] = torch.randn(vocab, generator=g)
+        assert torch.equal(variant_kernels.first_argmax(x), x.argmax(dim=-1)), vocab
+        if vocab > 1:  # rows `vocab` apart, each one shorter
+            assert torch.equal(variant_kernels.first_argmax(x[:, 1:]), x[:, 1:].argmax(dim=-1)), vocab
+    argmax = kernel_argmax(variant_kernels)
+    bf16 = torch.randn(3, 50, generator=g).to(torch.bfloat16)  # not the kernel's: torch's path, same index
+    assert torch.equal(argmax(bf16), bf16.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        variant_kernels.first_argmax(bf16)
+    with pytest.raises(RuntimeError, match="no values"):
+        variant_kernels.first_argmax(torch.zeros(2, 0))
+
+
+def test_the_runners_sample_with_the_platforms_argmax(make_engine):
+    """The CPU platform hands its kernel argmax to the engine's runner (Platform.argmax), and greedy
+    decoding with it is greedy decoding with torch's (the same tokens)."""
+    from iterserve.sampling import SamplingParams
+
+    engine = make_engine()
+    assert engine.runner.sampler.argmax is engine.platform.argmax
+    assert engine.platform.argmax.__qualname__.startswith("kernel_argmax")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def greedy() -> list[int]:
+        engine.add_request(params=params, prompt_token_ids=[5, 9, 13, 2, 7])
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [t for o in engine.step() for t in o.new_token_ids]
+        return tokens
+
+    fast = greedy()
+    engine.runner.sampler.argmax = lambda x: x.argmax(dim=-1)
+    assert fast == greedy() and len(fast) == 8
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_q8_0_gemm_is_the_product_of_its_exact_weights(x_dtype, variant_kernels):
     """Weights on the Q8_0 grid (recovered exactly), float32 accumulation: what is left is the

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lanes_isa", [] { return std::string(kLanesIsa); },
         "the vector lanes this build's kernels run on (lanes.h): avx512, avx2 or scalar; what a test of a "
         "variant build (load_cpu_kernels(variant=...)) checks it really runs");
+  m.def("first_argmax", &first_argmax, "x [T, V] float32 -> [T] int64: each row's argmax as torch.argmax gives it "
+        "(the first of equal maxima; the first NaN where a row has one)");
   m.def("pool_threads", [] { return WorkPool::instance().num_threads(); }, "threads of the kernels' work pool");
   m.def("read_ahead", [](const at::Tensor& t, int64_t bytes) { WorkPool::instance().read_ahead(t, bytes); },
         "the first `bytes` of t's data for an idle pool worker to read into cache before the next kernel "

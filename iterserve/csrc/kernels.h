@@ -22,6 +22,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_c
                                    const at::Tensor& block_table, int64_t ctx, double scale, int64_t window,
                                    double softcap);
 
+// argmax.cpp
+at::Tensor first_argmax(const at::Tensor& x);
+
 // kv_write.cpp
 void kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping);
 

@@ -20,6 +20,7 @@ from iterserve.attention.kv_cache_dtype import KVCacheFormat, resolve_kv_cache_d
 from iterserve.config import EngineConfig, ModelConfig, parse_size
 from iterserve.core.kv_groups import KVCacheGroups, kv_cache_groups
 from iterserve.model.loader import ModelSource
+from iterserve.sampling import first_argmax
 
 if TYPE_CHECKING:
     from iterserve.lora.manager import LoRAKernel
@@ -71,7 +72,8 @@ class Platform:
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  attention: AttentionBackend, lora_sgmv: LoRAKernel | None = None,
-                 kv_bf16_for_float32: bool = False) -> None:
+                 kv_bf16_for_float32: bool = False,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = first_argmax) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -85,6 +87,8 @@ class Platform:
                              "--decode-attention torch")
         # the LoRA deltas' kernel the engine hands the LoRA manager (lora/layers.py); None: torch's ops
         self.lora_sgmv = lora_sgmv
+        # the sampler's greedy choice (sampling.first_argmax's numbers), which the runners get
+        self.argmax = argmax
 
     def gguf_block_types(self) -> frozenset[str]:
         """The GGUF block types this platform computes with as they are stored: the loader keeps a

@@ -83,7 +83,7 @@ class DraftModelProposer(Proposer):
         log.info("draft model %s: KV pool of %d blocks of %d tokens (%.0f MiB)", src.name, num_blocks,
                  block_size, num_blocks * per_block / 2**20)
         runner = ModelRunner(model, cfg, num_blocks, block_size, platform.device, platform.dtype,
-                             platform.attention, kv_cache=platform.kv_cache)
+                             platform.attention, kv_cache=platform.kv_cache, argmax=platform.argmax)
         return cls(runner, BlockPool(num_blocks, block_size), max_pos)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
