@@ -207,6 +207,32 @@ def test_bad_inputs_get_clear_errors():
         decode_attention_cpu(q[:, :5], k_cache, v_cache, meta, 0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_are_read_in_place(dtype, variant_kernels):
+    """q, k and v as the layer hands them over, views of the fused QKV output whose rows are strided:
+    the decode kernel and kv_write read them in place, with the numbers of contiguous copies (and a
+    view whose heads are not contiguous is copied first, as before)."""
+    q, k_cache, v_cache, meta = random_case(CONTEXT_LENS, block_size=16, group=3)
+    B, H, D = q.shape
+    KVH = k_cache.shape[2]
+    fused = torch.randn(B, H + 2 * KVH, D).to(dtype)  # [q | k | v] rows, as Attention.forward views them
+    fused[:, :H] = q.to(dtype)
+    qv, kv, vv = fused[:, :H], fused[:, H:H + KVH], fused[:, H + KVH:]
+    assert not qv.is_contiguous() and not kv.is_contiguous()
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    want = decode_attention_cpu(qv.contiguous(), k_cache, v_cache, meta, 0.125, build=variant_kernels)
+    assert torch.equal(decode_attention_cpu(qv, k_cache, v_cache, meta, 0.125, build=variant_kernels), want)
+    heads_apart = qv.transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, D], a row's heads B * D apart
+    assert heads_apart.stride(1) != D
+    assert torch.equal(decode_attention_cpu(heads_apart, k_cache, v_cache, meta, 0.125, build=variant_kernels), want)
+    slots = torch.randperm(k_cache.shape[0] * k_cache.shape[1])[:B]
+    for x in (kv, vv):
+        got, ref = k_cache.clone(), k_cache.clone()
+        variant_kernels.kv_write(x, got, slots)
+        variant_kernels.kv_write(x.contiguous(), ref, slots)
+        assert torch.equal(got, ref) and not torch.equal(got, k_cache)
+
+
 def test_first_argmax_is_torch_argmax(variant_kernels):
     """The sampler's greedy choice on the CPU platform (csrc/argmax.cpp) gives torch.argmax's index:
     the first of equal maxima (-0 and +0 equal), the first NaN of a row with NaNs, +inf over finite, an

@@ -291,12 +291,12 @@ inline void prefetch_block_rows(const C* rows, int64_t BS, int64_t token_stride,
 template <int GB, typename T, typename C>
 void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t len,
                   int64_t first, T* out, int64_t b, int64_t h0, int64_t kvh, int64_t H, int64_t D, int64_t BS,
-                  int64_t token_stride, int64_t block_stride, float scale, float softcap) {
+                  int64_t token_stride, int64_t block_stride, float scale, float softcap, int64_t ldq) {
   thread_local std::vector<float> qf, acc, scores;  // a thread keeps its scratch across items
   qf.resize(GB * D);
   acc.resize(GB * D);
   for (int g = 0; g < GB; ++g) {
-    const T* qrow = q + (b * H + h0 + g) * D;
+    const T* qrow = q + b * ldq + (h0 + g) * D;
     int64_t d = 0;
 #if ISV_LANES
     for (; d + kLW <= D; d += kLW) lv_store(qf.data() + g * D + d, lv_mul(lv_load(qrow + d), lv_set1(scale)));
@@ -390,7 +390,8 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, const int64_t*
 template <typename T, typename C>
 void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                            const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                           int64_t BS, int64_t table_width, float scale, int64_t window, float softcap) {
+                           int64_t BS, int64_t table_width, float scale, int64_t window, float softcap,
+                           int64_t ldq) {
   const int64_t group = H / KVH;
   const int64_t token_stride = KVH * (D / kValuesPer<C>);  // elements of C between consecutive slots
   const int64_t block_stride = BS * token_stride;
@@ -408,7 +409,7 @@ void decode_attention_impl(const T* q, const C* k_cache, const C* v_cache, const
 #define ISV_PASS(N)                                                                                            \
   case N:                                                                                                      \
     decode_heads<N>(q, k_cache, v_cache, table, len, first, out, b, h0, kvh, H, D, BS, token_stride,           \
-                    block_stride, scale, softcap);                                                             \
+                    block_stride, scale, softcap, ldq);                                                        \
     break
     switch (hi - lo) {
       ISV_PASS(1); ISV_PASS(2); ISV_PASS(3); ISV_PASS(4);
@@ -435,7 +436,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
               "the caches must be contiguous and of one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
-  const at::Tensor q = q_in.contiguous();
+  // q's rows may be strided (a view of the fused QKV output: no copy), each row's heads contiguous
+  const at::Tensor q = q_in.dim() == 3 && q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -445,7 +447,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const KVFormat fmt = kv_format(k_cache, D);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B, "one table row and length per sequence");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty({B, H, D}, q.options());
   if (B == 0) return out;
   const int64_t* lp = lens.const_data_ptr<int64_t>();
   const int64_t* tp = tables.const_data_ptr<int64_t>();
@@ -461,7 +463,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   decode_attention_impl<T, C>(ptr<T>(q), reinterpret_cast<const C*>(k_cache.const_data_ptr()),              \
                               reinterpret_cast<const C*>(v_cache.const_data_ptr()), tp,                     \
                               lp, reinterpret_cast<T*>(out.data_ptr()), B, H, KVH, D, BS, tables.size(1),    \
-                              static_cast<float>(scale), window, static_cast<float>(softcap))
+                              static_cast<float>(scale), window, static_cast<float>(softcap), q.stride(0))
 #define ISV_CACHES(T)                                                                                        \
   switch (fmt) {                                                                                             \
     case KVFormat::kFloat: ISV_CALL(T, float); break;                                                        \

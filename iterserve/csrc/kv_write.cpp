@@ -51,7 +51,8 @@ void quantise_row(const T* x, int64_t D, Q8Block* out) {
 // int64 names (slot = block * block_size + offset), in place; W = D (float32, bf16) or D / 32 * 34 bytes (q8_0).
 void kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(x_in.dim() == 3 && cache.dim() == 4 && cache.is_contiguous(), "x must be [T, kv_heads, D], the cache 4-d");
-  const at::Tensor x = x_in.contiguous();
+  // rows may be strided (k and v are views of the fused QKV output: no copy), each row's heads contiguous
+  const at::Tensor x = x_in.dim() == 3 && x_in.stride(2) == 1 && x_in.stride(1) == x_in.size(2) ? x_in : x_in.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2);
   const KVFormat fmt = kv_format(cache, D);
@@ -66,9 +67,10 @@ void kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_
   auto rows = [&](auto zero) {
     using X = decltype(zero);
     const X* xp = ptr<X>(x);
+    const int64_t ld = x.stride(0);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < KVH; ++h) {
-        const X* src = xp + (t * KVH + h) * D;
+        const X* src = xp + t * ld + h * D;
         const int64_t at = sp[t] * KVH + h;  // the (slot, head) row of the cache
         if (fmt == KVFormat::kQ8) {
           quantise_row(src, D, reinterpret_cast<Q8Block*>(cache.data_ptr()) + at * (D / 32));
