@@ -233,6 +233,38 @@ def test_strided_rows_are_read_in_place(dtype, variant_kernels):
         assert torch.equal(got, ref) and not torch.equal(got, k_cache)
 
 
+def test_widen_bf16_is_torchs_float(variant_kernels):
+    """The LM head's logits widened by the kernels: torch's .float() values (bf16 widens exactly),
+    rows strided or not, a row's scalar tail, NaN and infinities kept."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1003, generator=g).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for v in (x, x[:, 1:], x[:1]):
+        got = variant_kernels.widen_bf16(v)
+        assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), v.float().view(torch.int32))
+    with pytest.raises(RuntimeError, match="bf16"):
+        variant_kernels.widen_bf16(x.float())
+
+
+def test_a_bf16_engines_head_gives_float32_logits():
+    """On the CPU platform the LM head returns float32 (the model's .float() copies nothing), the values
+    of its bf16 output widened."""
+    from iterserve.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16", kv_cache_memory="64MiB"))
+    head = eng.model.lm_head
+    assert head.float_out
+    h = torch.randn(16, head.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = head(h)
+        head.float_out = False
+        try:
+            want = head(h)
+        finally:
+            head.float_out = True
+    assert got.dtype == torch.float32 and want.dtype == torch.bfloat16 and torch.equal(got, want.float())
+
+
 def test_first_argmax_is_torch_argmax(variant_kernels):
     """The sampler's greedy choice on the CPU platform (csrc/argmax.cpp) gives torch.argmax's index:
     the first of equal maxima (-0 and +0 equal), the first NaN of a row with NaNs, +inf over finite, an

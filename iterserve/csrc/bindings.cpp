@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("unit_offset") = false);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :F]) * x[:, F:] of x [T, 2F] (float32 or bf16) in torch's order "
         "of rounding (see elementwise.cpp)", py::arg("x"));
+  m.def("widen_bf16", &widen_bf16, "x [T, N] bf16 -> a new float32 [T, N] of its values, rows over the pool");
   m.def("permute_columns", &permute_columns, "y [T, N] with its columns in `order` ([N] int64, a permutation): "
         "out[t, j] = y[t, order[j]], torch.gather's values (see elementwise.cpp)", py::arg("y"), py::arg("order"));
   m.def("moe_combine", &moe_combine, "a MoE layer's output: h [P, H] times w [P], added into row tokens[i] of a "

@@ -68,6 +68,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& a
 // elementwise.cpp
 at::Tensor silu_and_mul(const at::Tensor& x_in);
 at::Tensor permute_columns(const at::Tensor& y_in, const at::Tensor& order_in);
+at::Tensor widen_bf16(const at::Tensor& x);
 at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in);
 at::Tensor moe_combine(const at::Tensor& h_in, const at::Tensor& w_in, const at::Tensor& tokens_in, int64_t T);
 

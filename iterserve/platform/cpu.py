@@ -26,7 +26,7 @@ from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_invariant_moe, use_moe_blocks
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
 from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, KQUANTS,
-                                           bf16_gemm_layout, bf16_linears_available, chain_read_ahead,
+                                           CpuLinear, bf16_gemm_layout, bf16_linears_available, chain_read_ahead,
                                            four_bit_max_tokens, gguf_int8_amx,
                                            gguf_twin_name, gguf_twins_of,
                                            int4_kernel_available, optimize_cpu_linears, tiled_gemm_amx,
@@ -185,6 +185,9 @@ class CpuPlatform(Platform):
         if int8 and (self.kernels is None or not self.kernels.gguf_gemm_int8_supported()):
             raise ValueError(f"gguf_activations={mode} needs iterserve's C++ CPU kernels built with AVX2 + FMA + F16C")
         self._prepare_linears(model, source)
+        head = getattr(model, "lm_head", None)
+        if self.kernels is not None and isinstance(head, CpuLinear):
+            head.float_out = True  # the logits widened on the pool (torch's copy woke its OpenMP thread)
         chain_read_ahead(model, self.kernels)
         if int8:
             self._use_int8(model, mode)

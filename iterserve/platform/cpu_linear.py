@@ -595,6 +595,9 @@ class CpuLinear(nn.Module):
         self.read_next: torch.Tensor | None = None
         self.read_bytes = 0
         self.read_ahead: Callable[[torch.Tensor, int], None] | None = None
+        # the LM head (CpuPlatform.prepare_model): bf16 outputs widened to float32 by the kernels, the
+        # logits' dtype, so that the model's .float() copies nothing
+        self.float_out = False
         if blocks is not None:
             self.twin_spec = gguf_meta_spec(blocks[1])
             self.register_buffer("twin_weight", blocks[0], persistent=False)
@@ -633,6 +636,8 @@ class CpuLinear(nn.Module):
                buffers.get("twin_scales"), buffers.get("twin_mins"),
                self.bias if in_order else None, self.twin_max_tokens, self.op_twin, self.amx_min_rows, self.from_blocks)
         compiling = torch.compiler.is_compiling()
+        if self.float_out and not compiling and y.dtype == torch.bfloat16 and y.dim() == 2:
+            y = load_cpu_kernels().widen_bf16(y)
         # not in a compiled graph: dynamo took read_next (another module's buffer) for an input of
         # this one's and handed the kernel the wrong blocks
         if not compiling and self.read_next is not None and x.shape[0] <= self.twin_max_tokens:
