@@ -3,7 +3,7 @@
 // 16-row decode step on the 2-core AMX Xeon (16 x 49,152 float32 logits; 0.25 ms timed alone: in a
 // step its OpenMP thread had gone to sleep), its index bookkeeping a compare and blend a lane. Here a
 // row is two passes over lanes: the largest value (NaNs noted apart, never taken), then the first
-// position holding it; rows over the pool.
+// position holding it; rows over the pool (for_rows).
 #include "kernel_common.h"
 #include "kernels.h"
 #include "lanes.h"
@@ -85,12 +85,7 @@ at::Tensor first_argmax(const at::Tensor& x) {
   at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
   const float* xp = x.const_data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  auto row = [&](int64_t t) { op[t] = first_argmax_row(xp + t * ld, V); };
-  if (T * V < 65536) {  // a row or two: less than waking the pool costs
-    for (int64_t t = 0; t < T; ++t) row(t);
-  } else {
-    WorkPool::instance().run(T, row);
-  }
+  for_rows(T, V, [&](int64_t t) { op[t] = first_argmax_row(xp + t * ld, V); });
   return out;
 }
 

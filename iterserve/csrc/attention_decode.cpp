@@ -436,8 +436,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
               "the caches must be contiguous and of one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
-  // q's rows may be strided (a view of the fused QKV output: no copy), each row's heads contiguous
-  const at::Tensor q = q_in.dim() == 3 && q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in : q_in.contiguous();
+  const at::Tensor q = dense_heads(q_in);  // rows may be strided
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);

@@ -24,11 +24,9 @@ namespace {
 // are torch's bits (tests/test_cpu_elementwise.py; torch's own scalar tail, std::exp, may differ in
 // the last float32 bit, which a bf16 output rounds away but a rare tie). Each element alike whatever
 // its row or column (batch-invariant). A few rows run inline on the calling thread: a decode step
-// would pay more to wake the pool than the work takes (kElemInline). SmolLM2-135M shapes, bf16, 2-core
+// would pay more to wake the pool than the work takes (for_rows, work_pool.h). SmolLM2-135M shapes, bf16, 2-core
 // Zen 5 VM, per layer: SiLU-and-multiply of 2048 x 1536 0.86 vs torch's 1.55 ms (32 rows: 23 vs
 // 166 us, torch's OpenMP wake-up), RoPE of 2048 x 12 heads 0.19 vs 1.17 ms, 1 row 1.0 vs 19 us.
-constexpr int64_t kElemInline = 32768;  // elements below which a call stays on the calling thread
-constexpr int64_t kElemChunk = 16384;   // elements per pool chunk (whole rows)
 
 
 // The value rounded to T, as torch leaves it between two of its ops: to bf16 for bf16 data; for
@@ -53,19 +51,6 @@ inline V as_stored(V v) {
 #endif
     return v;
   }
-}
-
-// Runs rows [0, T) through row(t), inline when small, else in chunks of whole rows on the pool.
-template <typename F>
-void for_rows(int64_t T, int64_t row_elems, const F& row) {
-  if (T * row_elems < kElemInline) {
-    for (int64_t t = 0; t < T; ++t) row(t);
-    return;
-  }
-  const int64_t per = std::max<int64_t>(1, kElemChunk / std::max<int64_t>(1, row_elems));
-  WorkPool::instance().run((T + per - 1) / per, [&](int64_t c) {
-    for (int64_t t = c * per; t < std::min(T, c * per + per); ++t) row(t);
-  });
 }
 
 // out[t, j] = silu(g[t, j]) * u[t, j] with g, u the halves of x[t] = [g | u]: silu(v) = v / (1 + exp(-v))

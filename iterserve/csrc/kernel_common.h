@@ -23,6 +23,13 @@ namespace iterserve {
 template <typename T>
 const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); }
 
+// A [T, heads, D] tensor as a kernel that walks its rows `stride(0)` apart reads it: itself where each
+// row's heads are dense (its rows may be strided: q, k and v are views of the fused QKV output, read
+// in place), else a contiguous copy.
+inline at::Tensor dense_heads(const at::Tensor& t) {
+  return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+
 // How far ahead of a weight stream prefetch_stream asks, in bytes: 4096 until the engine has timed
 // the loaded model's one-row projections at a few distances and set the fastest (set_stream_ahead,
 // platform/stream_ahead.py). A process-wide setting, read once a call: the best distance moved with

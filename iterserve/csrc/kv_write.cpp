@@ -51,8 +51,7 @@ void quantise_row(const T* x, int64_t D, Q8Block* out) {
 // int64 names (slot = block * block_size + offset), in place; W = D (float32, bf16) or D / 32 * 34 bytes (q8_0).
 void kv_write(const at::Tensor& x_in, at::Tensor& cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(x_in.dim() == 3 && cache.dim() == 4 && cache.is_contiguous(), "x must be [T, kv_heads, D], the cache 4-d");
-  // rows may be strided (k and v are views of the fused QKV output: no copy), each row's heads contiguous
-  const at::Tensor x = x_in.dim() == 3 && x_in.stride(2) == 1 && x_in.stride(1) == x_in.size(2) ? x_in : x_in.contiguous();
+  const at::Tensor x = dense_heads(x_in);  // rows may be strided
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2);
   const KVFormat fmt = kv_format(cache, D);

@@ -224,6 +224,25 @@ class WorkPool {
   std::condition_variable cv_;
 };
 
+// Row kernels of few elements a call (element-wise steps, the sampler's argmax): below kElemInline
+// elements a call stays on the calling thread, as waking the pool would cost more than the work
+// (elementwise.cpp's measurements); above, chunks of about kElemChunk elements, whole rows.
+constexpr int64_t kElemInline = 32768;
+constexpr int64_t kElemChunk = 16384;
+
+// Runs rows [0, T) through row(t), inline when small, else in chunks of whole rows on the pool.
+template <typename F>
+void for_rows(int64_t T, int64_t row_elems, const F& row) {
+  if (T * row_elems < kElemInline) {
+    for (int64_t t = 0; t < T; ++t) row(t);
+    return;
+  }
+  const int64_t per = std::max<int64_t>(1, kElemChunk / std::max<int64_t>(1, row_elems));
+  WorkPool::instance().run((T + per - 1) / per, [&](int64_t c) {
+    for (int64_t t = c * per; t < std::min(T, c * per + per); ++t) row(t);
+  });
+}
+
 // Splits [0, n) into about `chunks` ranges and runs fn(begin, end) on each through the pool.
 inline void parallel_ranges(int64_t n, int64_t chunks, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
