@@ -53,7 +53,11 @@
 // 1.3x warm), the headers gathered and Q4_K by lookup (~45 instructions a row's super-block where
 // ~108 were: 1.1x more): Q4_K 1.26-1.36x at 16 rows, 1.12x at 64; Q6_K 1.11x; int16 1.06-1.12x. At 16
 // rows a tile product takes ~5 ns (timed alone: chains of them are no slower than independent ones),
-// a super-block's eight ~40 ns, a row group's unpacking of it ~250 ns.
+// a super-block's eight ~40 ns, a row group's unpacking of it ~250 ns. The next super-block is
+// unpacked a quarter of its rows after each line's products, where all of it had followed the first
+// line's (the tile unit then idled behind the unpacking): cold calls, int8 16 rows 1.01-1.08x, the Q6_K
+// head 1.06-1.11x, int16 1.01-1.09x at 16-64 rows, int8 at 32-128 rows level, the same bits; the 1B's
+// 16-row step 1.025x (medians of 10 runs in turns, benchmarks/ab_step.py).
 
 #include "gemm_gguf_amx.h"
 
@@ -507,10 +511,10 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
     // overlapped the work (a cold gate/up call 1.30 ms where its work alone takes 0.97 and its bytes
     // 0.74). Into L2, 2-6 ahead timed: 16-row gate/up 1.04-1.11x, the head 1.04-1.09x, K 8192 level to
     // 0.96x; 3 taken, the 1B's 16-row step 64.7 -> 60.6 ms (medians of 7 in turns; docs/profile.md)
-    auto unpack = [&](int64_t sb) {
+    auto unpack = [&](int64_t sb, int f0 = 0, int f1 = 16) {
       B& bk = buffer(sb);
-      bk.headers(wg + sb * BYTES, row_bytes);
-      for (int f = 0; f < 16; ++f) {
+      if (f0 == 0) bk.headers(wg + sb * BYTES, row_bytes);
+      for (int f = f0; f < f1; ++f) {
         const uint8_t* src = wg + f * row_bytes + sb * BYTES;
         // the same row's super-block kAhead on, or past its end the next group's row f's
         const uint8_t* next = sb + kAhead < NB ? src + kAhead * BYTES : wg + (16 + f) * row_bytes + (sb + kAhead - NB) * BYTES;
@@ -535,7 +539,7 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
             _tile_zero(2);
             for (int g = 0; g < 4; ++g) {
               amx16_line<TYPE == kQ6_K>(wt.hi[g][0], wt.lo[g][0], xh + 1024 * g, xl + 1024 * g);
-              if (g == 0 && t0 == 0 && t == 0 && sb + 1 < NB) unpack(sb + 1);
+              if (t0 == 0 && t == 0 && sb + 1 < NB) unpack(sb + 1, 4 * g, 4 * g + 4);  // as the int8 path's
             }
             _tile_stored(0, ch, 64);
             _tile_stored(1, cm, 64);
@@ -560,14 +564,19 @@ int64_t amx_columns(const A& a, const uint8_t* w, int64_t row_bytes, T* out, int
             const int8_t* xb = a.x.get() + (t0 + t) * a.K * 16 + sb * 256 * 16;  // this super-block's B rows
             _tile_zero(0);
             _tile_zero(1);
+            // while the tile unit works, the group's first pass unpacks the next super-block, a
+            // quarter of its rows after each line's products: its planes are then in L1 for their tile
+            // loads, and the stores behind them long done (unpacked just before its products instead:
+            // 1.03-1.1x slower at 16 rows)
+            const bool ahead = t0 == 0 && t == 0 && sb + 1 < NB;
             amx_line_a<TYPE == kQ6_K>(wt.hi[0][0], wt.lo[0][0], xb);
+            if (ahead) unpack(sb + 1, 0, 4);
             amx_line_b<TYPE == kQ6_K>(wt.hi[1][0], wt.lo[1][0], xb + 1024);
+            if (ahead) unpack(sb + 1, 4, 8);
             amx_line_a<TYPE == kQ6_K>(wt.hi[2][0], wt.lo[2][0], xb + 2048);
+            if (ahead) unpack(sb + 1, 8, 12);
             amx_line_b<TYPE == kQ6_K>(wt.hi[3][0], wt.lo[3][0], xb + 3072);
-            // while the tile unit works, the group's first pass unpacks the next super-block: its planes
-            // are then in L1 for their tile loads, and the stores behind them long done (unpacked
-            // just before its products instead: 1.03-1.1x slower at 16 rows)
-            if (t0 == 0 && t == 0 && sb + 1 < NB) unpack(sb + 1);
+            if (ahead) unpack(sb + 1, 12, 16);
             _tile_stored(0, ch, 64);
             _tile_stored(1, cl, 64);
             const int16_t* bt = (TYPE == kQ6_K ? a.bs.get() : a.bs32.get()) + ((t0 + t) * NB + sb) * 32 * B::NP;
