@@ -6,7 +6,7 @@ per projection shape (out x in features), that projection's ms inside the step.
 Why the whole step and not the kernel alone: a kernel timed alone (`ab_gguf_gemm.py`) runs with
 nothing between its calls, where in the step each projection follows other kernels and Python. And
 why many runs: on the shared 2-core AMX Xeon (2026-12-06) the same two builds gave 2-5 % either way
-in sets of 4-5 pairs; 10 pairs in turns settled a 2.5 % gain.
+in sets of 4-5 pairs, and 10 pairs in turns 1.025x in a loaded hour and 1.006x in a quiet one.
 
     python benchmarks/ab_step.py --baseline-src OLD_CHECKOUT --model FILE.gguf --batch 16 --runs 5
 
