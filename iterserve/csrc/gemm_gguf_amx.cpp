@@ -56,7 +56,7 @@
 // a super-block's eight ~40 ns, a row group's unpacking of it ~250 ns. The next super-block is
 // unpacked a quarter of its rows after each line's products, where all of it had followed the first
 // line's (the tile unit then idled behind the unpacking): cold calls, int8 16 rows 1.01-1.08x, the Q6_K
-// head 1.06-1.11x, int16 1.01-1.09x at 16-64 rows, int8 at 32-128 rows level, the same bits; the 1B's
+// head 1.06-1.08x, int16 1.01-1.09x at 16-64 rows, int8 at 32-128 rows level, the same bits; the 1B's
 // 16-row step 1.006-1.025x (medians of 10 runs in turns, a quiet and a loaded hour; benchmarks/ab_step.py).
 
 #include "gemm_gguf_amx.h"
