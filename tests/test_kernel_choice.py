@@ -2,6 +2,7 @@
 CPU's flags, and its cached table comes back for the same machine and model and not for another."""
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -29,6 +30,63 @@ def test_measure_picks_the_faster_of_two_candidates():
 def test_a_candidate_far_behind_is_not_timed_further():
     times = kc.measure({"fast": _sleepy(0.0005), "slow": _sleepy(0.01)}, [1, 2, 4])
     assert times["slow"][1] > times["fast"][1] and times["slow"][4] == float("inf")
+
+
+def test_the_others_are_not_timed_where_the_twin_is_surely_ahead():
+    """After the first bucket a twin under 1/SURE_MARGIN of the others' fastest first-bucket time runs
+    that step size whatever they would take there: they are not timed (inf); from the first bucket
+    where it is not that far ahead, they are timed at it and every larger one."""
+    def growing(per_row: float):
+        def make(rows: int):
+            return lambda: time.sleep(per_row * rows)
+        return make
+    times = kc.measure({"layout": _sleepy(0.006), "twin": growing(0.001)}, [1, 2, 4, 8],
+                       give_up={"twin": kc.TWIN_GIVE_UP}, twin="twin")  # as choose_kernels asks
+    assert all(math.isfinite(times["twin"][b]) for b in (1, 2, 4, 8))
+    assert math.isfinite(times["layout"][1]) and times["layout"][2] == math.inf
+    assert math.isfinite(times["layout"][4]) and math.isfinite(times["layout"][8])
+    # without a twin named, every live candidate is timed at every bucket
+    plain = kc.measure({"layout": _sleepy(0.006), "twin": growing(0.001)}, [1, 2], give_up={"twin": kc.TWIN_GIVE_UP})
+    assert math.isfinite(plain["layout"][2])
+
+
+def test_the_layout_is_chosen_by_the_step_sizes_it_runs():
+    """A layout runs the steps above its twin's cut-over, so it is chosen by its times there, not by
+    the sizes the twin takes; with no twin, by every size."""
+    base = {"a": {1: 1.0, 2: 1.0, 64: 3.0}, "b": {1: 2.0, 2: 2.0, 64: 2.0}}
+    assert kc.layout_and_cutover(base, {1: 0.1, 2: 0.2, 64: 5.0}) == ("b", 2)
+    assert kc.pick_fastest(base) == "a"  # over every size, as it was chosen before
+    assert kc.layout_and_cutover(base, None) == ("a", 0)
+    # the twin ahead everywhere: the layout by the largest size timed (it runs only past the table)
+    assert kc.layout_and_cutover(base, {1: 0.1, 2: 0.1, 64: 0.1}) == ("b", 64)
+    skipped = {"a": {1: 1.0, 2: math.inf, 64: 3.0}, "b": {1: 2.0, 2: math.inf, 64: 2.0}}
+    assert kc.layout_and_cutover(skipped, {1: 0.1, 2: 0.2, 64: 5.0}) == ("b", 2)
+
+
+def test_amx_cutover_runs_through_sizes_where_only_the_twin_was_timed():
+    inf = math.inf
+    assert kc.amx_cutover({1: 2.0, 2: 1.0, 4: 0.5}, {1: 1.0, 2: 1.5, 4: 1.0}) == 2
+    # 2-64 untimed (the twin runs them): AMX won at 512 and lost at 1, so it takes 2 and up
+    amx, avx = {1: 2.0, 2: inf, 64: inf, 512: 1.0}, {1: 1.0, 2: inf, 64: inf, 512: 3.0}
+    assert kc.amx_cutover(amx, avx) == 2
+    assert kc.amx_cutover({**amx, 1: 0.5}, avx) == 1
+    assert kc.amx_cutover({**amx, 512: 4.0}, avx) == 0
+
+
+def test_a_call_far_behind_at_its_warm_up_is_not_timed_again():
+    """A call over 10 ms whose warm-up took more than GIVE_UP times the rivals' fastest keeps its
+    warm-up as its time; the others are timed after their warm-ups as before."""
+    calls: dict[str, int] = {"fast": 0, "slow": 0, "other": 0}
+
+    def counted(name: str, seconds: float):
+        def call():
+            calls[name] += 1
+            time.sleep(seconds)
+        return call
+    best = kc.time_round_robin({"fast": counted("fast", 0.012), "slow": counted("slow", 0.02),
+                                "other": counted("other", 0.2)}, rivals=["fast", "slow"])
+    assert calls == {"fast": 2, "slow": 2, "other": 1} and best["other"] >= 0.2
+    assert 0.012 <= best["fast"] < best["slow"] < best["other"]
 
 
 def test_twin_cutover_is_the_last_bucket_where_the_twin_led_throughout():

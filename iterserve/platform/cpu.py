@@ -25,7 +25,8 @@ from iterserve.platform.cpu_elementwise import use_cpu_elementwise
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_moe import EXPERT_TWIN_MAX_TOKENS, use_cpu_moe, use_invariant_moe, use_moe_blocks
 from iterserve.platform.cpu_norm import use_cpu_rms_norm
-from iterserve.platform.cpu_linear import (EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32, KQUANTS,
+from iterserve.platform.cpu_linear import (AMX_MIN_ROWS, EVERY_ROW, FLOAT32_LAYOUTS, GGUF_BLOCKS, INVARIANT_FLOAT32,
+                                           KQUANTS,
                                            CpuLinear, bf16_gemm_layout, bf16_linears_available, chain_read_ahead,
                                            four_bit_max_tokens, gguf_int8_amx,
                                            gguf_twin_name, gguf_twins_of,
@@ -41,7 +42,6 @@ from iterserve.sampling import first_argmax
 log = logging.getLogger("iterserve.platform")
 
 Q8_HEAD_MAX_TOKENS = 4  # sampled rows, when not measured; the Q8_0 LM head lost to bf16 from 8 (docs/profile.md)
-AMX_MIN_ROWS = 16  # forced tiled layout, not measured: steps from this many rows on AMX tiles (docs/profile.md)
 
 
 @functools.cache

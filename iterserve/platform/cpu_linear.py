@@ -498,6 +498,10 @@ def random_shards(spec: str, in_features: int) -> list[RandomShard]:
 # but only where the weights are bf16-exact (bf16_exact) unless the user forces it: elsewhere it rounds
 # them, and a float32 run must give float32's numbers
 LAYOUTS = ("tiled", "onednn", "float32", "bf16w")
+# the tiled layout where its AMX cut-over is not measured (forced tiled, or AMX never timed where it
+# leads): steps from this many rows on AMX tiles, where it led AVX-512 at every shape by 1.9-2.7x (level
+# at 4; 2-core AMX Xeon, docs/profile.md)
+AMX_MIN_ROWS = 16
 BF16_GEMM_CHOICES = ("auto", *LAYOUTS)
 # float32 weights on csrc/gemm_f32.cpp's f32_gemm, one sum order per output at every row count: a
 # batch-invariant float32 run's layout (MKL's F.linear, the float32 layout, blocks its sums by M)
@@ -900,8 +904,8 @@ class BlockEmbedding(nn.Module):
     mostly in its RSS, for the few rows a step reads. So after each lookup the table's pages are
     unmapped again (madvise DONTNEED; the page cache keeps them, and the next step maps the folios of
     its rows again): a lookup of 1 / 16 / 512 random rows of the 1B's took 17 / 69-104 / 363-679 us
-    against 8-10 / 15 / 200-216 kept mapped, 0.05-0.15 % of those steps (docs/profile.md, AMX Xeon,
-    seventh sitting)."""
+    against 8-10 / 15 / 200-216 kept mapped, 0.05-0.15 % of those steps (2-core AMX Xeon,
+    docs/profile.md)."""
 
     def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor], num_embeddings: int, embedding_dim: int,
                  dtype: torch.dtype, unmap_after: bool = False) -> None:

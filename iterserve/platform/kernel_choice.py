@@ -20,11 +20,16 @@ at the step sizes the engine will run (`batch_buckets`):
   for a GGUF of other block types, a twin from the file's own blocks, timed per distinct shape and
   block layout, `spec`: random blocks of the same types and row ranges): each twin's cut-over
   (`twin_max_tokens`) is the largest bucket up to which it beat the chosen layout at every bucket;
+  where a twin takes under 1/SURE_MARGIN of every layout's one-row time, the layouts are not timed
+  at that size (`measure`'s `twin`: the twin runs it whatever they would take);
 - the decode attention backends (the C++ kernel, torch's SDPA).
 
-A layout is picked per shape by its time relative to the best at each bucket, summed over buckets
-(a scale-free score, so the 64-row bucket does not drown the decode sizes). One layout per shape:
-two would double the weights' memory.
+A layout is picked per shape by its time relative to the best at each bucket, summed over the
+buckets it will run: those above its twin's cut-over, or all of them where there is no twin
+(`layout_and_cutover`; a scale-free score, so the 64-row bucket does not drown the decode sizes).
+One layout per shape: two would double the weights' memory. A candidate whose first call took more
+than GIVE_UP times the fastest layout's is not called again (`time_round_robin`): an 8B's first
+start measured in 13 s where it took 30.
 
 The table is cached as JSON under the user's cache folder (`kernel_choice_dir`), keyed by everything
 that changes the answer: CPU model and flags, torch version, thread count, the hash of the kernels'
@@ -39,7 +44,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -54,7 +59,8 @@ from iterserve.attention.metadata import DecodeMetadata
 from iterserve.cpu_info import cpu_flags_line, cpu_model_name
 from iterserve.platform.base import user_cache_dir
 from iterserve.platform.cpu_kernels import KERNEL_FILES
-from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES, LAYOUTS,
+from iterserve.platform.cpu_linear import (AMX_MIN_ROWS, EVERY_ROW, GGUF_AMX, GGUF_INT8, GGUF_INT8_AMX, KQUANT_NAMES,
+                                           LAYOUTS,
                                            CpuLinear, bf16_exact, bf16w_gemm_vectorised, four_bit_twin, gguf_int8_amx,
                                            gguf_twin_name, is_down_projection, pack_gguf_twin, prepack_available,
                                            random_shards, release_panel_scratch, tiled_gemm_amx,
@@ -62,13 +68,15 @@ from iterserve.platform.cpu_linear import (EVERY_ROW, GGUF_AMX, GGUF_INT8, GGUF_
 
 log = logging.getLogger("iterserve.platform")
 
-CHOICE_VERSION = 3  # bump when the meaning of a cached table changes (2: the tiled layout's AMX cut-over;
-# 3: twins from GGUF blocks, keyed by their spec)
+CHOICE_VERSION = 4  # bump when the meaning of a cached table changes (2: the tiled layout's AMX cut-over;
+# 3: twins from GGUF blocks, keyed by their spec; 4: layouts not timed where the twin surely runs, and
+# chosen by the step sizes they run)
 AMX = "tiled+amx"  # the tiled layout with every step on our AMX path: timed to find its cut-over
 PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
 INT8_PREFILL_ROWS = 512  # a K-quant twin on int8 activations or AMX tiles is timed at a prompt chunk's rows too
 GIVE_UP = 2.5  # a layout this many times slower than the best at a step size is not timed further
 TWIN_GIVE_UP = 1.2  # a twin this much slower than the best layout has passed its cut-over
+SURE_MARGIN = 2.0  # a twin under 1/this of every layout's one-row time surely runs that step size
 COPIES_BYTES = 48 << 20  # bf16 bytes of distinct weights one timed call of a projection reads
 MAX_COPIES = 32
 ATTENTION_CONTEXT = 256  # tokens of context per sequence when timing decode attention
@@ -92,21 +100,31 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 def time_round_robin(calls: Mapping[str, Callable[[], object]], min_reps: int = 3, max_reps: int = 20,
-                     min_seconds: float = 0.004) -> dict[str, float]:
+                     min_seconds: float = 0.004, rivals: Collection[str] | None = None) -> dict[str, float]:
     """Best time of each call, the calls taking turns (A, B, C, A, B, C, ...) after one warm-up each,
     so a burst of another process's work on a shared host hits them all rather than one. A call that
-    took over 10 ms at its warm-up is timed once more only: it is far from any fast candidate."""
+    took over 10 ms at its warm-up is timed once more only: it is far from any fast candidate; and
+    one whose warm-up took more than GIVE_UP times the fastest warm-up of the `rivals` (default: all
+    of them) not at all: its warm-up stands for its time (an 8B's 512-row panels on the AVX-512 and
+    float32 layouts take 0.5-0.65 s a call where AMX takes 0.12, two of them for each such shape)."""
     best: dict[str, float] = {}
     reps: dict[str, int] = {}
+    warm: dict[str, float] = {}
     for name, fn in calls.items():
         t0 = time.perf_counter()
         fn()
-        reps[name] = 1 if time.perf_counter() - t0 > 0.01 else min_reps
+        warm[name] = time.perf_counter() - t0
+        reps[name] = 1 if warm[name] > 0.01 else min_reps
         best[name] = math.inf
+    bar = min([warm[n] for n in calls if rivals is None or n in rivals] or [math.inf])
+    far = {n for n in calls if warm[n] > 0.01 and warm[n] > GIVE_UP * bar}
+    for name in far:
+        best[name] = warm[name]
     total = dict.fromkeys(calls, 0.0)
     done = dict.fromkeys(calls, 0)
     while True:
-        todo = [n for n in calls if done[n] < reps[n] or (total[n] < min_seconds and done[n] < max_reps)]
+        todo = [n for n in calls
+                if n not in far and (done[n] < reps[n] or (total[n] < min_seconds and done[n] < max_reps))]
         if not todo:
             return best
         for name in todo:
@@ -117,17 +135,37 @@ def time_round_robin(calls: Mapping[str, Callable[[], object]], min_reps: int = 
 
 
 def measure(candidates: Mapping[str, Callable[[int], Callable[[], object]]], buckets: Sequence[int],
-            give_up: Mapping[str, float] | None = None) -> dict[str, dict[int, float]]:
+            give_up: Mapping[str, float] | None = None, twin: str | None = None) -> dict[str, dict[int, float]]:
     """Seconds per call of each candidate at each bucket (smallest first); `candidates[name](rows)`
     returns the call. A candidate slower than `give_up[name]` (default GIVE_UP) times the best at a
     bucket is not timed at the larger ones (inf there): it cannot win, and timing it costs start-up.
     The best is that of the candidates without a `give_up` of their own (the layouts, not a twin,
-    which only has to beat them)."""
+    which only has to beat them).
+
+    `twin`: the candidate that runs a step instead of the others up to its cut-over. After the first
+    bucket it is timed alone first, and where it takes under 1/SURE_MARGIN of the others' fastest
+    time at the first bucket, they are not timed there (inf): a call of more rows costs a layout at
+    least what one row does, so the twin runs that step size whatever they would take. (A GGUF
+    layout's call dequantises every panel, the 8B's ~23 s first-start measurement spent 15 s timing
+    layouts at 2-16 rows where its twins were 5-30x faster.) From the first bucket where it is not
+    that far ahead, every live candidate is timed at every bucket."""
     times: dict[str, dict[int, float]] = {name: {} for name in candidates}
     live = list(candidates)
-    for b in buckets:
-        for name, t in time_round_robin({name: candidates[name](b) for name in live}).items():
+    floor = math.inf  # the others' fastest time at the first bucket
+    for i, b in enumerate(buckets):
+        if twin in live and i > 0:
+            alone = time_round_robin({twin: candidates[twin](b)})[twin]
+            if alone * SURE_MARGIN < floor:
+                times[twin][b] = alone
+                for name in candidates:
+                    times[name].setdefault(b, math.inf)
+                continue
+            twin = None  # not surely ahead here: so not at the larger buckets either
+        rivals = [n for n in live if n not in (give_up or {})] or None
+        for name, t in time_round_robin({name: candidates[name](b) for name in live}, rivals=rivals).items():
             times[name][b] = t
+        if i == 0:
+            floor = min([times[n][b] for n in live if n != twin] or [0.0])
         best = min([times[n][b] for n in live if n not in (give_up or {})] or [times[n][b] for n in live])
         live = [n for n in live if times[n][b] <= (give_up or {}).get(n, GIVE_UP) * best]
         for name in candidates:
@@ -135,18 +173,25 @@ def measure(candidates: Mapping[str, Callable[[int], Callable[[], object]]], buc
     return times
 
 
-def pick_fastest(times: Mapping[str, Mapping[int, float]]) -> str:
-    """The candidate with the least total time relative to the best at each bucket."""
-    buckets = next(iter(times.values())).keys()
-    best = {b: min(t[b] for t in times.values()) for b in buckets}
-    return min(times, key=lambda name: sum(times[name][b] / best[b] for b in buckets))
+def pick_fastest(times: Mapping[str, Mapping[int, float]], buckets: Sequence[int] | None = None) -> str:
+    """The candidate with the least total time relative to the best at each bucket (of `buckets`, default
+    all; a bucket at which none was timed does not count)."""
+    every = list(next(iter(times.values())).keys()) if buckets is None else list(buckets)
+    best = {b: min(t[b] for t in times.values()) for b in every}
+    timed = [b for b in every if math.isfinite(best[b])]
+    return min(times, key=lambda name: sum(times[name][b] / best[b] for b in timed))
 
 
 def amx_cutover(amx: Mapping[int, float], avx: Mapping[int, float]) -> int:
     """The smallest bucket from which the AMX path was faster than the AVX-512 one at it and every
-    larger bucket (0: never)."""
+    larger bucket (0: never). A bucket at which neither was timed (the twin surely runs that step
+    size: measure's `twin`) does not end the run: the layout never takes such a step, so its AMX path
+    covers every size from the last one it lost at, untimed ones between included."""
     cut = 0
     for b in sorted(amx, reverse=True):
+        if not (math.isfinite(amx[b]) or math.isfinite(avx[b])):
+            cut = b if cut else 0
+            continue
         if amx[b] >= avx[b]:
             break
         cut = b
@@ -161,6 +206,24 @@ def twin_cutover(twin: Mapping[int, float], base: Mapping[int, float]) -> int:
             break
         cut = b
     return cut
+
+
+def layout_and_cutover(base: Mapping[str, Mapping[int, float]], twin: Mapping[int, float] | None) -> tuple[str, int]:
+    """The layout and the twin's cut-over (0: no twin). A layout runs only the steps its twin does not,
+    so it is chosen by its times above the cut-over the twin has against the fastest layout at each
+    bucket (where the twin runs every bucket timed: by the largest one at which a layout was timed);
+    the cut-over is then the twin's against that layout. (Chosen over every bucket, in one first start's
+    table an 8B's Q4_K down projection took the layout fastest at the 1-64 rows its twin ran, 1.25x
+    slower than another at the 512 rows it runs.)"""
+    if not twin:
+        return pick_fastest(base), 0
+    buckets = sorted(twin)
+    fastest = {b: min(t[b] for t in base.values()) for b in buckets}
+    cut = twin_cutover(twin, fastest)
+    runs = [b for b in buckets if b > cut and math.isfinite(fastest[b])]
+    timed = [b for b in buckets if math.isfinite(fastest[b])]
+    layout = pick_fastest(base, runs or timed[-1:] or None)
+    return layout, twin_cutover(twin, base[layout])
 
 
 @dataclass
@@ -518,14 +581,16 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             give_up = {**({twin: TWIN_GIVE_UP} if twin else {}), **({AMX: math.inf} if AMX in layouts else {})}
             lins = [_linear(n, k, req.dtype, weightless=from_blocks) for _ in range(copies)]
             sec = measure(linear_candidates(lins, layouts, twin, spec, from_blocks, int8, gguf_amx), buckets,
-                          give_up=give_up or None)
+                          give_up=give_up or None, twin=twin)
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name not in (twin, AMX)}
             amx_from = amx_cutover(sec[AMX], base["tiled"]) if AMX in sec else 0
+            amx_timed = [b for b in buckets if AMX in sec and math.isfinite(sec[AMX][b])]
+            if amx_timed and not amx_from and max(amx_timed) < AMX_MIN_ROWS:
+                amx_from = AMX_MIN_ROWS  # never timed where it leads (the twin surely ran those sizes)
             if amx_from:  # the tiled layout runs each step on the faster of its two paths
                 base["tiled"] = {b: sec[AMX][b] if b >= amx_from else t for b, t in base["tiled"].items()}
-            layout = pick_fastest(base)
-            cut = twin_cutover(sec[twin], base[layout]) if twin else 0
+            layout, cut = layout_and_cutover(base, sec[twin] if twin else None)
             if many_rows and cut == max(buckets):
                 cut = EVERY_ROW  # faster at a prompt chunk's rows as well: it runs every step
             linears[linear_key(role, n, k, spec)] = LinearChoice(role, layout, twin, cut, _ms(sec),
