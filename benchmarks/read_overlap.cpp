@@ -4,7 +4,7 @@
 // gemm_gguf_amx.cpp asks), and `work` FMAs a unit on registers (8 independent chains) in place of
 // the kernel's unpacking and scaling. Prints ns a unit per thread for the weights from memory (300 MB
 // of them) and with the same work on weights that stay in L2, and the read alone (work 0): on the
-// 2-core AMX Xeon (2026-12-06, docs/profile.md "tenth sitting") a core read at most ~13-14 GB/s, and
+// 2-core AMX Xeon (2026-12-06, docs/profile.md, "The 1B's 16-row decode step") a core read at most ~13-14 GB/s, and
 // 1,536 FMAs a unit took 210 ns in L2, the read alone ~170, both 303-324: 35-42 % of the read hidden
 // (768 FMAs: 75 %). AVX2 + FMA, so it runs on every x86 host kind here.
 //

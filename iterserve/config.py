@@ -242,7 +242,7 @@ class SpeculativeConfig:
 # longer at 512 than at 2048, benchmarks/step_budget.py), while it holds four times the activations
 # (the 1B served's peak RSS 1,536-1,547 MiB against 1,579-1,658) and stalls every running stream for
 # the whole chunk (2.2 s against 6.8 s there for a 2048-token prompt). CUDA: 2048, vLLM's default for
-# its OpenAI server (docs/profile.md, "Chunking").
+# its OpenAI server (docs/profile.md, "Memory of a served model").
 DEFAULT_STEP_TOKENS = {"cpu": 512, "cuda": 2048}
 
 

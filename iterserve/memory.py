@@ -321,11 +321,11 @@ def _trim_this_threads_arena_top() -> None:
     top; an arena's top is shortened when a chunk of 64 KiB or more is freed in it while the top
     exceeds the trim threshold. The engine steps in a thread of its own, whose arena is not the main
     heap: so, in that thread, the threshold to 0, one such chunk allocated and freed, then the
-    step thresholds (their moving values' ceilings, above). In the served 1B, idle
-    after a few prompts, malloc_trim gave back 5 MiB and this 20 MiB more (docs/profile.md, AMX Xeon
-    2026-12-05 "The 1B's memory"); how much depends on where the freed activations lie. Only at idle:
-    trimming as steps run re-faults the next step's activations (a 16-concurrent load ran ~5 % slower
-    with an 8 MiB threshold throughout)."""
+    step thresholds (their moving values' ceilings, above). In the served 1B, idle after a few
+    prompts, malloc_trim gave back 5 MiB and this 20 MiB more (2-core AMX Xeon, 2026-12-05;
+    docs/profile.md, "Memory of a served model"); how much depends on where the freed activations
+    lie. Only at idle: trimming as steps run re-faults the next step's activations (a 16-concurrent
+    load ran ~5 % slower with an 8 MiB threshold throughout)."""
     mallopt, malloc, free = _libc("mallopt"), _libc("malloc"), _libc("free")
     if mallopt is None or malloc is None or free is None:
         return
