@@ -146,9 +146,9 @@ def measure(candidates: Mapping[str, Callable[[int], Callable[[], object]]], buc
     bucket it is timed alone first, and where it takes under 1/SURE_MARGIN of the others' fastest
     time at the first bucket, they are not timed there (inf): a call of more rows costs a layout at
     least what one row does, so the twin runs that step size whatever they would take. (A GGUF
-    layout's call dequantises every panel, the 8B's ~23 s first-start measurement spent 15 s timing
-    layouts at 2-16 rows where its twins were 5-30x faster.) From the first bucket where it is not
-    that far ahead, every live candidate is timed at every bucket."""
+    layout's call dequantises every panel: of an 8B's ~27 s of timed calls at a first start, ~13 s
+    went to the sizes 2-16, where its twins were 5-30x faster than any layout.) From the first bucket
+    where it is not that far ahead, every live candidate is timed at every bucket."""
     times: dict[str, dict[int, float]] = {name: {} for name in candidates}
     live = list(candidates)
     floor = math.inf  # the others' fastest time at the first bucket
