@@ -71,6 +71,9 @@ def test_amx_cutover_runs_through_sizes_where_only_the_twin_was_timed():
     assert kc.amx_cutover(amx, avx) == 2
     assert kc.amx_cutover({**amx, 1: 0.5}, avx) == 1
     assert kc.amx_cutover({**amx, 512: 4.0}, avx) == 0
+    # AMX lost at every size timed, all below AMX_MIN_ROWS: never timed where it leads, the fixed rule
+    only_small = {1: 2.0, 2: 2.0, 4: inf, 16: inf}
+    assert kc.amx_cutover(only_small, {1: 1.0, 2: 1.0, 4: inf, 16: inf}) == kc.AMX_MIN_ROWS
 
 
 def test_a_call_far_behind_at_its_warm_up_is_not_timed_again():

@@ -161,12 +161,12 @@ def measure(candidates: Mapping[str, Callable[[int], Callable[[], object]]], buc
                     times[name].setdefault(b, math.inf)
                 continue
             twin = None  # not surely ahead here: so not at the larger buckets either
-        rivals = [n for n in live if n not in (give_up or {})] or None
+        rivals = [n for n in live if n not in (give_up or {})] or live
         for name, t in time_round_robin({name: candidates[name](b) for name in live}, rivals=rivals).items():
             times[name][b] = t
         if i == 0:
             floor = min([times[n][b] for n in live if n != twin] or [0.0])
-        best = min([times[n][b] for n in live if n not in (give_up or {})] or [times[n][b] for n in live])
+        best = min(times[n][b] for n in rivals)
         live = [n for n in live if times[n][b] <= (give_up or {}).get(n, GIVE_UP) * best]
         for name in candidates:
             times[name].setdefault(b, math.inf)
@@ -186,7 +186,9 @@ def amx_cutover(amx: Mapping[int, float], avx: Mapping[int, float]) -> int:
     """The smallest bucket from which the AMX path was faster than the AVX-512 one at it and every
     larger bucket (0: never). A bucket at which neither was timed (the twin surely runs that step
     size: measure's `twin`) does not end the run: the layout never takes such a step, so its AMX path
-    covers every size from the last one it lost at, untimed ones between included."""
+    covers every size from the last one it lost at, untimed ones between included. Where AMX lost at
+    every bucket timed and none of them reached AMX_MIN_ROWS, it was never timed where it leads: the
+    fixed rule's cut-over, AMX_MIN_ROWS."""
     cut = 0
     for b in sorted(amx, reverse=True):
         if not (math.isfinite(amx[b]) or math.isfinite(avx[b])):
@@ -195,7 +197,8 @@ def amx_cutover(amx: Mapping[int, float], avx: Mapping[int, float]) -> int:
         if amx[b] >= avx[b]:
             break
         cut = b
-    return cut
+    timed = [b for b, t in amx.items() if math.isfinite(t)]
+    return cut or (AMX_MIN_ROWS if timed and max(timed) < AMX_MIN_ROWS else 0)
 
 
 def twin_cutover(twin: Mapping[int, float], base: Mapping[int, float]) -> int:
@@ -585,9 +588,6 @@ def choose_kernels(req: ChoiceRequest, kernels: ModuleType | None, remeasure: bo
             sec = {name: {b: t / copies for b, t in ts.items()} for name, ts in sec.items()}
             base = {name: t for name, t in sec.items() if name not in (twin, AMX)}
             amx_from = amx_cutover(sec[AMX], base["tiled"]) if AMX in sec else 0
-            amx_timed = [b for b in buckets if AMX in sec and math.isfinite(sec[AMX][b])]
-            if amx_timed and not amx_from and max(amx_timed) < AMX_MIN_ROWS:
-                amx_from = AMX_MIN_ROWS  # never timed where it leads (the twin surely ran those sizes)
             if amx_from:  # the tiled layout runs each step on the faster of its two paths
                 base["tiled"] = {b: sec[AMX][b] if b >= amx_from else t for b, t in base["tiled"].items()}
             layout, cut = layout_and_cutover(base, sec[twin] if twin else None)
