@@ -30,7 +30,7 @@ from torch import nn
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import (GGUF_BLOCKS, KQUANTS, CpuLinear, dequantize_gguf_twin, gguf_twin_blocks,
                                            four_bit_max_tokens, gguf_twin_name, gguf_twin_spec, gguf_twins_of,
-                                           optimize_cpu_linears, pack_gguf_twin, prepack_available)
+                                           optimize_cpu_linears, pack_gguf_twin, prepack_available, twin_modules)
 from conftest import variant_skip_reason
 from iterserve.platform.cpu import Q8_HEAD_MAX_TOKENS
 
@@ -809,7 +809,12 @@ def test_engine_times_the_twins_prefetch_distance_once(kquant_model_dir, monkeyp
         assert choice.stream_ahead_ms[choice.stream_ahead] == min(choice.stream_ahead_ms.values())
         assert kernels.stream_ahead() == choice.stream_ahead
         assert eng.resolved_config()["gguf_stream_ahead"] == choice.stream_ahead
-        assert f"ask for their weights' lines {choice.stream_ahead} bytes ahead (one-row pass through 9" in caplog.text
+        # the pass goes through the projections whose one-row step the choice gave to a twin: all 9 have
+        # one, but where a layout won the one-row call (by noise, on a model this small) it runs instead
+        timed = len(twin_modules(eng.model))
+        assert 1 <= timed <= 9
+        assert f"ask for their weights' lines {choice.stream_ahead} bytes ahead (one-row pass through {timed} " \
+            in caplog.text
 
         def not_again(*args, **kwargs):
             raise AssertionError("timed again although the cached choice holds the distance")
