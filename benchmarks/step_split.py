@@ -91,9 +91,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as `iterserve serve --kv-cache-dtype` takes it")
     args = ap.parse_args()
     print(figures_line(machine_figures()))
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     originals = {(owner, name): getattr(owner, name) for owner, name, _ in CALLS}
     configs = [("real", set()), ("projections nulled", {"projections"}), ("all kernels nulled", set(KINDS))]

@@ -31,6 +31,7 @@ from iterserve.config import ModelConfig
 from iterserve.core.kv_groups import KVCacheGroups, single_group
 from iterserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from iterserve.lora.layers import LoRABatch
+from iterserve.memory import zeros_in_large_pages
 from iterserve.rejection_sampler import Verified, verify_drafts
 from iterserve.request import Request
 from iterserve.sampling import Sampler, SamplingParams, first_argmax
@@ -105,8 +106,12 @@ class ModelRunner:
         self.kv_cache = kv_cache or format_of_dtype(dtype)
         shape = self.kv_cache.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         store = self.kv_cache.storage
-        slots = [(torch.zeros(shape, dtype=store, device=device), torch.zeros(shape, dtype=store, device=device))
-                 for _ in range(self.kv_groups.group_size)]
+        def zeros() -> torch.Tensor:  # on CPU in 2 MiB pages (memory.zeros_in_large_pages says why)
+            if torch.device(device).type == "cpu":
+                return zeros_in_large_pages(shape, store)
+            return torch.zeros(shape, dtype=store, device=device)
+
+        slots = [(zeros(), zeros()) for _ in range(self.kv_groups.group_size)]
         placement = [self.kv_groups.layer_slot(i) for i in range(cfg.num_layers)]
         self.layer_group = [g for g, _ in placement]  # which group's metadata each layer reads
         self.kv_caches = [slots[j] for _, j in placement]  # layer j of every group shares tensor pair j

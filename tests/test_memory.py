@@ -244,3 +244,34 @@ def test_release_mapped_pages_unmaps_a_files_pages_and_nothing_else(tmp_path):
     assert release_mapped_pages([part, own]) == 39 * mmap.PAGESIZE
     assert rss_of_map() == 25 * mmap.PAGESIZE
     assert torch.equal(own, torch.from_numpy(payload)) and torch.equal(mapped, torch.from_numpy(payload))
+
+
+def vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of the mapping (/proc/self/smaps) that holds `address`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a <= address < b
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs Linux's MADV_HUGEPAGE")
+def test_the_kv_cache_asks_for_large_pages(make_engine):
+    """Each layer's K and V cache is zeroed, and its whole 2 MiB pages are advised as huge pages
+    (VmFlags `hg`) before their first touch; a tensor too small for one whole page is just zeros."""
+    from iterserve.memory import zeros_in_large_pages
+    from iterserve.model.gguf_file import LARGE_PAGE
+
+    engine = make_engine(kv_cache_memory="64MiB")
+    caches = [t for pair in engine.runner.kv_caches for t in pair]
+    assert len({t.data_ptr() for t in caches}) == len(caches)
+    for t in caches:
+        assert t.nbytes >= 3 * LARGE_PAGE and not t.any()
+        first_whole = -(-t.data_ptr() // LARGE_PAGE) * LARGE_PAGE
+        assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
+    small = zeros_in_large_pages((3, 5), torch.bfloat16)
+    assert small.shape == (3, 5) and small.dtype == torch.bfloat16 and not small.any()
