@@ -275,3 +275,26 @@ def test_the_kv_cache_asks_for_large_pages(make_engine):
         assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
     small = zeros_in_large_pages((3, 5), torch.bfloat16)
     assert small.shape == (3, 5) and small.dtype == torch.bfloat16 and not small.any()
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs Linux's MADV_HUGEPAGE")
+def test_repacked_gguf_blocks_ask_for_large_pages():
+    """A 32-input GGUF type's twin is the model's own copy (repacked four blocks to a group), read
+    every step: its whole 2 MiB pages are advised as huge pages, whether one shard or several make it;
+    and it is the same bytes as before."""
+    from test_kquant import random_blocks
+
+    from iterserve.model.gguf_file import LARGE_PAGE, QuantShard
+    from iterserve.platform.cpu_linear import pack_gguf_twin, pack_gguf_x4
+
+    rows, cols = 8192, 1024  # Q8_0: 8.5 MiB
+    q8 = torch.from_numpy(random_blocks("Q8_0", rows, cols))
+    q4 = torch.from_numpy(random_blocks("Q4_1", rows, cols, seed=1))
+    one, _ = pack_gguf_twin([QuantShard(0, rows, cols, "Q8_0", q8)], cols)
+    two, meta = pack_gguf_twin([QuantShard(0, rows, cols, "Q8_0", q8), QuantShard(rows, rows, cols, "Q4_1", q4)], cols)
+    for buf in (one, two):
+        assert buf.nbytes >= 3 * LARGE_PAGE
+        first_whole = -(-buf.data_ptr() // LARGE_PAGE) * LARGE_PAGE
+        assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
+    assert torch.equal(one.view(-1), pack_gguf_x4(q8, "Q8_0").view(-1))
+    assert torch.equal(two[int(meta[1, 3]):].view(-1), pack_gguf_x4(q4, "Q4_1").view(-1))

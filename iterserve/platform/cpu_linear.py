@@ -59,7 +59,7 @@ from torch import nn
 from iterserve.config import parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.custom_ops import call_directly
-from iterserve.memory import file_mapped_pages, release_mapped_pages, unmap_pages
+from iterserve.memory import empty_in_large_pages, file_mapped_pages, release_mapped_pages, unmap_pages
 from iterserve.model.gguf_file import unpermute_qk
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
@@ -210,7 +210,7 @@ def pack_gguf_x4(data: torch.Tensor, qtype: str) -> torch.Tensor:
     rows = data.shape[0]
     if rows > 8192:  # a large LM head: in slices of rows, so its temporaries stay small (written in
         # place: a torch.cat of the slices held the head twice, Gemma 3's 170 MiB, at start-up's peak)
-        out = torch.empty(rows, -(-(data.shape[1] // size) // 4) * X4_BYTES[qtype], dtype=torch.uint8)
+        out = empty_in_large_pages((rows, -(-(data.shape[1] // size) // 4) * X4_BYTES[qtype]), torch.uint8)
         for r in range(0, rows, 8192):
             out[r:r + 8192] = pack_gguf_x4(data[r:r + 8192], qtype)
         return out
@@ -230,7 +230,8 @@ def pack_gguf_x4(data: torch.Tensor, qtype: str) -> torch.Tensor:
         pos = pos.reshape(rows, groups, 2, 2, 32)
         pos = pos[:, :, :, 0] | (pos[:, :, :, 1] << 4)
     parts.append(pos.reshape(rows, groups, -1))
-    return torch.cat(parts, -1).reshape(rows, groups * X4_BYTES[qtype]).contiguous()
+    out = empty_in_large_pages((rows, groups, X4_BYTES[qtype]), torch.uint8)  # read every step: 2 MiB pages
+    return torch.cat(parts, -1, out=out).reshape(rows, groups * X4_BYTES[qtype])
 
 
 def _x4_levels(packed: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -395,7 +396,10 @@ def pack_gguf_twin(shards: Sequence[Any], in_features: int) -> tuple[torch.Tenso
         parts.append(packed.reshape(-1))
         meta.append([GGUF_BLOCKS[qtype][0], rows, gguf_row_bytes(qtype, in_features), offset])
         offset += packed.numel()
-    buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) == 1:
+        buf = parts[0]
+    else:  # the model's own copy, read every step: in 2 MiB pages (memory.empty_in_large_pages)
+        buf = torch.cat(parts, out=empty_in_large_pages((offset,), torch.uint8))
     release_mapped_pages(read)  # the file's copy of what is now in buf (memory.release_mapped_pages)
     return buf, torch.tensor(meta, dtype=torch.int64)
 
