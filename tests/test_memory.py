@@ -298,3 +298,21 @@ def test_repacked_gguf_blocks_ask_for_large_pages():
         assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
     assert torch.equal(one.view(-1), pack_gguf_x4(q8, "Q8_0").view(-1))
     assert torch.equal(two[int(meta[1, 3]):].view(-1), pack_gguf_x4(q4, "Q4_1").view(-1))
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs Linux's MADV_HUGEPAGE")
+def test_laid_out_weights_ask_for_large_pages():
+    """A checkpoint's weight laid out for our GEMMs (tiled bf16, bf16w, float32) is a copy of the
+    model's own, read every step: its whole 2 MiB pages are advised as huge pages; the layout's bytes
+    are those of the plain transpose."""
+    from iterserve.model.gguf_file import LARGE_PAGE
+    from iterserve.platform.cpu_linear import pack_bf16, pack_bf16_f32
+
+    w = torch.randn(4096, 1024).bfloat16()  # 8 MiB
+    tiled, wide = pack_bf16(w), pack_bf16_f32(w)
+    for t in (tiled, wide):
+        first_whole = -(-t.data_ptr() // LARGE_PAGE) * LARGE_PAGE
+        assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
+    assert torch.equal(tiled, w.reshape(256, 16, 512, 2).transpose(1, 2))
+    order = torch.arange(16).reshape(2, 8).t().reshape(16)  # a tile's outputs 0, 8, 1, 9, ...
+    assert torch.equal(wide.transpose(1, 2)[:, torch.argsort(order)].reshape(4096, 1024), w)

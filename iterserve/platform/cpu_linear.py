@@ -144,7 +144,8 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     tiles = -(-n // 16)
     w = torch.zeros(tiles * 16, k, dtype=torch.bfloat16)
     w[:n] = weight
-    return w.reshape(tiles, 16, k // 2, 2).transpose(1, 2).contiguous()
+    tiled = w.reshape(tiles, 16, k // 2, 2).transpose(1, 2)
+    return empty_in_large_pages(tuple(tiled.shape), tiled.dtype).copy_(tiled)  # read every step: 2 MiB pages
 
 
 def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +158,8 @@ def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
     w = torch.zeros(tiles * 16, k, dtype=torch.bfloat16)
     w[:n] = weight
     order = torch.arange(16).reshape(2, 8).t().reshape(16)  # 0, 8, 1, 9, ..., 7, 15
-    return w.reshape(tiles, 16, k)[:, order].transpose(1, 2).contiguous()
+    tiled = w.reshape(tiles, 16, k)[:, order].transpose(1, 2)
+    return empty_in_large_pages(tuple(tiled.shape), tiled.dtype).copy_(tiled)  # read every step: 2 MiB pages
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -627,7 +629,8 @@ class CpuLinear(nn.Module):
         self.layout = layout
         self.amx_min_rows = amx_min_rows if layout == "tiled" else 0
         self.packed_weight = (torch.empty(0) if self.from_blocks else pack_bf16(w) if layout == "tiled"
-                              else w.float().contiguous() if layout in ("float32", INVARIANT_FLOAT32)
+                              else empty_in_large_pages(tuple(w.shape), torch.float32).copy_(w)
+                              if layout in ("float32", INVARIANT_FLOAT32)
                               else pack_bf16_f32(w) if layout == "bf16w"
                               else torch.ops.mkldnn._reorder_linear_weight(w, 16))
         self.weight = linear.weight if keep_weight and not self.from_blocks else None
