@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from iterserve.memory import empty_in_large_pages
 from iterserve.model.moe import SparseMoeBlock, TopKRouter
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
@@ -74,6 +75,17 @@ class CpuCombine:
         return load_cpu_kernels().moe_combine(h, pair_weights, tokens, T)
 
 
+
+def _expert_tiles(weights: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] expert weights -> [E, ...] pack_bf16 tiles, one expert at a time into one tensor in
+    2 MiB pages (read every step; torch.stack of the packed list held every expert twice at load)."""
+    first = pack_bf16(weights[0])
+    out = empty_in_large_pages((weights.shape[0], *first.shape), first.dtype)
+    out[0] = first
+    for e in range(1, weights.shape[0]):
+        out[e] = pack_bf16(weights[e])
+    return out
+
 class CpuSparseMoeBlock(CpuCombine, SparseMoeBlock):
     """A SparseMoeBlock whose experts run on the tiled bf16 GEMM from packed weights; shares the
     router and settings of the block it replaces."""
@@ -84,8 +96,8 @@ class CpuSparseMoeBlock(CpuCombine, SparseMoeBlock):
         self._modules = {"gate": cpu_router(block.gate)}  # the plain expert weights are not kept
         w13, w2 = block.experts.w13_weight.detach(), block.experts.w2_weight.detach()
         self.hidden_size = w2.shape[1]
-        self.register_buffer("w13_tiles", torch.stack([pack_bf16(w) for w in w13]), persistent=False)
-        self.register_buffer("w2_tiles", torch.stack([pack_bf16(w) for w in w2]), persistent=False)
+        self.register_buffer("w13_tiles", _expert_tiles(w13), persistent=False)
+        self.register_buffer("w2_tiles", _expert_tiles(w2), persistent=False)
         self.silu = block.act is torch.nn.functional.silu
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +191,8 @@ def _stack_experts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     metas = [m.clone() for m in metas]
     for m, start in zip(metas, starts.tolist()):
         m[:, 3] += start
-    return torch.cat(bufs), torch.stack(metas).contiguous()
+    joined = empty_in_large_pages((sum(b.numel() for b in bufs),), torch.uint8)  # read every step: 2 MiB pages
+    return torch.cat(bufs, out=joined), torch.stack(metas).contiguous()
 
 
 class BlockSparseMoeBlock(CpuCombine, SparseMoeBlock):
