@@ -10,7 +10,7 @@ Each round: `llama-bench -p 0 -n TOKENS -r 1 -t THREADS` (its tg rate), then one
 TOKENS tokens on iterserve's engine (loaded once, warmed: tokens after the first over their span).
 Prints the host line, the read bandwidth (a 1 GiB sum: what a bandwidth-bound decode can reach),
 each round and the medians, and the bound: read bandwidth / bytes read a token (the file less its
-embedding, read one row a token).
+embedding, read one row a token, unless the LM head is tied to it and reads it whole).
 """
 from __future__ import annotations
 
@@ -89,7 +89,9 @@ def main() -> int:
     host = machine_figures()
     read = read_bandwidth_gbs()
     print(f"{figures_line(host)}; read (sum) {read:.1f} GB/s")
-    per_token = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(args.gguf)).tensors if t.name != "token_embd.weight")
+    tensors = gguf.GGUFReader(str(args.gguf)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)  # the LM head reads the whole embedding
+    per_token = sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
     bound = read * 1e9 / per_token
     print(f"{args.gguf.name}: {per_token / 1e9:.3f} GB read a token -> bound {bound:.1f} tok/s at {read:.1f} GB/s")
     llm = LLM(str(args.gguf), kv_cache_memory=args.kv_cache_memory, gguf_activations=args.gguf_activations)
