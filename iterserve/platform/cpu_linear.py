@@ -480,7 +480,9 @@ class RandomShard:
     def __init__(self, row_start: int, rows: int, cols: int, qtype: str, generator: torch.Generator | None = None):
         _, block, size = GGUF_BLOCKS[qtype]
         self.row_start, self.rows, self.cols, self.qtype = row_start, rows, cols, qtype
-        data = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8, generator=generator)
+        # in 2 MiB pages, as the model's blocks lie (a GGUF's map, or repacked copies: empty_in_large_pages)
+        data = empty_in_large_pages((rows, cols // block, size), torch.uint8)
+        torch.randint(0, 256, data.shape, dtype=torch.uint8, generator=generator, out=data)
         scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
         for at in ((208,) if qtype == "Q6_K" else (0, 2) if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else (0,)):
             data[..., at:at + 2] = scale

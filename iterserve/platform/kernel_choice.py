@@ -68,9 +68,9 @@ from iterserve.platform.cpu_linear import (AMX_MIN_ROWS, EVERY_ROW, GGUF_AMX, GG
 
 log = logging.getLogger("iterserve.platform")
 
-CHOICE_VERSION = 4  # bump when the meaning of a cached table changes (2: the tiled layout's AMX cut-over;
+CHOICE_VERSION = 5  # bump when the meaning of a cached table changes (2: the tiled layout's AMX cut-over;
 # 3: twins from GGUF blocks, keyed by their spec; 4: layouts not timed where the twin surely runs, and
-# chosen by the step sizes they run)
+# chosen by the step sizes they run; 5: the candidates' weights in 2 MiB pages, as the model's are)
 AMX = "tiled+amx"  # the tiled layout with every step on our AMX path: timed to find its cut-over
 PREFILL_ROWS = 64  # one prefill-sized bucket: the layout also runs every prompt chunk
 INT8_PREFILL_ROWS = 512  # a K-quant twin on int8 activations or AMX tiles is timed at a prompt chunk's rows too
