@@ -106,6 +106,7 @@ class ModelRunner:
         self.kv_cache = kv_cache or format_of_dtype(dtype)
         shape = self.kv_cache.cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         store = self.kv_cache.storage
+
         def zeros() -> torch.Tensor:  # on CPU in 2 MiB pages (memory.zeros_in_large_pages says why)
             if torch.device(device).type == "cpu":
                 return zeros_in_large_pages(shape, store)

@@ -208,6 +208,20 @@ def test_scheduler_and_metrics_carry_the_memory(tiny_model_dir, tiny_loaded):
     assert metric(text, "iterserve:memory_available_bytes") > 0
 
 
+def smaps_field(address: int, field: str) -> list[str]:
+    """The words after `field` (e.g. "Rss:") of the mapping in /proc/self/smaps that holds `address`;
+    [] where none holds it."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a <= address < b
+        elif inside and line.startswith(field):
+            return line.split()[1:]
+    return []
+
+
 def test_release_mapped_pages_unmaps_a_files_pages_and_nothing_else(tmp_path):
     """A read-only file map's whole pages leave the process's RSS (they stay in the page cache and
     read back the same); memory of the process's own is never touched."""
@@ -226,16 +240,7 @@ def test_release_mapped_pages_unmaps_a_files_pages_and_nothing_else(tmp_path):
         mapped = torch.frombuffer(mm, dtype=torch.uint8)
 
     def rss_of_map() -> int:
-        start = mapped.data_ptr()
-        inside = False
-        for line in open("/proc/self/smaps"):
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                a, b = (int(x, 16) for x in head.split("-"))
-                inside = a <= start < b
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-        return -1
+        return int(smaps_field(mapped.data_ptr(), "Rss:")[0]) * 1024
 
     assert int(mapped.sum()) == int(payload.sum())  # every page read: resident
     assert rss_of_map() == 64 * mmap.PAGESIZE
@@ -248,15 +253,7 @@ def test_release_mapped_pages_unmaps_a_files_pages_and_nothing_else(tmp_path):
 
 def vm_flags_at(address: int) -> list[str]:
     """The VmFlags of the mapping (/proc/self/smaps) that holds `address`."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            a, b = (int(x, 16) for x in head.split("-"))
-            inside = a <= address < b
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    return []
+    return smaps_field(address, "VmFlags:")
 
 
 @pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs Linux's MADV_HUGEPAGE")

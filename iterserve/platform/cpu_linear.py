@@ -162,6 +162,15 @@ def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
     return empty_in_large_pages(tuple(tiled.shape), tiled.dtype).copy_(tiled)  # read every step: 2 MiB pages
 
 
+def float32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 layout's weight: a float32 contiguous weight as it is (the checkpoint's own tensor,
+    maybe its file's map: a copy would hold it twice); any other widened into 2 MiB pages, as the
+    other layouts' copies are (read every step)."""
+    if weight.dtype == torch.float32 and weight.is_contiguous():
+        return weight
+    return empty_in_large_pages(tuple(weight.shape), torch.float32).copy_(weight)
+
+
 def bf16_exact(weight: torch.Tensor) -> bool:
     """Whether rounding `weight` to bf16 leaves every element as it is (a bf16 checkpoint run in
     float32): only then does the bf16w layout give a float32 run float32's numbers. Checked once per
@@ -631,8 +640,7 @@ class CpuLinear(nn.Module):
         self.layout = layout
         self.amx_min_rows = amx_min_rows if layout == "tiled" else 0
         self.packed_weight = (torch.empty(0) if self.from_blocks else pack_bf16(w) if layout == "tiled"
-                              else empty_in_large_pages(tuple(w.shape), torch.float32).copy_(w)
-                              if layout in ("float32", INVARIANT_FLOAT32)
+                              else float32_weight(w) if layout in ("float32", INVARIANT_FLOAT32)
                               else pack_bf16_f32(w) if layout == "bf16w"
                               else torch.ops.mkldnn._reorder_linear_weight(w, 16))
         self.weight = linear.weight if keep_weight and not self.from_blocks else None

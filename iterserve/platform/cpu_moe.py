@@ -75,7 +75,6 @@ class CpuCombine:
         return load_cpu_kernels().moe_combine(h, pair_weights, tokens, T)
 
 
-
 def _expert_tiles(weights: torch.Tensor) -> torch.Tensor:
     """[E, N, K] expert weights -> [E, ...] pack_bf16 tiles, one expert at a time into one tensor in
     2 MiB pages (read every step; torch.stack of the packed list held every expert twice at load)."""
@@ -85,6 +84,7 @@ def _expert_tiles(weights: torch.Tensor) -> torch.Tensor:
     for e in range(1, weights.shape[0]):
         out[e] = pack_bf16(weights[e])
     return out
+
 
 class CpuSparseMoeBlock(CpuCombine, SparseMoeBlock):
     """A SparseMoeBlock whose experts run on the tiled bf16 GEMM from packed weights; shares the
