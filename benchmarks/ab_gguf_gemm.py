@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from iterserve.memory import empty_in_large_pages
+from iterserve.memory import in_large_pages
 from iterserve.model.gguf_file import QuantShard
 from iterserve.platform.cpu_kernels import load_cpu_kernels
 from iterserve.platform.cpu_linear import pack_gguf_twin
@@ -80,8 +80,7 @@ def main() -> int:
         blocks = torch.from_numpy(random_blocks(n, k, QT[qtype], np.random.default_rng(0)))
         buf, meta = pack_gguf_twin([QuantShard(0, n, k, qtype, blocks)], k)
         # in 2 MiB pages, as a model's blocks are (4 KiB pages read ~30 % slower on the AMX Xeon)
-        copies = [empty_in_large_pages(tuple(buf.shape), buf.dtype).copy_(buf)
-                  for _ in range(max(2, int(args.cold_bytes // buf.numel())))]
+        copies = [in_large_pages(buf) for _ in range(max(2, int(args.cold_bytes // buf.numel())))]
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()

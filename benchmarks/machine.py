@@ -11,7 +11,7 @@ import torch
 
 from iterserve.bench.common import best_time
 from iterserve.bench.summary import host_info
-from iterserve.memory import zeros_in_large_pages
+from iterserve.memory import empty_in_large_pages
 
 
 def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
@@ -19,8 +19,8 @@ def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
     tensors in 2 MiB pages, as the engine's weights (the GGUF's map) and KV cache are: in 4 KiB pages
     the same copy ran at 25.6-25.8 GB/s against 27.9-28.2 on the 2-core AMX Xeon (2026-12-06), and a
     bound taken from the slower figure flattered every ratio to it."""
-    src = zeros_in_large_pages((mib * 2**20 // 4,), torch.float32).fill_(1.0)
-    dst = zeros_in_large_pages((src.numel(),), torch.float32)
+    src = empty_in_large_pages((mib * 2**20 // 4,), torch.float32).fill_(1.0)
+    dst = empty_in_large_pages((src.numel(),), torch.float32).fill_(0.0)
     return 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src), reps) / 1e9
 
 
@@ -29,7 +29,7 @@ def read_bandwidth_gbs(gib: int = 1, reps: int = 5) -> float:
     (the bound of a single stream: bytes read a token over this). In 2 MiB pages, as the weights are
     mapped: on the 2-core AMX Xeon (2026-12-06) 33.7 GB/s against 23.6 in 4 KiB pages, and 27.5-28.5
     for the same sum over the 1B GGUF's own map."""
-    x = zeros_in_large_pages((gib * 2**28,), torch.float32).fill_(1.0)
+    x = empty_in_large_pages((gib * 2**28,), torch.float32).fill_(1.0)
     return x.numel() * 4 / best_time(x.sum, reps) / 1e9
 
 

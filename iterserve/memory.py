@@ -196,6 +196,12 @@ def empty_in_large_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     return t
 
 
+def in_large_pages(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous copy of `t` (converted to `dtype` where given) in 2 MiB pages
+    (empty_in_large_pages): for a layout the model keeps and reads every step."""
+    return empty_in_large_pages(tuple(t.shape), dtype or t.dtype).copy_(t)
+
+
 def zeros_in_large_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """empty_in_large_pages, zeroed. For the KV cache: a decode step reads each sequence's blocks
     scattered over the layer's cache. The 1B's 16-row step on the 2-core AMX Xeon spent 6.0 instead

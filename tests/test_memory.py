@@ -251,9 +251,12 @@ def test_release_mapped_pages_unmaps_a_files_pages_and_nothing_else(tmp_path):
     assert torch.equal(own, torch.from_numpy(payload)) and torch.equal(mapped, torch.from_numpy(payload))
 
 
-def vm_flags_at(address: int) -> list[str]:
-    """The VmFlags of the mapping (/proc/self/smaps) that holds `address`."""
-    return smaps_field(address, "VmFlags:")
+def advised_large(t: torch.Tensor) -> bool:
+    """Whether t's first two whole 2 MiB pages lie in mappings advised as huge pages (VmFlags `hg`)."""
+    from iterserve.model.gguf_file import LARGE_PAGE
+
+    first_whole = -(-t.data_ptr() // LARGE_PAGE) * LARGE_PAGE
+    return all("hg" in smaps_field(at, "VmFlags:") for at in (first_whole, first_whole + LARGE_PAGE))
 
 
 @pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs Linux's MADV_HUGEPAGE")
@@ -268,8 +271,7 @@ def test_the_kv_cache_asks_for_large_pages(make_engine):
     assert len({t.data_ptr() for t in caches}) == len(caches)
     for t in caches:
         assert t.nbytes >= 3 * LARGE_PAGE and not t.any()
-        first_whole = -(-t.data_ptr() // LARGE_PAGE) * LARGE_PAGE
-        assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
+        assert advised_large(t)
     small = zeros_in_large_pages((3, 5), torch.bfloat16)
     assert small.shape == (3, 5) and small.dtype == torch.bfloat16 and not small.any()
 
@@ -291,25 +293,25 @@ def test_repacked_gguf_blocks_ask_for_large_pages():
     two, meta = pack_gguf_twin([QuantShard(0, rows, cols, "Q8_0", q8), QuantShard(rows, rows, cols, "Q4_1", q4)], cols)
     for buf in (one, two):
         assert buf.nbytes >= 3 * LARGE_PAGE
-        first_whole = -(-buf.data_ptr() // LARGE_PAGE) * LARGE_PAGE
-        assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
+        assert advised_large(buf)
     assert torch.equal(one.view(-1), pack_gguf_x4(q8, "Q8_0").view(-1))
     assert torch.equal(two[int(meta[1, 3]):].view(-1), pack_gguf_x4(q4, "Q4_1").view(-1))
 
 
 @pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs Linux's MADV_HUGEPAGE")
 def test_laid_out_weights_ask_for_large_pages():
-    """A checkpoint's weight laid out for our GEMMs (tiled bf16, bf16w, float32) is a copy of the
-    model's own, read every step: its whole 2 MiB pages are advised as huge pages; the layout's bytes
-    are those of the plain transpose."""
-    from iterserve.model.gguf_file import LARGE_PAGE
-    from iterserve.platform.cpu_linear import pack_bf16, pack_bf16_f32
+    """A checkpoint's weight laid out for our GEMMs (tiled bf16, bf16w, a float32 widening) is a copy of
+    the model's own, read every step: its whole 2 MiB pages are advised as huge pages; the layout's
+    bytes are those of the plain transpose. A float32 weight the float32 layout takes as it is."""
+    from iterserve.platform.cpu_linear import float32_weight, pack_bf16, pack_bf16_f32
 
     w = torch.randn(4096, 1024).bfloat16()  # 8 MiB
-    tiled, wide = pack_bf16(w), pack_bf16_f32(w)
-    for t in (tiled, wide):
-        first_whole = -(-t.data_ptr() // LARGE_PAGE) * LARGE_PAGE
-        assert "hg" in vm_flags_at(first_whole) and "hg" in vm_flags_at(first_whole + LARGE_PAGE)
+    tiled, wide, widened = pack_bf16(w), pack_bf16_f32(w), float32_weight(w)
+    for t in (tiled, wide, widened):
+        assert advised_large(t)
+    assert torch.equal(widened, w.float())
+    plain = w.float()
+    assert float32_weight(plain) is plain
     assert torch.equal(tiled, w.reshape(256, 16, 512, 2).transpose(1, 2))
     order = torch.arange(16).reshape(2, 8).t().reshape(16)  # a tile's outputs 0, 8, 1, 9, ...
     assert torch.equal(wide.transpose(1, 2)[:, torch.argsort(order)].reshape(4096, 1024), w)

@@ -59,7 +59,7 @@ from torch import nn
 from iterserve.config import parse_size
 from iterserve.cpu_info import cpu_flags
 from iterserve.custom_ops import call_directly
-from iterserve.memory import empty_in_large_pages, file_mapped_pages, release_mapped_pages, unmap_pages
+from iterserve.memory import empty_in_large_pages, file_mapped_pages, in_large_pages, release_mapped_pages, unmap_pages
 from iterserve.model.gguf_file import unpermute_qk
 from iterserve.platform.base import replace_module
 from iterserve.platform.cpu_kernels import load_cpu_kernels
@@ -144,8 +144,7 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     tiles = -(-n // 16)
     w = torch.zeros(tiles * 16, k, dtype=torch.bfloat16)
     w[:n] = weight
-    tiled = w.reshape(tiles, 16, k // 2, 2).transpose(1, 2)
-    return empty_in_large_pages(tuple(tiled.shape), tiled.dtype).copy_(tiled)  # read every step: 2 MiB pages
+    return in_large_pages(w.reshape(tiles, 16, k // 2, 2).transpose(1, 2))  # read every step: 2 MiB pages
 
 
 def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -158,8 +157,7 @@ def pack_bf16_f32(weight: torch.Tensor) -> torch.Tensor:
     w = torch.zeros(tiles * 16, k, dtype=torch.bfloat16)
     w[:n] = weight
     order = torch.arange(16).reshape(2, 8).t().reshape(16)  # 0, 8, 1, 9, ..., 7, 15
-    tiled = w.reshape(tiles, 16, k)[:, order].transpose(1, 2)
-    return empty_in_large_pages(tuple(tiled.shape), tiled.dtype).copy_(tiled)  # read every step: 2 MiB pages
+    return in_large_pages(w.reshape(tiles, 16, k)[:, order].transpose(1, 2))  # read every step: 2 MiB pages
 
 
 def float32_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -168,7 +166,7 @@ def float32_weight(weight: torch.Tensor) -> torch.Tensor:
     other layouts' copies are (read every step)."""
     if weight.dtype == torch.float32 and weight.is_contiguous():
         return weight
-    return empty_in_large_pages(tuple(weight.shape), torch.float32).copy_(weight)
+    return in_large_pages(weight, torch.float32)
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
